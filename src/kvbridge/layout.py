@@ -1,0 +1,235 @@
+"""Physical layouts: where each (layer, component, block, token, head) row lives in memory.
+
+An `EngineLayout` is what every rank of one engine shares: TP size, block size, kernel blocks
+per logical block, order inside a block (NHD token-major, HND head-major), K/V placement and
+whether regions are per layer or one cross-layer region. For one rank it resolves to an
+`Addressing` table: for every (layer, component) a region and the byte strides of
+block, token and head. Everything downstream (planner, executors, the transformers bridge,
+verification) addresses memory through that table and nothing else, so a layout is described
+exactly once.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Literal
+
+import msgspec
+import numpy as np
+import torch
+
+from kvbridge.errors import InvalidRequest, IncompatibleEngines
+from kvbridge.shard import check_shardable, head_range
+from kvbridge.spec import ModelSpec
+
+KVOrder = Literal["NHD", "HND"]
+KVPlacement = Literal["kv_first", "blocks_first"]
+LayerPlacement = Literal["per_layer", "cross_layer"]
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8, "int8": torch.int8,
+}
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class EngineLayout(msgspec.Struct, frozen=True):
+    """How one engine (all its TP ranks) lays out its paged KV cache."""
+
+    tp_size: int = 1
+    block_size: int = 16
+    num_blocks: int = 1024
+    kernel_block_size: int | None = None
+    kv_order: KVOrder = "HND"
+    kv_placement: KVPlacement = "kv_first"
+    layer_placement: LayerPlacement = "per_layer"
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.block_size < 1 or self.num_blocks < 1:
+            raise IncompatibleEngines(
+                f"TP size, block size and block count must be >= 1, got {self.tp_size}, "
+                f"{self.block_size}, {self.num_blocks}")
+        kbs = self.kernel_block_size or self.block_size
+        if kbs < 1 or self.block_size % kbs:
+            raise IncompatibleEngines(
+                f"kernel block size {kbs} must divide the logical block size {self.block_size}")
+        if self.kv_order not in ("NHD", "HND"):
+            raise IncompatibleEngines(f"kv_order must be NHD or HND, got {self.kv_order!r}")
+        if self.kv_placement not in ("kv_first", "blocks_first"):
+            raise IncompatibleEngines(f"kv_placement must be kv_first or blocks_first, got {self.kv_placement!r}")
+        if self.layer_placement not in ("per_layer", "cross_layer"):
+            raise IncompatibleEngines(f"layer_placement must be per_layer or cross_layer, got {self.layer_placement!r}")
+        if self.layer_placement == "cross_layer" and self.kv_placement != "blocks_first":
+            raise IncompatibleEngines("a cross_layer region keeps K and V inside each block: use blocks_first")
+
+    @property
+    def kernel_size(self) -> int:
+        """Tokens per kernel (physical) block."""
+        return self.kernel_block_size or self.block_size
+
+    @property
+    def kernel_blocks_per_block(self) -> int:
+        return self.block_size // self.kernel_size
+
+    @property
+    def num_kernel_blocks(self) -> int:
+        return self.num_blocks * self.kernel_blocks_per_block
+
+    def check_model(self, spec: ModelSpec, what: str = "engine") -> None:
+        for layer in spec.layers:
+            if not layer.replicated:
+                check_shardable(layer.num_kv_heads, self.tp_size, what)
+
+    def kernel_slots(self, block_ids: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Kernel block id and offset inside it of each token position, given logical block ids."""
+        logical = np.asarray(block_ids, dtype=np.int64)[positions // self.block_size]
+        within = positions % self.block_size
+        return logical * self.kernel_blocks_per_block + within // self.kernel_size, within % self.kernel_size
+
+    def addressing(self, spec: ModelSpec, rank: int) -> Addressing:
+        return _addressing(spec, self, rank)
+
+    def describe(self) -> str:
+        kb = f", kernel {self.kernel_size}" if self.kernel_size != self.block_size else ""
+        return (f"TP={self.tp_size} block {self.block_size}{kb} {self.kv_order} {self.kv_placement}"
+                f"{' cross-layer' if self.layer_placement == 'cross_layer' else ''}")
+
+
+class Addressing(msgspec.Struct, frozen=True):
+    """Byte addressing of one rank: arrays indexed [layer, component] (component 1 unused for MLA).
+
+    Row (l, c, kernel block b, token n, local head h) starts at byte
+    `base + b*block_stride + n*token_stride + h*head_stride` of region `region`, and is
+    `row_bytes` contiguous bytes.
+    """
+
+    region: np.ndarray
+    base: np.ndarray
+    block_stride: np.ndarray
+    token_stride: np.ndarray
+    head_stride: np.ndarray
+    row_bytes: np.ndarray
+    heads: np.ndarray
+    first_head: np.ndarray
+    num_components: np.ndarray
+    region_nbytes: tuple[int, ...]
+
+
+@lru_cache(maxsize=256)
+def _addressing(spec: ModelSpec, layout: EngineLayout, rank: int) -> Addressing:
+    if not 0 <= rank < layout.tp_size:
+        raise InvalidRequest(f"rank {rank} outside TP size {layout.tp_size}")
+    layout.check_model(spec)
+    L, isz, kbs, nkb = spec.num_layers, spec.itemsize, layout.kernel_size, layout.num_kernel_blocks
+    arrays = {k: np.zeros((L, 2), dtype=np.int64) for k in
+              ("region", "base", "block_stride", "token_stride", "head_stride", "row_bytes", "heads", "first_head")}
+    ncomp = np.zeros(L, dtype=np.int64)
+    region_nbytes: list[int] = []
+    cross_offset = 0  # byte offset of the layer's slot inside a cross-layer block
+    slot_bytes: list[int] = []
+    for li, layer in enumerate(spec.layers):
+        comps = layer.components
+        ncomp[li] = len(comps)
+        h0, h1 = head_range(layer.num_kv_heads, layout.tp_size, rank, layer.replicated)
+        nheads = h1 - h0
+        comp_block = [nheads * kbs * c.dim * isz for c in comps]
+        layer_block = sum(comp_block)
+        for ci, c in enumerate(comps):
+            row = c.dim * isz
+            if layout.kv_placement == "kv_first":
+                base, bstride = nkb * sum(comp_block[:ci]), comp_block[ci]
+            else:
+                base, bstride = sum(comp_block[:ci]), layer_block
+            if layout.kv_order == "NHD":
+                tstride, hstride = nheads * row, row
+            else:
+                tstride, hstride = row, kbs * row
+            if layout.layer_placement == "cross_layer":
+                base, region = cross_offset + base, 0
+            else:
+                region = li
+            for key, value in (("region", region), ("base", base), ("block_stride", bstride),
+                               ("token_stride", tstride), ("head_stride", hstride), ("row_bytes", row),
+                               ("heads", nheads), ("first_head", h0)):
+                arrays[key][li, ci] = value
+        slot_bytes.append(layer_block)
+        cross_offset += layer_block
+        if layout.layer_placement == "per_layer":
+            region_nbytes.append(nkb * layer_block)
+    if layout.layer_placement == "cross_layer":
+        arrays["block_stride"][:, :] = sum(slot_bytes)
+        region_nbytes = [nkb * sum(slot_bytes)]
+    for a in arrays.values():
+        a.setflags(write=False)
+    return Addressing(num_components=ncomp, region_nbytes=tuple(region_nbytes), **arrays)
+
+
+class RankCache:
+    """The paged KV cache of one rank: its regions as flat torch tensors plus their addressing."""
+
+    def __init__(self, spec: ModelSpec, layout: EngineLayout, rank: int, regions: list[torch.Tensor]):
+        self.spec, self.layout, self.rank = spec, layout, rank
+        self.addr = layout.addressing(spec, rank)
+        if len(regions) != len(self.addr.region_nbytes):
+            raise IncompatibleEngines(f"layout needs {len(self.addr.region_nbytes)} regions, got {len(regions)}")
+        for i, (t, need) in enumerate(zip(regions, self.addr.region_nbytes)):
+            have = t.numel() * t.element_size()
+            if have != need or not t.is_contiguous():
+                raise IncompatibleEngines(
+                    f"region {i} of rank {rank} must be a contiguous tensor of {need} bytes, got {have} bytes"
+                    f"{'' if t.is_contiguous() else ' (not contiguous)'}")
+        self.regions = [t.reshape(-1) for t in regions]
+
+    @classmethod
+    def allocate(cls, spec: ModelSpec, layout: EngineLayout, rank: int, device: str | torch.device = "cpu",
+                 fill: float | None = 0.0) -> RankCache:
+        dtype = TORCH_DTYPES[spec.dtype]
+        nbytes = layout.addressing(spec, rank).region_nbytes
+        regions = [torch.empty(n // spec.itemsize, dtype=dtype, device=device) for n in nbytes]
+        if fill is not None:
+            for r in regions:
+                r.view(_INT_OF_SIZE[spec.itemsize]).fill_(0) if fill == 0 else r.fill_(fill)
+        return cls(spec, layout, rank, regions)
+
+    @classmethod
+    def allocate_engine(cls, spec: ModelSpec, layout: EngineLayout, device: str | torch.device = "cpu",
+                        fill: float | None = 0.0) -> list[RankCache]:
+        return [cls.allocate(spec, layout, r, device, fill) for r in range(layout.tp_size)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.addr.region_nbytes)
+
+    def byte_regions(self) -> list[torch.Tensor]:
+        return [r.view(torch.uint8) for r in self.regions]
+
+    def logical_view(self, layer: int, comp: int, as_int: bool = False) -> torch.Tensor:
+        """View `[kernel_block, token, local_head, dim]` of one component of one layer.
+
+        `as_int` views the bits as a same-size integer type, for exact pattern fills.
+        """
+        a, isz = self.addr, self.spec.itemsize
+        if comp >= a.num_components[layer]:
+            raise IndexError(f"layer {layer} has {a.num_components[layer]} components, not {comp + 1}")
+        region = self.regions[int(a.region[layer, comp])]
+        if as_int:
+            region = region.view(_INT_OF_SIZE[isz])
+        size = (self.layout.num_kernel_blocks, self.layout.kernel_size, int(a.heads[layer, comp]),
+                int(a.row_bytes[layer, comp]) // isz)
+        stride = (int(a.block_stride[layer, comp]) // isz, int(a.token_stride[layer, comp]) // isz,
+                  int(a.head_stride[layer, comp]) // isz, 1)
+        return torch.as_strided(region, size, stride, int(a.base[layer, comp]) // isz)
+
+    def read_tokens(self, layer: int, comp: int, block_ids: np.ndarray, positions: np.ndarray,
+                    as_int: bool = False) -> torch.Tensor:
+        """Rows of the given token positions: `[tokens, local_heads, dim]`."""
+        kb, off = self.layout.kernel_slots(block_ids, np.asarray(positions, dtype=np.int64))
+        view = self.logical_view(layer, comp, as_int)
+        return view[torch.from_numpy(kb), torch.from_numpy(off)]
+
+    def write_tokens(self, layer: int, comp: int, block_ids: np.ndarray, positions: np.ndarray,
+                     values: torch.Tensor) -> None:
+        kb, off = self.layout.kernel_slots(block_ids, np.asarray(positions, dtype=np.int64))
+        view = self.logical_view(layer, comp, as_int=values.dtype in _INT_OF_SIZE.values())
+        view[torch.from_numpy(kb), torch.from_numpy(off)] = values.to(view.device)

@@ -1,0 +1,293 @@
+"""The planner: which bytes of which source rank land where on each destination rank.
+
+For one request it intersects every destination rank's shard with the source ranks' shards
+(`shard.assign_sources`), walks both layouts' `Addressing` over the tokens to move and emits
+runs `(src_rank, src_region, src_offset, dst_region, dst_offset, length)` as numpy arrays.
+
+It is pure (no I/O, no torch) and vectorized: tokens are cut into *segments* that stay inside
+one kernel block on both sides; each (layer, component, head slice) x segment is a box of
+tokens x heads x row bytes whose strides on both sides decide how many runs it needs (one when
+the box is contiguous on both sides). Runs that touch on both sides are then merged. Any TP
+pair whose sharding is legal on each side, any block sizes, NHD or HND on either side work the
+same way, with no special case.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from kvbridge.errors import IncompatibleEngines, InvalidRequest
+from kvbridge.layout import EngineLayout
+from kvbridge.shard import assign_sources
+from kvbridge.spec import ModelSpec
+
+TINY_RUN_BYTES = 2048
+"""Mean run length below which a plan warns that copies will be slow."""
+
+_RUN_FIELDS = ("dst_rank", "src_rank", "src_region", "src_offset", "dst_region", "dst_offset", "length")
+
+
+class Request(msgspec.Struct, frozen=True):
+    """One request's blocks: logical block ids per KV-cache group on each side.
+
+    Each id list covers tokens `[0, num_tokens)` with that side's block size. The destination
+    already holds the first `num_cached_tokens` tokens (prefix cache), which are not moved.
+    Entries of blocks that hold no token to move (before a sliding window, or cached) are
+    never read and may be any value (vLLM puts its null block there).
+    """
+
+    src_block_ids: tuple[tuple[int, ...], ...]
+    dst_block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def single_group(cls, src_ids: Sequence[int], dst_ids: Sequence[int], num_tokens: int,
+                     num_cached_tokens: int = 0, num_groups: int = 1) -> Request:
+        """A request whose groups all use the same block ids (a model with one block table)."""
+        return cls(tuple(tuple(src_ids) for _ in range(num_groups)), tuple(tuple(dst_ids) for _ in range(num_groups)),
+                   num_tokens, num_cached_tokens)
+
+
+class PlanStats(msgspec.Struct):
+    num_runs: int
+    bytes_total: int
+    mean_run_bytes: float
+    min_run_bytes: int
+    max_run_bytes: int
+    pair_bytes: dict[str, int]  # "src->dst" -> bytes
+    plan_seconds: float
+    warnings: list[str]
+
+
+class Plan:
+    """Runs for every destination rank of one request, sorted by destination rank."""
+
+    def __init__(self, spec: ModelSpec, src: EngineLayout, dst: EngineLayout, runs: dict[str, np.ndarray],
+                 plan_seconds: float = 0.0):
+        self.spec, self.src, self.dst = spec, src, dst
+        for name in _RUN_FIELDS:
+            setattr(self, name, runs[name])
+        self.stats = _stats(self, plan_seconds)
+
+    dst_rank: np.ndarray
+    src_rank: np.ndarray
+    src_region: np.ndarray
+    src_offset: np.ndarray
+    dst_region: np.ndarray
+    dst_offset: np.ndarray
+    length: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+    def runs(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in _RUN_FIELDS}
+
+    def select(self, mask: np.ndarray) -> Plan:
+        """The runs where `mask` holds (e.g. one rank pair), as a plan of its own."""
+        return Plan(self.spec, self.src, self.dst, {n: getattr(self, n)[mask] for n in _RUN_FIELDS},
+                    self.stats.plan_seconds)
+
+
+def plan_request(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, request: Request,
+                 dst_ranks: Sequence[int] | None = None) -> Plan:
+    """Plan the copies of one request from every source rank to `dst_ranks` (default: all)."""
+    t0 = time.perf_counter()
+    src.check_model(spec, "source engine")
+    dst.check_model(spec, "destination engine")
+    segments = _validate_and_segment(spec, src, dst, request)
+    ranks = range(dst.tp_size) if dst_ranks is None else dst_ranks
+    parts = []
+    for d in ranks:
+        if not 0 <= d < dst.tp_size:
+            raise InvalidRequest(f"destination rank {d} outside TP size {dst.tp_size}")
+        parts.append(_plan_rank(spec, src, dst, d, segments))
+    runs = {n: np.concatenate([p[n] for p in parts]) if parts else np.zeros(0, np.int64) for n in _RUN_FIELDS}
+    return Plan(spec, src, dst, runs, time.perf_counter() - t0)
+
+
+class _Segments(msgspec.Struct):
+    """Token segments of one group: each lies inside one kernel block on both sides."""
+
+    n: np.ndarray
+    src_block: np.ndarray
+    src_pos: np.ndarray
+    dst_block: np.ndarray
+    dst_pos: np.ndarray
+
+
+def _validate_and_segment(spec: ModelSpec, src: EngineLayout, dst: EngineLayout,
+                          req: Request) -> list[_Segments | None]:
+    n_groups = len(spec.groups)
+    N, cached = req.num_tokens, req.num_cached_tokens
+    if N < 0 or not 0 <= cached <= N:
+        raise InvalidRequest(f"need 0 <= num_cached_tokens <= num_tokens, got {cached} and {N}")
+    for side, ids in (("source", req.src_block_ids), ("destination", req.dst_block_ids)):
+        if len(ids) != n_groups:
+            raise InvalidRequest(f"{side} has block ids for {len(ids)} KV-cache groups, the model has {n_groups}")
+    out: list[_Segments | None] = []
+    for g in range(n_groups):
+        first = max(cached, spec.group_layer(g).tokens_kept(N))
+        sides = []
+        for side, layout, ids in (("source", src, req.src_block_ids[g]), ("destination", dst, req.dst_block_ids[g])):
+            need = -(-N // layout.block_size)
+            if len(ids) != need:
+                raise InvalidRequest(
+                    f"{side} group {g}: {N} tokens with block size {layout.block_size} need {need} block ids, "
+                    f"got {len(ids)}")
+            arr = np.asarray(ids, dtype=np.int64)
+            used = arr[first // layout.block_size:] if first < N else arr[:0]
+            bad = used[(used < 0) | (used >= layout.num_blocks)]
+            if bad.size:
+                raise InvalidRequest(
+                    f"{side} group {g}: block id {int(bad[0])} outside [0, {layout.num_blocks})")
+            sides.append(arr)
+        if first >= N:
+            out.append(None)
+            continue
+        ks, kd = src.kernel_size, dst.kernel_size
+        starts = np.union1d(np.arange(-(-first // ks) * ks, N, ks), np.arange(-(-first // kd) * kd, N, kd))
+        starts = np.union1d(starts, [first]).astype(np.int64)
+        n = np.diff(np.append(starts, N))
+        sb, sp = src.kernel_slots(sides[0], starts)
+        db, dp = dst.kernel_slots(sides[1], starts)
+        out.append(_Segments(n, sb, sp, db, dp))
+    return out
+
+
+def _plan_rank(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int,
+               segments: list[_Segments | None]) -> dict[str, np.ndarray]:
+    da = dst.addressing(spec, d)
+    src_addr = [src.addressing(spec, s) for s in range(src.tp_size)]
+    cells: list[dict[str, np.ndarray]] = []
+    for g, layers in enumerate(spec.groups):
+        seg = segments[g]
+        if seg is None:
+            continue
+        # Pieces: (layer, component, head slice) with their strides on both sides.
+        rows: list[tuple[int, ...]] = []
+        for li in layers:
+            layer = spec.layers[li]
+            slices = assign_sources(layer.num_kv_heads, src.tp_size, dst.tp_size, d, layer.replicated)
+            for ci in range(int(da.num_components[li])):
+                for s, h0, h1 in slices:
+                    sa = src_addr[s]
+                    rows.append((
+                        s, int(sa.region[li, ci]),
+                        int(sa.base[li, ci] + (h0 - sa.first_head[li, ci]) * sa.head_stride[li, ci]),
+                        int(sa.block_stride[li, ci]), int(sa.token_stride[li, ci]), int(sa.head_stride[li, ci]),
+                        int(da.region[li, ci]),
+                        int(da.base[li, ci] + (h0 - da.first_head[li, ci]) * da.head_stride[li, ci]),
+                        int(da.block_stride[li, ci]), int(da.token_stride[li, ci]), int(da.head_stride[li, ci]),
+                        h1 - h0, int(da.row_bytes[li, ci])))
+        cells.append(_expand(np.array(rows, dtype=np.int64), seg))
+    runs = {k: np.concatenate([c[k] for c in cells]) if cells else np.zeros(0, np.int64)
+            for k in _RUN_FIELDS if k != "dst_rank"}
+    runs = _coalesce(runs)
+    runs["dst_rank"] = np.full(len(runs["length"]), d, dtype=np.int64)
+    return runs
+
+
+def _expand(p: np.ndarray, seg: _Segments) -> dict[str, np.ndarray]:
+    """Runs of every piece x segment box, vectorized over the grid."""
+    (s_rank, s_reg, s_base, s_bs, s_ts, s_hs, d_reg, d_base, d_bs, d_ts, d_hs, m, R) = (
+        p[:, i][:, None] for i in range(p.shape[1]))
+    n = seg.n[None, :]
+    s_start = s_base + seg.src_block[None, :] * s_bs + seg.src_pos[None, :] * s_ts
+    d_start = d_base + seg.dst_block[None, :] * d_bs + seg.dst_pos[None, :] * d_ts
+    shape = s_start.shape
+    heads_inner = (m == 1) | ((s_hs == R) & (d_hs == R))           # rows of all heads contiguous
+    tokens_inner = ~heads_inner & (s_ts == R) & (d_ts == R)         # each head's tokens contiguous
+    mixed = ~heads_inner & ~tokens_inner
+    tok_fused = heads_inner & (((s_ts == m * R) & (d_ts == m * R)) | (n == 1))
+    head_fused = tokens_inner & (s_hs == n * R) & (d_hs == n * R)
+    whole = tok_fused | head_fused
+    one = np.ones(shape, np.int64)
+    zero = np.zeros(shape, np.int64)
+    c1 = np.where(whole, 1, np.where(heads_inner, n, np.where(tokens_inner, m, n)))
+    st1_s = np.where(heads_inner | mixed, s_ts, s_hs) + zero
+    st1_d = np.where(heads_inner | mixed, d_ts, d_hs) + zero
+    c2 = np.where(mixed, m, 1) * one
+    length = np.where(whole, n * m * R, np.where(heads_inner, m * R, np.where(tokens_inner, n * R, R))) * one
+    st2_s, st2_d = s_hs + zero, d_hs + zero
+    c1 = c1 * one
+    flat = lambda a: np.broadcast_to(a, shape).reshape(-1)  # noqa: E731
+    count = flat(c1) * flat(c2)
+    total = int(count.sum())
+    cell = np.repeat(np.arange(count.size), count)
+    j = np.arange(total) - np.repeat(np.cumsum(count) - count, count)
+    c2r = flat(c2)[cell]
+    i1, i2 = j // c2r, j % c2r
+    return {
+        "src_rank": flat(s_rank + zero)[cell],
+        "src_region": flat(s_reg + zero)[cell],
+        "src_offset": flat(s_start)[cell] + i1 * flat(st1_s)[cell] + i2 * flat(st2_s)[cell],
+        "dst_region": flat(d_reg + zero)[cell],
+        "dst_offset": flat(d_start)[cell] + i1 * flat(st1_d)[cell] + i2 * flat(st2_d)[cell],
+        "length": flat(length)[cell],
+    }
+
+
+def _coalesce(r: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Sort by destination address and merge runs that touch on both sides."""
+    if len(r["length"]) < 2:
+        return r
+    key = r["dst_region"] * (1 << 44) + r["dst_offset"]
+    if np.any(key[1:] < key[:-1]):
+        order = np.argsort(key, kind="stable")
+        r = {k: v[order] for k, v in r.items()}
+    touches = ((r["dst_region"][1:] == r["dst_region"][:-1])
+               & (r["dst_offset"][1:] == r["dst_offset"][:-1] + r["length"][:-1])
+               & (r["src_rank"][1:] == r["src_rank"][:-1])
+               & (r["src_region"][1:] == r["src_region"][:-1])
+               & (r["src_offset"][1:] == r["src_offset"][:-1] + r["length"][:-1]))
+    if not touches.any():
+        return r
+    heads = np.flatnonzero(np.concatenate(([True], ~touches)))
+    out = {k: v[heads] for k, v in r.items() if k != "length"}
+    out["length"] = np.add.reduceat(r["length"], heads)
+    return out
+
+
+def _stats(plan: Plan, seconds: float) -> PlanStats:
+    n = len(plan.length)
+    total = int(plan.length.sum()) if n else 0
+    pair_bytes: dict[str, int] = {}
+    if n:
+        key = plan.src_rank * plan.dst.tp_size + plan.dst_rank
+        sums = np.bincount(key, weights=plan.length, minlength=plan.src.tp_size * plan.dst.tp_size)
+        for k in np.flatnonzero(sums):
+            pair_bytes[f"{k // plan.dst.tp_size}->{k % plan.dst.tp_size}"] = int(sums[k])
+    mean = total / n if n else 0.0
+    warnings = []
+    if n and mean < TINY_RUN_BYTES:
+        warnings.append(
+            f"runs average {mean:.0f} B (below {TINY_RUN_BYTES} B): source {plan.src.describe()} and "
+            f"destination {plan.dst.describe()} share little contiguity; expect slow transfers")
+    return PlanStats(n, total, mean, int(plan.length.min()) if n else 0, int(plan.length.max()) if n else 0,
+                     pair_bytes, seconds, warnings)
+
+
+def check_same_geometry(a: ModelSpec, b: ModelSpec) -> None:
+    """Raise `IncompatibleEngines` naming the first differing field of two model geometries."""
+    if a.dtype != b.dtype:
+        raise IncompatibleEngines(f"KV dtype differs: local {a.dtype}, remote {b.dtype}")
+    if a.num_layers != b.num_layers:
+        raise IncompatibleEngines(f"layer count differs: local {a.num_layers}, remote {b.num_layers}")
+    for i, (x, y) in enumerate(zip(a.layers, b.layers)):
+        for field in ("kind", "num_kv_heads", "key_dim", "value_dim", "window"):
+            if getattr(x, field) != getattr(y, field):
+                raise IncompatibleEngines(
+                    f"layer {i} {field} differs: local {getattr(x, field)}, remote {getattr(y, field)}")
+
+
+__all__ = ["Plan", "PlanStats", "Request", "plan_request", "check_same_geometry", "TINY_RUN_BYTES"]

@@ -1,0 +1,278 @@
+"""Model KV-cache geometry: what state a model keeps per token, independent of any engine.
+
+A `ModelSpec` lists every layer's attention state as *components* (K and V, or one MLA latent),
+each with a head count and a per-head row width. Engines shard heads over TP ranks and lay
+the rows out in blocks; both of those live elsewhere (`shard`, `layout`). Layers that share a
+block table form a *group* (full attention, each sliding window, MLA) and a request carries one
+block-id list per group, as vLLM's hybrid allocator does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from kvbridge.errors import ConfigError
+
+LayerKind = Literal["full", "sliding", "mla"]
+
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+    "int8": 1,
+}
+
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
+                  "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
+
+
+def normalize_dtype(name: str) -> str:
+    """Return the canonical dtype name (torch's spelling) or raise naming the choices."""
+    key = str(name).removeprefix("torch.")
+    key = _DTYPE_ALIASES.get(key, key)
+    if key not in DTYPE_SIZES:
+        raise ConfigError(f"unsupported KV dtype {name!r}; choose one of {', '.join(DTYPE_SIZES)}")
+    return key
+
+
+class Component(msgspec.Struct, frozen=True):
+    """One tensor of a layer's per-token state: `heads` rows of `dim` elements."""
+
+    name: str  # "k", "v" or "latent"
+    heads: int
+    dim: int
+
+
+class LayerSpec(msgspec.Struct, frozen=True):
+    """Attention state of one layer.
+
+    `window` is the sliding window in tokens (query i sees keys j with i - j < window), so a
+    sliding layer keeps only its last `window - 1` tokens, as vLLM and transformers do.
+    MLA keeps one latent row per token that every TP rank holds whole.
+    """
+
+    kind: LayerKind
+    num_kv_heads: int
+    key_dim: int
+    value_dim: int = 0
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("full", "sliding", "mla"):
+            raise ConfigError(f"unknown layer kind {self.kind!r}")
+        if self.num_kv_heads < 1 or self.key_dim < 1:
+            raise ConfigError(f"layer needs >= 1 KV head and key_dim >= 1, got {self.num_kv_heads}, {self.key_dim}")
+        if self.kind == "sliding" and (self.window is None or self.window < 2):
+            raise ConfigError(f"a sliding layer needs window >= 2, got {self.window}")
+        if self.kind != "sliding" and self.window is not None:
+            raise ConfigError(f"only sliding layers have a window (kind {self.kind!r}, window {self.window})")
+        if self.kind == "mla" and (self.num_kv_heads != 1 or self.value_dim):
+            raise ConfigError("an MLA layer has one latent row per token (num_kv_heads=1, value_dim=0)")
+        if self.kind != "mla" and self.value_dim < 1:
+            raise ConfigError(f"attention layer needs value_dim >= 1, got {self.value_dim}")
+
+    @property
+    def replicated(self) -> bool:
+        """True when every TP rank holds the whole state (MLA)."""
+        return self.kind == "mla"
+
+    @property
+    def components(self) -> tuple[Component, ...]:
+        if self.kind == "mla":
+            return (Component("latent", 1, self.key_dim),)
+        return (Component("k", self.num_kv_heads, self.key_dim), Component("v", self.num_kv_heads, self.value_dim))
+
+    @property
+    def group_key(self) -> tuple[str, int | None]:
+        return (self.kind, self.window)
+
+    def tokens_kept(self, num_tokens: int) -> int:
+        """Index of the first token this layer still needs after `num_tokens` tokens."""
+        if self.window is None:
+            return 0
+        return max(0, num_tokens - (self.window - 1))
+
+
+class ModelSpec(msgspec.Struct, frozen=True, dict=True):
+    """The KV geometry of one model: its layers and the dtype of the cache."""
+
+    layers: tuple[LayerSpec, ...]
+    dtype: str = "bfloat16"
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ConfigError("a model needs at least one layer")
+        msgspec.structs.force_setattr(self, "dtype", normalize_dtype(self.dtype))
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @cached_property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """Layer indices per KV-cache group, groups in order of first appearance."""
+        order: dict[tuple[str, int | None], list[int]] = {}
+        for i, layer in enumerate(self.layers):
+            order.setdefault(layer.group_key, []).append(i)
+        return tuple(tuple(v) for v in order.values())
+
+    @cached_property
+    def layer_group(self) -> tuple[int, ...]:
+        out = [0] * self.num_layers
+        for g, layers in enumerate(self.groups):
+            for i in layers:
+                out[i] = g
+        return tuple(out)
+
+    def group_layer(self, group: int) -> LayerSpec:
+        return self.layers[self.groups[group][0]]
+
+    @property
+    def total_kv_heads(self) -> int:
+        """vLLM's `total_num_kv_heads`: the head count of the attention layers (1 for MLA)."""
+        return max(layer.num_kv_heads for layer in self.layers)
+
+    @property
+    def is_mla(self) -> bool:
+        return all(layer.kind == "mla" for layer in self.layers)
+
+    def bytes_per_token(self) -> int:
+        """Bytes of KV state one token adds over all layers on a TP=1 engine."""
+        return sum(c.heads * c.dim for layer in self.layers for c in layer.components) * self.itemsize
+
+    def fingerprint(self) -> str:
+        """Stable digest of the geometry (not the name), exchanged at handshake."""
+        payload = msgspec.json.encode((self.layers, self.dtype))
+        return hashlib.sha256(payload).hexdigest()[:16]
+
+    def describe(self) -> str:
+        kinds = ", ".join(
+            f"{len(layers)}x{self.layers[layers[0]].kind}"
+            + (f"(w={self.layers[layers[0]].window})" if self.layers[layers[0]].window else "")
+            for layers in self.groups
+        )
+        first = self.layers[0]
+        return (f"{self.name}: {self.num_layers} layers [{kinds}], {first.num_kv_heads} KV heads, "
+                f"head dim {first.key_dim}/{first.value_dim or '-'}, {self.dtype}")
+
+    @classmethod
+    def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str = "bfloat16",
+                name: str = "model", kinds: tuple[LayerKind, ...] | None = None, window: int | None = None) -> ModelSpec:
+        """A model whose layers share one geometry; `kinds` may alternate full/sliding."""
+        kinds = kinds or ("full",)
+        layers = []
+        for i in range(num_layers):
+            kind = kinds[i % len(kinds)]
+            if kind == "mla":
+                layers.append(LayerSpec("mla", 1, head_dim))
+            else:
+                layers.append(LayerSpec(kind, num_kv_heads, head_dim, head_dim, window if kind == "sliding" else None))
+        return cls(tuple(layers), dtype, name)
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any] | str | Path, *, dtype: str | None = None,
+                       mla_view: Literal["latent", "heads"] = "latent") -> ModelSpec:
+        """Geometry from a Hugging Face `config.json` (dict, file or model directory).
+
+        `mla_view="latent"` describes MLA models as serving engines cache them (one latent row,
+        vLLM's view); `"heads"` as `transformers` caches them (decompressed K/V per head).
+        """
+        cfg = _load_config(config)
+        arch = str(cfg.get("model_type", "")).lower()
+        if "text_config" in cfg and arch not in _ATTENTION_ARCHS | _MLA_ARCHS:
+            cfg = {**cfg["text_config"], "torch_dtype": cfg.get("torch_dtype", cfg.get("dtype"))}
+            arch = str(cfg.get("model_type", "")).lower()
+        name = cfg.get("_name_or_path") or arch or "model"
+        dtype = normalize_dtype(dtype or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+        num_layers = _field(cfg, "num_hidden_layers", arch)
+        if arch in _MLA_ARCHS:
+            if mla_view == "latent":
+                latent = _field(cfg, "kv_lora_rank", arch) + _field(cfg, "qk_rope_head_dim", arch)
+                return cls(tuple(LayerSpec("mla", 1, latent) for _ in range(num_layers)), dtype, str(name))
+            heads = _field(cfg, "num_key_value_heads", arch) if cfg.get("num_key_value_heads") else _field(
+                cfg, "num_attention_heads", arch)
+            k_dim = _field(cfg, "qk_nope_head_dim", arch) + _field(cfg, "qk_rope_head_dim", arch)
+            v_dim = _field(cfg, "v_head_dim", arch)
+            return cls(tuple(LayerSpec("full", heads, k_dim, v_dim) for _ in range(num_layers)), dtype, str(name))
+        if arch not in _ATTENTION_ARCHS:
+            known = ", ".join(sorted(_ATTENTION_ARCHS | _MLA_ARCHS))
+            raise ConfigError(f"unsupported architecture {arch or '(no model_type)'!r}; kvbridge knows: {known}")
+        q_heads = _field(cfg, "num_attention_heads", arch)
+        kv_heads = int(cfg.get("num_key_value_heads") or q_heads)
+        head_dim = int(cfg.get("head_dim") or _field(cfg, "hidden_size", arch) // q_heads)
+        layer_types = _layer_types(cfg, arch, num_layers)
+        window = cfg.get("sliding_window")
+        layers = []
+        for i, lt in enumerate(layer_types):
+            if lt == "full_attention":
+                layers.append(LayerSpec("full", kv_heads, head_dim, head_dim))
+            elif lt == "sliding_attention":
+                if not window:
+                    raise ConfigError(f"layer {i} is sliding_attention but config has no sliding_window")
+                layers.append(LayerSpec("sliding", kv_heads, head_dim, head_dim, int(window)))
+            else:
+                raise ConfigError(f"layer {i} has type {lt!r}, which kvbridge does not move yet")
+        return cls(tuple(layers), dtype, str(name))
+
+
+_ATTENTION_ARCHS = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma3_text",
+                    "gpt_oss", "phi3", "granite", "olmo2", "smollm3"}
+_MLA_ARCHS = {"deepseek_v2", "deepseek_v3", "kimi_k2"}
+
+
+def _load_config(config: dict[str, Any] | str | Path) -> dict[str, Any]:
+    if isinstance(config, dict):
+        return config
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no config.json at {path}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+
+
+def _field(cfg: dict[str, Any], key: str, arch: str) -> int:
+    value = cfg.get(key)
+    if value is None:
+        raise ConfigError(f"config of {arch or 'model'!r} lacks {key!r}")
+    return int(value)
+
+
+def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> list[str]:
+    """Per-layer attention type, following each architecture's transformers convention."""
+    if cfg.get("layer_types"):
+        types = list(cfg["layer_types"])
+        if len(types) != num_layers:
+            raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {num_layers}")
+        return types
+    window = cfg.get("sliding_window")
+    if arch == "gemma2":
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    if arch in ("gemma3", "gemma3_text"):
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if arch in ("qwen2", "qwen3"):
+        if window and cfg.get("use_sliding_window"):
+            first = int(cfg.get("max_window_layers", num_layers))
+            return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        return ["full_attention"] * num_layers
+    if window and cfg.get("use_sliding_window", True):
+        return ["sliding_attention"] * num_layers
+    return ["full_attention"] * num_layers
