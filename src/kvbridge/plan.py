@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from kvbridge.errors import IncompatibleEngines, InvalidRequest
+from kvbridge.errors import InvalidRequest
 from kvbridge.layout import EngineLayout
 from kvbridge.shard import assign_sources
 from kvbridge.spec import ModelSpec
@@ -277,17 +277,4 @@ def _stats(plan: Plan, seconds: float) -> PlanStats:
                      pair_bytes, seconds, warnings)
 
 
-def check_same_geometry(a: ModelSpec, b: ModelSpec) -> None:
-    """Raise `IncompatibleEngines` naming the first differing field of two model geometries."""
-    if a.dtype != b.dtype:
-        raise IncompatibleEngines(f"KV dtype differs: local {a.dtype}, remote {b.dtype}")
-    if a.num_layers != b.num_layers:
-        raise IncompatibleEngines(f"layer count differs: local {a.num_layers}, remote {b.num_layers}")
-    for i, (x, y) in enumerate(zip(a.layers, b.layers)):
-        for field in ("kind", "num_kv_heads", "key_dim", "value_dim", "window"):
-            if getattr(x, field) != getattr(y, field):
-                raise IncompatibleEngines(
-                    f"layer {i} {field} differs: local {getattr(x, field)}, remote {getattr(y, field)}")
-
-
-__all__ = ["Plan", "PlanStats", "Request", "plan_request", "check_same_geometry", "TINY_RUN_BYTES"]
+__all__ = ["Plan", "PlanStats", "Request", "plan_request", "TINY_RUN_BYTES"]

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, IncompatibleEngines
 
 LayerKind = Literal["full", "sliding", "mla"]
 
@@ -153,6 +153,18 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
     def bytes_per_token(self) -> int:
         """Bytes of KV state one token adds over all layers on a TP=1 engine."""
         return sum(c.heads * c.dim for layer in self.layers for c in layer.components) * self.itemsize
+
+    def check_compatible(self, other: ModelSpec, mine: str = "local", theirs: str = "remote") -> None:
+        """Raise `IncompatibleEngines` naming the first geometry field where two engines differ."""
+        if self.dtype != other.dtype:
+            raise IncompatibleEngines(f"KV dtype differs: {mine} {self.dtype}, {theirs} {other.dtype}")
+        if self.num_layers != other.num_layers:
+            raise IncompatibleEngines(f"layer count differs: {mine} {self.num_layers}, {theirs} {other.num_layers}")
+        for i, (x, y) in enumerate(zip(self.layers, other.layers)):
+            for f in ("kind", "num_kv_heads", "key_dim", "value_dim", "window"):
+                if getattr(x, f) != getattr(y, f):
+                    raise IncompatibleEngines(
+                        f"layer {i} {f} differs: {mine} {getattr(x, f)}, {theirs} {getattr(y, f)}")
 
     def fingerprint(self) -> str:
         """Stable digest of the geometry (not the name), exchanged at handshake."""
