@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import cached_property, lru_cache
 
 import msgspec
 import numpy as np
@@ -72,7 +73,11 @@ class Plan:
         self.spec, self.src, self.dst = spec, src, dst
         for name in _RUN_FIELDS:
             setattr(self, name, runs[name])
-        self.stats = _stats(self, plan_seconds)
+        self.plan_seconds = plan_seconds
+
+    @cached_property
+    def stats(self) -> PlanStats:
+        return _stats(self, self.plan_seconds)
 
     dst_rank: np.ndarray
     src_rank: np.ndarray
@@ -95,7 +100,7 @@ class Plan:
     def select(self, mask: np.ndarray) -> Plan:
         """The runs where `mask` holds (e.g. one rank pair), as a plan of its own."""
         return Plan(self.spec, self.src, self.dst, {n: getattr(self, n)[mask] for n in _RUN_FIELDS},
-                    self.stats.plan_seconds)
+                    self.plan_seconds)
 
 
 def plan_request(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, request: Request,
@@ -111,8 +116,13 @@ def plan_request(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, request:
         if not 0 <= d < dst.tp_size:
             raise InvalidRequest(f"destination rank {d} outside TP size {dst.tp_size}")
         parts.append(_plan_rank(spec, src, dst, d, segments))
-    runs = {n: np.concatenate([p[n] for p in parts]) if parts else np.zeros(0, np.int64) for n in _RUN_FIELDS}
-    return Plan(spec, src, dst, runs, time.perf_counter() - t0)
+    return Plan(spec, src, dst, _concat(parts, _RUN_FIELDS), time.perf_counter() - t0)
+
+
+def _concat(parts: list[dict[str, np.ndarray]], fields: Sequence[str]) -> dict[str, np.ndarray]:
+    if len(parts) == 1:
+        return parts[0]
+    return {n: np.concatenate([p[n] for p in parts]) if parts else np.zeros(0, np.int64) for n in fields}
 
 
 class _Segments(msgspec.Struct):
@@ -160,20 +170,28 @@ def _validate_and_segment(spec: ModelSpec, src: EngineLayout, dst: EngineLayout,
         n = np.diff(np.append(starts, N))
         sb, sp = src.kernel_slots(sides[0], starts)
         db, dp = dst.kernel_slots(sides[1], starts)
-        out.append(_Segments(n, sb, sp, db, dp))
+        # Boxes are independent; visiting them in destination order makes every piece's runs
+        # ascend, so the final sort by destination address only merges presorted sequences.
+        order = np.argsort(db * dst.kernel_size + dp, kind="stable")
+        out.append(_Segments(n[order], sb[order], sp[order], db[order], dp[order]))
     return out
 
 
-def _plan_rank(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int,
-               segments: list[_Segments | None]) -> dict[str, np.ndarray]:
+_PIECE_COLUMNS = ("src_rank", "src_region", "src_base", "src_block_stride", "src_token_stride", "src_head_stride",
+                  "dst_region", "dst_base", "dst_block_stride", "dst_token_stride", "dst_head_stride", "heads",
+                  "row_bytes")
+
+
+@lru_cache(maxsize=1024)
+def _pieces(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int) -> tuple[np.ndarray, ...]:
+    """Per group, one row per (layer, component, head slice) with its strides on both sides.
+
+    Independent of the request, so computed once per engine pair and destination rank.
+    """
     da = dst.addressing(spec, d)
     src_addr = [src.addressing(spec, s) for s in range(src.tp_size)]
-    cells: list[dict[str, np.ndarray]] = []
-    for g, layers in enumerate(spec.groups):
-        seg = segments[g]
-        if seg is None:
-            continue
-        # Pieces: (layer, component, head slice) with their strides on both sides.
+    out = []
+    for layers in spec.groups:
         rows: list[tuple[int, ...]] = []
         for li in layers:
             layer = spec.layers[li]
@@ -182,58 +200,68 @@ def _plan_rank(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int,
                 for s, h0, h1 in slices:
                     sa = src_addr[s]
                     rows.append((
-                        s, int(sa.region[li, ci]),
-                        int(sa.base[li, ci] + (h0 - sa.first_head[li, ci]) * sa.head_stride[li, ci]),
-                        int(sa.block_stride[li, ci]), int(sa.token_stride[li, ci]), int(sa.head_stride[li, ci]),
-                        int(da.region[li, ci]),
-                        int(da.base[li, ci] + (h0 - da.first_head[li, ci]) * da.head_stride[li, ci]),
-                        int(da.block_stride[li, ci]), int(da.token_stride[li, ci]), int(da.head_stride[li, ci]),
-                        h1 - h0, int(da.row_bytes[li, ci])))
-        cells.append(_expand(np.array(rows, dtype=np.int64), seg))
-    runs = {k: np.concatenate([c[k] for c in cells]) if cells else np.zeros(0, np.int64)
-            for k in _RUN_FIELDS if k != "dst_rank"}
-    runs = _coalesce(runs)
+                        s, sa.region[li, ci], sa.base[li, ci] + (h0 - sa.first_head[li, ci]) * sa.head_stride[li, ci],
+                        sa.block_stride[li, ci], sa.token_stride[li, ci], sa.head_stride[li, ci],
+                        da.region[li, ci], da.base[li, ci] + (h0 - da.first_head[li, ci]) * da.head_stride[li, ci],
+                        da.block_stride[li, ci], da.token_stride[li, ci], da.head_stride[li, ci],
+                        h1 - h0, da.row_bytes[li, ci]))
+        table = np.array(rows, dtype=np.int64).reshape(-1, len(_PIECE_COLUMNS))
+        table.setflags(write=False)
+        out.append(table)
+    return tuple(out)
+
+
+def _plan_rank(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int,
+               segments: list[_Segments | None]) -> dict[str, np.ndarray]:
+    pieces = _pieces(spec, src, dst, d)
+    cells = [_expand(pieces[g], seg) for g, seg in enumerate(segments) if seg is not None and len(pieces[g])]
+    runs = _coalesce(_concat(cells, _RUN_FIELDS[1:]))
     runs["dst_rank"] = np.full(len(runs["length"]), d, dtype=np.int64)
     return runs
 
 
 def _expand(p: np.ndarray, seg: _Segments) -> dict[str, np.ndarray]:
-    """Runs of every piece x segment box, vectorized over the grid."""
+    """Runs of every piece x segment box, vectorized over the (piece, segment) grid.
+
+    A box is `n` tokens x `m` heads of `R`-byte rows. If rows of all its heads are adjacent on
+    both sides (NHD-like, or a single head) the heads form one span per token, and the tokens
+    fuse too when the token stride equals that span. If each head's tokens are adjacent on both
+    sides (HND-like) the tokens form one span per head, and the heads fuse when the head stride
+    equals that span (a whole kernel block). Otherwise every row is its own run.
+    """
     (s_rank, s_reg, s_base, s_bs, s_ts, s_hs, d_reg, d_base, d_bs, d_ts, d_hs, m, R) = (
         p[:, i][:, None] for i in range(p.shape[1]))
     n = seg.n[None, :]
     s_start = s_base + seg.src_block[None, :] * s_bs + seg.src_pos[None, :] * s_ts
     d_start = d_base + seg.dst_block[None, :] * d_bs + seg.dst_pos[None, :] * d_ts
+    heads_inner = (m == 1) | ((s_hs == R) & (d_hs == R))
+    tokens_inner = ~heads_inner & (s_ts == R) & (d_ts == R)
+    whole = ((heads_inner & (s_ts == m * R) & (d_ts == m * R)) | (heads_inner & (n == 1))
+             | (tokens_inner & (s_hs == n * R) & (d_hs == n * R)))
     shape = s_start.shape
-    heads_inner = (m == 1) | ((s_hs == R) & (d_hs == R))           # rows of all heads contiguous
-    tokens_inner = ~heads_inner & (s_ts == R) & (d_ts == R)         # each head's tokens contiguous
+    if whole.all():  # fast path: one run per box
+        flat = lambda a: np.broadcast_to(a, shape).reshape(-1)  # noqa: E731
+        return {"src_rank": flat(s_rank), "src_region": flat(s_reg), "src_offset": s_start.reshape(-1),
+                "dst_region": flat(d_reg), "dst_offset": d_start.reshape(-1), "length": flat(n * m * R)}
     mixed = ~heads_inner & ~tokens_inner
-    tok_fused = heads_inner & (((s_ts == m * R) & (d_ts == m * R)) | (n == 1))
-    head_fused = tokens_inner & (s_hs == n * R) & (d_hs == n * R)
-    whole = tok_fused | head_fused
-    one = np.ones(shape, np.int64)
-    zero = np.zeros(shape, np.int64)
-    c1 = np.where(whole, 1, np.where(heads_inner, n, np.where(tokens_inner, m, n)))
-    st1_s = np.where(heads_inner | mixed, s_ts, s_hs) + zero
-    st1_d = np.where(heads_inner | mixed, d_ts, d_hs) + zero
-    c2 = np.where(mixed, m, 1) * one
-    length = np.where(whole, n * m * R, np.where(heads_inner, m * R, np.where(tokens_inner, n * R, R))) * one
-    st2_s, st2_d = s_hs + zero, d_hs + zero
-    c1 = c1 * one
     flat = lambda a: np.broadcast_to(a, shape).reshape(-1)  # noqa: E731
-    count = flat(c1) * flat(c2)
-    total = int(count.sum())
+    c1 = flat(np.where(whole, 1, np.where(tokens_inner, m, n)))
+    c2 = flat(np.where(mixed & ~whole, m, 1))
+    st1_s = flat(np.where(tokens_inner, s_hs, s_ts))
+    st1_d = flat(np.where(tokens_inner, d_hs, d_ts))
+    length = flat(np.where(whole, n * m * R, np.where(heads_inner, m * R, np.where(tokens_inner, n * R, R))))
+    count = c1 * c2
     cell = np.repeat(np.arange(count.size), count)
-    j = np.arange(total) - np.repeat(np.cumsum(count) - count, count)
-    c2r = flat(c2)[cell]
+    j = np.arange(cell.size) - np.repeat(np.cumsum(count) - count, count)
+    c2r = c2[cell]
     i1, i2 = j // c2r, j % c2r
     return {
-        "src_rank": flat(s_rank + zero)[cell],
-        "src_region": flat(s_reg + zero)[cell],
-        "src_offset": flat(s_start)[cell] + i1 * flat(st1_s)[cell] + i2 * flat(st2_s)[cell],
-        "dst_region": flat(d_reg + zero)[cell],
-        "dst_offset": flat(d_start)[cell] + i1 * flat(st1_d)[cell] + i2 * flat(st2_d)[cell],
-        "length": flat(length)[cell],
+        "src_rank": flat(s_rank)[cell],
+        "src_region": flat(s_reg)[cell],
+        "src_offset": s_start.reshape(-1)[cell] + i1 * st1_s[cell] + i2 * flat(s_hs)[cell],
+        "dst_region": flat(d_reg)[cell],
+        "dst_offset": d_start.reshape(-1)[cell] + i1 * st1_d[cell] + i2 * flat(d_hs)[cell],
+        "length": length[cell],
     }
 
 
