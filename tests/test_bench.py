@@ -1,0 +1,48 @@
+"""pytest-benchmark measurements (run with `pytest tests/test_bench.py --benchmark-enable`).
+
+With benchmarks disabled (the default in CI) each body runs once as a smoke test. Speed claims
+come from these benchmarks and `kvbridge bench`, never from timed assertions.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvbridge import EngineLayout, LocalExecutor, ModelSpec, RankCache, Request, plan_request
+from kvbridge.presets import PRESETS
+
+SPEC = ModelSpec.from_hf_config(PRESETS["llama-3-8b"])
+TOKENS = 1024
+
+
+@pytest.fixture(scope="module")
+def setup():
+    rng = random.Random(0)
+    src = EngineLayout(tp_size=1, block_size=16, num_blocks=TOKENS // 16 + 1)
+    dst = EngineLayout(tp_size=2, block_size=16, num_blocks=TOKENS // 16 + 1)
+    req = Request((tuple(rng.sample(range(src.num_blocks), TOKENS // 16)),),
+                  (tuple(rng.sample(range(dst.num_blocks), TOKENS // 16)),), TOKENS)
+    return src, dst, req
+
+
+def test_bench_plan(benchmark, setup):
+    src, dst, req = setup
+    plan = benchmark(plan_request, SPEC, src, dst, req)
+    assert plan.nbytes == TOKENS * SPEC.bytes_per_token()
+
+
+def test_bench_execute_vs_contiguous(benchmark, setup):
+    src, dst, req = setup
+    plan = plan_request(SPEC, src, dst, req)
+    ex = LocalExecutor(RankCache.allocate_engine(SPEC, src), RankCache.allocate_engine(SPEC, dst))
+    benchmark(ex.execute, plan)
+
+
+def test_bench_contiguous_copy_same_bytes(benchmark):
+    a = torch.ones(TOKENS * SPEC.bytes_per_token(), dtype=torch.uint8)
+    b = torch.empty_like(a)
+    benchmark(b.copy_, a)
+    assert torch.equal(a, b)

@@ -1,0 +1,71 @@
+"""The `kvbridge` command as a user runs it: JSON output, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from kvbridge.cli import app
+
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_plan_json_names_sources_and_slices_for_gather():
+    r = run("plan", "llama-3-8b", "--prefill-tp", "4", "--decode-tp", "2", "--tokens", "64", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert [x["source_ranks"] for x in out["ranks"]] == [[0, 1], [2, 3]]
+    assert out["ranks"][1]["head_slices"] == [{"src_rank": 2, "heads": [4, 6]}, {"src_rank": 3, "heads": [6, 8]}]
+    assert out["ranks"][0]["tp_ratio"] == -2
+    # 32 layers x K,V x 4 heads x 128 dims x 2 bytes per decode rank and token
+    assert out["ranks"][0]["bytes_per_token"] == 32 * 2 * 4 * 128 * 2
+    assert out["bytes_total"] == 64 * 32 * 2 * 8 * 128 * 2
+
+
+def test_plan_non_divisible_pair_has_no_tp_ratio_but_plans():
+    r = run("plan", "tiny-llama-6kv", "--prefill-tp", "3", "--decode-tp", "2", "--tokens", "40", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["ranks"][0]["tp_ratio"] is None
+    assert out["ranks"][0]["source_ranks"] == [0, 1]
+    assert out["ranks"][1]["source_ranks"] == [1, 2]
+
+
+def test_plan_warns_about_tiny_runs_for_nhd_to_hnd():
+    r = run("plan", "llama-3-8b", "--prefill-layout", "NHD", "--tokens", "32", "--json")
+    assert r.exit_code == 0, r.output
+    assert any("runs average" in w for w in json.loads(r.stdout)["ranks"][0]["warnings"])
+
+
+def test_plan_illegal_tp_exits_2_with_one_line():
+    r = run("plan", "llama-3-8b", "--prefill-tp", "3")
+    assert r.exit_code == 2
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "cannot shard 8 KV heads over TP=3" in lines[0]
+    assert "Traceback" not in r.output
+
+
+def test_unknown_model_exits_2():
+    r = run("plan", "no-such-model")
+    assert r.exit_code == 2 and "unknown model" in r.output
+
+
+def test_verify_json_reports_zero_failures():
+    r = run("verify", "--cases", "25", "--seed", "3", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["cases"] == 25 and out["failed"] == 0 and out["bytes_moved"] > 0
+
+
+def test_bench_json_reports_ratio_and_planning_fraction():
+    r = run("bench", "--tokens", "128", "--repeats", "2", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["bytes"] == 128 * 32 * 2 * 8 * 128 * 2
+    assert out["ratio"] > 0 and out["plan_fraction"] > 0
+    assert out["num_runs"] > 0
