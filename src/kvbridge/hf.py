@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,9 +23,8 @@ from typing import Any
 import msgspec
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig, PretrainedConfig, PreTrainedModel
-from transformers import (Gemma2Config, GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config,
-                          Qwen3Config)
+from transformers import (AutoModelForCausalLM, DynamicCache, Gemma2Config, GenerationConfig, GptOssConfig,
+                          LlamaConfig, MistralConfig, PretrainedConfig, PreTrainedModel, Qwen2Config, Qwen3Config)
 
 from kvbridge.errors import ConfigError, InvalidRequest
 from kvbridge.layout import EngineLayout, RankCache
@@ -122,13 +120,15 @@ def load_model(name_or_dir: str, seed: int = 0) -> tuple[PreTrainedModel, Pretra
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     elif Path(name).is_dir():
         if not (Path(name) / "config.json").is_file():
-            raise ConfigError(f"{name} is a directory without config.json; builtin models: {', '.join(BUILTIN_MODELS)}")
+            raise ConfigError(f"{name} is a directory without config.json; builtin models: "
+                              f"{', '.join(BUILTIN_MODELS)}")
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, local_files_only=True)
     else:
         raise ConfigError(f"unknown model {name!r}: not a local model directory; builtin models: "
                           f"{', '.join(BUILTIN_MODELS)}")
     model = model.float().eval()
     model.config.dtype = torch.float32
+    model.config.name_or_path = name
     return model, model.config
 
 
@@ -137,9 +137,8 @@ def spec_for(config: PretrainedConfig, dtype: str | torch.dtype | None = None) -
     if dtype is None:
         dtype = getattr(config, "dtype", None) or "float32"
     spec = ModelSpec.from_hf_config(config.to_dict(), mla_view="heads", dtype=normalize_dtype(str(dtype)))
-    if spec.name in ("", "model") or spec.name == getattr(config, "model_type", None):
-        return spec
-    return msgspec.structs.replace(spec, name=Path(spec.name).name or spec.name)
+    name = Path(str(getattr(config, "name_or_path", "") or "")).name
+    return msgspec.structs.replace(spec, name=name) if name else spec
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,7 +203,7 @@ def export_cache(cache: DynamicCache, spec: ModelSpec, caches: Sequence[RankCach
         positions = np.arange(first, num_tokens, dtype=np.int64)
         ids = np.asarray(block_ids[spec.layer_group[li]], dtype=np.int64)
         for rc in caches:
-            if rc.spec != spec:
+            if rc.spec.fingerprint() != spec.fingerprint():
                 raise ConfigError(f"rank {rc.rank} cache was allocated for another geometry ({rc.spec.describe()})")
             for ci, tensor in enumerate(kv):
                 h0, nh = int(rc.addr.first_head[li, ci]), int(rc.addr.heads[li, ci])
@@ -222,7 +221,8 @@ def gather_kv(caches: Sequence[RankCache], block_ids: tuple[tuple[int, ...], ...
         raise InvalidRequest("no rank caches to import from")
     spec, layout = caches[0].spec, caches[0].layout
     if [c.rank for c in caches] != list(range(layout.tp_size)):
-        raise InvalidRequest(f"need the {layout.tp_size} rank caches in rank order, got ranks {[c.rank for c in caches]}")
+        got = [c.rank for c in caches]
+        raise InvalidRequest(f"need the {layout.tp_size} rank caches in rank order, got ranks {got}")
     if len(block_ids) != len(spec.groups):
         raise InvalidRequest(f"{len(block_ids)} block-id lists for {len(spec.groups)} KV-cache groups")
     dtype = caches[0].regions[0].dtype
