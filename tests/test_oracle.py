@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from kvbridge.errors import ConfigError, InvalidRequest
-from kvbridge.hf import (BUILTIN_MODELS, cache_differences, export_cache, import_cache, load_model, prompt_ids,
+from kvbridge.hf import (BUILTIN_MODELS, cache_differences, export_cache, import_cache, load_model, make_prompt_ids,
                          replica_mismatches, run_demo, spec_for)
 from kvbridge.layout import EngineLayout, RankCache
 from kvbridge.plan import plan_request
@@ -122,7 +122,7 @@ def test_dump_has_transformers_layout_and_equals_reference(tmp_path) -> None:
     model, config = load_model("tiny-gemma2", seed)
     spec = spec_for(config)
     with torch.inference_mode():
-        ref = model(torch.tensor([prompt_ids(n, config.vocab_size, seed)]), use_cache=True).past_key_values
+        ref = model(torch.tensor([make_prompt_ids(n, config.vocab_size, seed)]), use_cache=True).past_key_values
     assert set(dumped) == {f"layers.{i}.{kv}" for i in range(spec.num_layers) for kv in ("keys", "values")}
     for i, layer in enumerate(spec.layers):
         held = n - layer.tokens_kept(n)
@@ -167,7 +167,7 @@ def _pipeline(name: str, n: int, prefill: EngineLayout, decode: EngineLayout, se
     """The run_demo steps up to the move, returning what a test needs to tamper with."""
     model, config = load_model(name, seed)
     spec = spec_for(config)
-    ids = torch.tensor([prompt_ids(n, config.vocab_size, seed)])
+    ids = torch.tensor([make_prompt_ids(n, config.vocab_size, seed)])
     with torch.inference_mode():
         ref = model(ids, use_cache=True).past_key_values
     src = RankCache.allocate_engine(spec, prefill, fill=None)
@@ -233,7 +233,7 @@ def test_export_rejects_a_window_mismatch() -> None:
     model, config = load_model("tiny-mistral", 0)
     spec = spec_for(config)
     with torch.inference_mode():
-        cache = model(torch.tensor([prompt_ids(n, config.vocab_size, 0)]), use_cache=True).past_key_values
+        cache = model(torch.tensor([make_prompt_ids(n, config.vocab_size, 0)]), use_cache=True).past_key_values
     wrong = msgspec.structs.replace(spec, layers=tuple(msgspec.structs.replace(x, window=12) for x in spec.layers))
     layout = L(1)
     ids = random_request(spec, layout, layout, n, 0, random.Random(0)).src_block_ids
@@ -241,3 +241,14 @@ def test_export_rejects_a_window_mismatch() -> None:
         export_cache(cache, wrong, RankCache.allocate_engine(wrong, layout), ids, n)
     with pytest.raises(InvalidRequest, match="has seen 20 tokens, the request says 21"):
         export_cache(cache, spec, RankCache.allocate_engine(spec, layout), ids, 21)
+
+
+def test_prompt_keywords_used_by_the_cli() -> None:
+    by_len = run_demo("tiny-llama", prompt_len=12, new_tokens=2, seed=2)
+    by_pos = run_demo("tiny-llama", 12, 2, 2)
+    ids = make_prompt_ids(12, 256, 2)
+    by_ids = run_demo("tiny-llama", prompt_ids=ids, prompt_len=99, new_tokens=2, seed=2)
+    assert by_len.ok and by_len.tokens_reference == by_pos.tokens_reference == by_ids.tokens_reference
+    assert by_ids.prompt_len == 12 and by_ids.to_dict()["match"] is True
+    with pytest.raises(InvalidRequest, match="not both"):
+        run_demo("tiny-llama", ids, 2, prompt_ids=ids)
