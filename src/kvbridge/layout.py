@@ -79,7 +79,9 @@ class EngineLayout(msgspec.Struct, frozen=True):
     def check_model(self, spec: ModelSpec, what: str = "engine") -> None:
         for layer in spec.layers:
             if not layer.replicated:
-                check_shardable(layer.num_kv_heads, self.tp_size, what)
+                for comp in layer.components:
+                    check_shardable(comp.heads, self.tp_size,
+                                    what if comp.name in ("k", "v") else f"{what} ({comp.name} units)")
 
     def kernel_slots(self, block_ids: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Kernel block id and offset inside it of each token position, given logical block ids."""
@@ -121,22 +123,39 @@ def _addressing(spec: ModelSpec, layout: EngineLayout, rank: int) -> Addressing:
     if not 0 <= rank < layout.tp_size:
         raise InvalidRequest(f"rank {rank} outside TP size {layout.tp_size}")
     layout.check_model(spec)
-    L, isz, kbs, nkb = spec.num_layers, spec.itemsize, layout.kernel_size, layout.num_kernel_blocks
-    arrays = {k: np.zeros((L, 2), dtype=np.int64) for k in
+    if spec.has_recurrent and layout.layer_placement == "cross_layer":
+        raise IncompatibleEngines("recurrent state needs per-layer regions; cross_layer holds attention layers only")
+    L, C, kbs, nkb = spec.num_layers, spec.max_components, layout.kernel_size, layout.num_kernel_blocks
+    arrays = {k: np.zeros((L, C), dtype=np.int64) for k in
               ("region", "base", "block_stride", "token_stride", "head_stride", "row_bytes", "heads", "first_head")}
     ncomp = np.zeros(L, dtype=np.int64)
     region_nbytes: list[int] = []
     cross_offset = 0  # byte offset of the layer's slot inside a cross-layer block
     slot_bytes: list[int] = []
+
+    def put(li: int, ci: int, **values: int) -> None:
+        for key, value in values.items():
+            arrays[key][li, ci] = value
+
     for li, layer in enumerate(spec.layers):
         comps = layer.components
         ncomp[li] = len(comps)
-        h0, h1 = head_range(layer.num_kv_heads, layout.tp_size, rank, layer.replicated)
-        nheads = h1 - h0
-        comp_block = [nheads * kbs * c.dim * isz for c in comps]
+        ranges = [head_range(c.heads, layout.tp_size, rank, layer.replicated) for c in comps]
+        rows = [c.dim * spec.component_itemsize(c) for c in comps]
+        if layer.is_recurrent:
+            # One state slot per logical block id; components back to back, each aligned to 16 B.
+            base = 0
+            for ci, ((h0, h1), row) in enumerate(zip(ranges, rows)):
+                put(li, ci, region=li, base=base, token_stride=0, head_stride=row, row_bytes=row,
+                    heads=h1 - h0, first_head=h0)
+                base += _align((h1 - h0) * row)
+            arrays["block_stride"][li, : len(comps)] = base
+            region_nbytes.append(layout.num_blocks * base)
+            continue
+        comp_block = [(h1 - h0) * kbs * row for (h0, h1), row in zip(ranges, rows)]
         layer_block = sum(comp_block)
-        for ci, c in enumerate(comps):
-            row = c.dim * isz
+        for ci, ((h0, h1), row) in enumerate(zip(ranges, rows)):
+            nheads = h1 - h0
             if layout.kv_placement == "kv_first":
                 base, bstride = nkb * sum(comp_block[:ci]), comp_block[ci]
             else:
@@ -149,10 +168,8 @@ def _addressing(spec: ModelSpec, layout: EngineLayout, rank: int) -> Addressing:
                 base, region = cross_offset + base, 0
             else:
                 region = li
-            for key, value in (("region", region), ("base", base), ("block_stride", bstride),
-                               ("token_stride", tstride), ("head_stride", hstride), ("row_bytes", row),
-                               ("heads", nheads), ("first_head", h0)):
-                arrays[key][li, ci] = value
+            put(li, ci, region=region, base=base, block_stride=bstride, token_stride=tstride, head_stride=hstride,
+                row_bytes=row, heads=nheads, first_head=h0)
         slot_bytes.append(layer_block)
         cross_offset += layer_block
         if layout.layer_placement == "per_layer":
@@ -163,6 +180,10 @@ def _addressing(spec: ModelSpec, layout: EngineLayout, rank: int) -> Addressing:
     for a in arrays.values():
         a.setflags(write=False)
     return Addressing(num_components=ncomp, region_nbytes=tuple(region_nbytes), **arrays)
+
+
+def _align(nbytes: int, to: int = 16) -> int:
+    return -(-nbytes // to) * to
 
 
 class RankCache:
@@ -207,19 +228,32 @@ class RankCache:
     def logical_view(self, layer: int, comp: int, as_int: bool = False) -> torch.Tensor:
         """View `[kernel_block, token, local_head, dim]` of one component of one layer.
 
-        `as_int` views the bits as a same-size integer type, for exact pattern fills.
+        Recurrent state: `[slot, 1, local_unit, dim]`. `as_int` views the bits as a same-size
+        integer type, for exact pattern fills.
         """
-        a, isz = self.addr, self.spec.itemsize
+        a, spec = self.addr, self.spec
         if comp >= a.num_components[layer]:
             raise IndexError(f"layer {layer} has {a.num_components[layer]} components, not {comp + 1}")
-        region = self.regions[int(a.region[layer, comp])]
-        if as_int:
-            region = region.view(_INT_OF_SIZE[isz])
-        size = (self.layout.num_kernel_blocks, self.layout.kernel_size, int(a.heads[layer, comp]),
-                int(a.row_bytes[layer, comp]) // isz)
+        component = spec.layers[layer].components[comp]
+        isz = spec.component_itemsize(component)
+        dtype = _INT_OF_SIZE[isz] if as_int else TORCH_DTYPES[spec.component_dtype(component)]
+        region = self.regions[int(a.region[layer, comp])].view(torch.uint8).view(dtype)
+        if spec.layers[layer].is_recurrent:
+            blocks, tokens = self.layout.num_blocks, 1
+        else:
+            blocks, tokens = self.layout.num_kernel_blocks, self.layout.kernel_size
+        size = (blocks, tokens, int(a.heads[layer, comp]), int(a.row_bytes[layer, comp]) // isz)
         stride = (int(a.block_stride[layer, comp]) // isz, int(a.token_stride[layer, comp]) // isz,
                   int(a.head_stride[layer, comp]) // isz, 1)
         return torch.as_strided(region, size, stride, int(a.base[layer, comp]) // isz)
+
+    def read_state(self, layer: int, comp: int, slot: int, as_int: bool = False) -> torch.Tensor:
+        """Recurrent state of one request slot: `[local_units, dim]`."""
+        return self.logical_view(layer, comp, as_int)[slot, 0]
+
+    def write_state(self, layer: int, comp: int, slot: int, values: torch.Tensor) -> None:
+        view = self.logical_view(layer, comp, as_int=values.dtype in _INT_OF_SIZE.values())
+        view[slot, 0] = values.to(view.device)
 
     def read_tokens(self, layer: int, comp: int, block_ids: np.ndarray, positions: np.ndarray,
                     as_int: bool = False) -> torch.Tensor:

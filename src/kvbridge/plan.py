@@ -135,6 +135,25 @@ class _Segments(msgspec.Struct):
     dst_pos: np.ndarray
 
 
+def _state_segment(g: int, src: EngineLayout, dst: EngineLayout, req: Request) -> _Segments | None:
+    """A recurrent group moves one state slot: the last block id of each side's list.
+
+    (vLLM puts placeholder blocks before the real state block when prefix caching is on.)
+    Nothing moves when the destination already holds every token.
+    """
+    slots = []
+    for side, layout, ids in (("source", src, req.src_block_ids[g]), ("destination", dst, req.dst_block_ids[g])):
+        if not ids:
+            raise InvalidRequest(f"{side} group {g} (recurrent state) needs at least one block id, got none")
+        if not 0 <= ids[-1] < layout.num_blocks:
+            raise InvalidRequest(f"{side} group {g}: state block id {ids[-1]} outside [0, {layout.num_blocks})")
+        slots.append(ids[-1])
+    if req.num_cached_tokens >= req.num_tokens:
+        return None
+    one, zero = np.ones(1, np.int64), np.zeros(1, np.int64)
+    return _Segments(one, np.array([slots[0]], np.int64), zero, np.array([slots[1]], np.int64), zero)
+
+
 def _validate_and_segment(spec: ModelSpec, src: EngineLayout, dst: EngineLayout,
                           req: Request) -> list[_Segments | None]:
     n_groups = len(spec.groups)
@@ -146,6 +165,9 @@ def _validate_and_segment(spec: ModelSpec, src: EngineLayout, dst: EngineLayout,
             raise InvalidRequest(f"{side} has block ids for {len(ids)} KV-cache groups, the model has {n_groups}")
     out: list[_Segments | None] = []
     for g in range(n_groups):
+        if spec.group_layer(g).is_recurrent:
+            out.append(_state_segment(g, src, dst, req))
+            continue
         first = max(cached, spec.group_layer(g).tokens_kept(N))
         sides = []
         for side, layout, ids in (("source", src, req.src_block_ids[g]), ("destination", dst, req.dst_block_ids[g])):
@@ -160,6 +182,11 @@ def _validate_and_segment(spec: ModelSpec, src: EngineLayout, dst: EngineLayout,
             if bad.size:
                 raise InvalidRequest(
                     f"{side} group {g}: block id {int(bad[0])} outside [0, {layout.num_blocks})")
+            if side == "destination" and len(np.unique(used)) != len(used):
+                values, counts = np.unique(used, return_counts=True)
+                raise InvalidRequest(
+                    f"destination group {g}: block id {int(values[counts > 1][0])} appears twice among the "
+                    f"blocks that receive tokens (two writes to one block)")
             sides.append(arr)
         if first >= N:
             out.append(None)
@@ -195,9 +222,8 @@ def _pieces(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int) -> tu
         rows: list[tuple[int, ...]] = []
         for li in layers:
             layer = spec.layers[li]
-            slices = assign_sources(layer.num_kv_heads, src.tp_size, dst.tp_size, d, layer.replicated)
-            for ci in range(int(da.num_components[li])):
-                for s, h0, h1 in slices:
+            for ci, comp in enumerate(layer.components):
+                for s, h0, h1 in assign_sources(comp.heads, src.tp_size, dst.tp_size, d, layer.replicated):
                     sa = src_addr[s]
                     rows.append((
                         s, sa.region[li, ci], sa.base[li, ci] + (h0 - sa.first_head[li, ci]) * sa.head_stride[li, ci],
@@ -240,7 +266,8 @@ def _expand(p: np.ndarray, seg: _Segments) -> dict[str, np.ndarray]:
              | (tokens_inner & (s_hs == n * R) & (d_hs == n * R)))
     shape = s_start.shape
     if whole.all():  # fast path: one run per box
-        flat = lambda a: np.broadcast_to(a, shape).reshape(-1)  # noqa: E731
+        # Full-shape arrays reshape to writable views; broadcasts reshape to (writable) copies.
+        flat = lambda a: a.reshape(-1) if a.shape == shape else np.broadcast_to(a, shape).reshape(-1)  # noqa: E731
         return {"src_rank": flat(s_rank), "src_region": flat(s_reg), "src_offset": s_start.reshape(-1),
                 "dst_region": flat(d_reg), "dst_offset": d_start.reshape(-1), "length": flat(n * m * R)}
     mixed = ~heads_inner & ~tokens_inner

@@ -19,7 +19,8 @@ import msgspec
 
 from kvbridge.errors import ConfigError, IncompatibleEngines
 
-LayerKind = Literal["full", "sliding", "mla"]
+LayerKind = Literal["full", "sliding", "mla", "recurrent"]
+RecurrentType = Literal["", "mamba1", "mamba2", "gdn", "short_conv"]
 
 DTYPE_SIZES: dict[str, int] = {
     "float32": 4,
@@ -45,30 +46,52 @@ def normalize_dtype(name: str) -> str:
 
 
 class Component(msgspec.Struct, frozen=True):
-    """One tensor of a layer's per-token state: `heads` rows of `dim` elements."""
+    """One tensor of a layer's state: `heads` units of `dim` elements, sharded over TP by unit.
 
-    name: str  # "k", "v" or "latent"
+    Attention: K, V (per token, units are KV heads) or an MLA latent (one unit, replicated).
+    Recurrent state (per request): each conv segment and the SSM state is its own component, so
+    each is sharded on its own — a Mamba2 conv state is x (units: heads), B and C (units: groups,
+    replicated when TP exceeds them); never the flat concatenation.
+    """
+
+    name: str  # "k", "v", "latent", "conv_x", "conv_b", "ssm", ...
     heads: int
     dim: int
+    dtype: str | None = None  # None: the model's KV dtype
 
 
 class LayerSpec(msgspec.Struct, frozen=True):
-    """Attention state of one layer.
+    """State of one layer.
 
     `window` is the sliding window in tokens (query i sees keys j with i - j < window), so a
     sliding layer keeps only its last `window - 1` tokens, as vLLM and transformers do.
-    MLA keeps one latent row per token that every TP rank holds whole.
+    MLA keeps one latent row per token that every TP rank holds whole. A recurrent layer
+    (Mamba, gated delta net, short conv) keeps one state per request: its `state` components.
     """
 
     kind: LayerKind
-    num_kv_heads: int
-    key_dim: int
+    num_kv_heads: int = 0
+    key_dim: int = 0
     value_dim: int = 0
     window: int | None = None
+    state: tuple[Component, ...] = ()
+    recurrent_type: RecurrentType = ""
+    conv_rows: int = 0  # values per conv channel kept in the state (kernel - 1, or kernel)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("full", "sliding", "mla"):
+        if self.kind not in ("full", "sliding", "mla", "recurrent"):
             raise ConfigError(f"unknown layer kind {self.kind!r}")
+        if self.kind == "recurrent":
+            if not self.state or self.num_kv_heads or self.key_dim or self.value_dim or self.window:
+                raise ConfigError("a recurrent layer has state components and no KV heads, dims or window")
+            for c in self.state:
+                if c.heads < 1 or c.dim < 1:
+                    raise ConfigError(f"state component {c.name!r} needs units and dim >= 1, got {c.heads}, {c.dim}")
+                if c.dtype is not None:
+                    normalize_dtype(c.dtype)
+            return
+        if self.state:
+            raise ConfigError(f"only recurrent layers have state components (kind {self.kind!r})")
         if self.num_kv_heads < 1 or self.key_dim < 1:
             raise ConfigError(f"layer needs >= 1 KV head and key_dim >= 1, got {self.num_kv_heads}, {self.key_dim}")
         if self.kind == "sliding" and (self.window is None or self.window < 2):
@@ -86,7 +109,13 @@ class LayerSpec(msgspec.Struct, frozen=True):
         return self.kind == "mla"
 
     @property
+    def is_recurrent(self) -> bool:
+        return self.kind == "recurrent"
+
+    @property
     def components(self) -> tuple[Component, ...]:
+        if self.kind == "recurrent":
+            return self.state
         if self.kind == "mla":
             return (Component("latent", 1, self.key_dim),)
         return (Component("k", self.num_kv_heads, self.key_dim), Component("v", self.num_kv_heads, self.value_dim))
@@ -97,6 +126,8 @@ class LayerSpec(msgspec.Struct, frozen=True):
 
     def tokens_kept(self, num_tokens: int) -> int:
         """Index of the first token this layer still needs after `num_tokens` tokens."""
+        if self.is_recurrent:
+            return num_tokens  # no per-token state; the per-request state is moved whole
         if self.window is None:
             return 0
         return max(0, num_tokens - (self.window - 1))
@@ -117,6 +148,24 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
     @property
     def itemsize(self) -> int:
         return DTYPE_SIZES[self.dtype]
+
+    def component_dtype(self, comp: Component) -> str:
+        return normalize_dtype(comp.dtype) if comp.dtype else self.dtype
+
+    def component_itemsize(self, comp: Component) -> int:
+        return DTYPE_SIZES[self.component_dtype(comp)]
+
+    @property
+    def max_components(self) -> int:
+        return max(len(layer.components) for layer in self.layers)
+
+    @property
+    def has_recurrent(self) -> bool:
+        return any(layer.is_recurrent for layer in self.layers)
+
+    def recurrent_groups(self) -> tuple[int, ...]:
+        """Indices of groups that hold per-request recurrent state (never expanded to kernel blocks)."""
+        return tuple(g for g in range(len(self.groups)) if self.group_layer(g).is_recurrent)
 
     @property
     def num_layers(self) -> int:
@@ -144,15 +193,21 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
     @property
     def total_kv_heads(self) -> int:
         """vLLM's `total_num_kv_heads`: the head count of the attention layers (1 for MLA)."""
-        return max(layer.num_kv_heads for layer in self.layers)
+        return max((layer.num_kv_heads for layer in self.layers if not layer.is_recurrent), default=0)
 
     @property
     def is_mla(self) -> bool:
-        return all(layer.kind == "mla" for layer in self.layers)
+        return all(layer.kind == "mla" for layer in self.layers if not layer.is_recurrent)
 
     def bytes_per_token(self) -> int:
-        """Bytes of KV state one token adds over all layers on a TP=1 engine."""
-        return sum(c.heads * c.dim for layer in self.layers for c in layer.components) * self.itemsize
+        """Bytes of KV state one token adds over all attention layers on a TP=1 engine."""
+        return sum(c.heads * c.dim * self.component_itemsize(c) for layer in self.layers
+                   if not layer.is_recurrent for c in layer.components)
+
+    def state_bytes(self) -> int:
+        """Bytes of recurrent state one request holds over all layers on a TP=1 engine."""
+        return sum(c.heads * c.dim * self.component_itemsize(c) for layer in self.layers
+                   if layer.is_recurrent for c in layer.components)
 
     def check_compatible(self, other: ModelSpec, mine: str = "local", theirs: str = "remote") -> None:
         """Raise `IncompatibleEngines` naming the first geometry field where two engines differ."""
@@ -161,14 +216,25 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
         if self.num_layers != other.num_layers:
             raise IncompatibleEngines(f"layer count differs: {mine} {self.num_layers}, {theirs} {other.num_layers}")
         for i, (x, y) in enumerate(zip(self.layers, other.layers)):
-            for f in ("kind", "num_kv_heads", "key_dim", "value_dim", "window"):
+            for f in ("kind", "num_kv_heads", "key_dim", "value_dim", "window", "recurrent_type", "conv_rows"):
                 if getattr(x, f) != getattr(y, f):
                     raise IncompatibleEngines(
                         f"layer {i} {f} differs: {mine} {getattr(x, f)}, {theirs} {getattr(y, f)}")
+            if len(x.state) != len(y.state):
+                raise IncompatibleEngines(
+                    f"layer {i} state components differ: {mine} {[c.name for c in x.state]}, "
+                    f"{theirs} {[c.name for c in y.state]}")
+            for cx, cy in zip(x.state, y.state):
+                ours = (cx.name, cx.heads, cx.dim, self.component_dtype(cx))
+                peer = (cy.name, cy.heads, cy.dim, other.component_dtype(cy))
+                if ours != peer:
+                    raise IncompatibleEngines(
+                        f"layer {i} recurrent state {cx.name!r} differs (name, units, dim, dtype): "
+                        f"{mine} {ours}, {theirs} {peer}")
 
     def fingerprint(self) -> str:
         """Stable digest of the geometry (not the name), exchanged at handshake."""
-        payload = msgspec.json.encode((self.layers, self.dtype))
+        payload = msgspec.json.encode((self.layers, self.dtype))  # every field, state components included
         return hashlib.sha256(payload).hexdigest()[:16]
 
     def describe(self) -> str:
@@ -177,9 +243,14 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
             + (f"(w={self.layers[layers[0]].window})" if self.layers[layers[0]].window else "")
             for layers in self.groups
         )
-        first = self.layers[0]
-        return (f"{self.name}: {self.num_layers} layers [{kinds}], {first.num_kv_heads} KV heads, "
-                f"head dim {first.key_dim}/{first.value_dim or '-'}, {self.dtype}")
+        first = next((layer for layer in self.layers if not layer.is_recurrent), None)
+        attn = (f", {first.num_kv_heads} KV heads, head dim {first.key_dim}/{first.value_dim or '-'}"
+                if first else "")
+        state = ""
+        if self.has_recurrent:
+            rec = next(layer for layer in self.layers if layer.is_recurrent)
+            state = f", {rec.recurrent_type} state [{' | '.join(f'{c.name}:{c.heads}x{c.dim}' for c in rec.state)}]"
+        return f"{self.name}: {self.num_layers} layers [{kinds}]{attn}{state}, {self.dtype}"
 
     @classmethod
     def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str = "bfloat16",
@@ -197,15 +268,22 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any] | str | Path, *, dtype: str | None = None,
-                       mla_view: Literal["latent", "heads"] = "latent") -> ModelSpec:
+                       mla_view: Literal["latent", "heads"] = "latent",
+                       view: Literal["engine", "transformers"] = "engine",
+                       state_dtype: str | None = None) -> ModelSpec:
         """Geometry from a Hugging Face `config.json` (dict, file or model directory).
 
-        `mla_view="latent"` describes MLA models as serving engines cache them (one latent row,
-        vLLM's view); `"heads"` as `transformers` caches them (decompressed K/V per head).
+        `view="engine"` describes the cache as serving engines (vLLM) hold it: MLA as one latent
+        row, conv states with `kernel - 1` columns. `view="transformers"` as `transformers` holds
+        it: MLA decompressed to K/V per head, conv states with `kernel` columns.
+        `mla_view="heads"` alone selects the transformers view of MLA. `state_dtype` is the SSM /
+        recurrent state dtype when it differs from the KV dtype (vLLM's mamba_ssm_cache_dtype).
         """
+        if view == "transformers":
+            mla_view = "heads"
         cfg = _load_config(config)
         arch = str(cfg.get("model_type", "")).lower()
-        if "text_config" in cfg and arch not in _ATTENTION_ARCHS | _MLA_ARCHS:
+        if "text_config" in cfg and ("num_hidden_layers" not in cfg or arch not in _ATTENTION_ARCHS | _MLA_ARCHS | _HYBRID_ARCHS):
             cfg = {**cfg["text_config"], "torch_dtype": cfg.get("torch_dtype", cfg.get("dtype"))}
             arch = str(cfg.get("model_type", "")).lower()
         name = cfg.get("_name_or_path") or arch or "model"
@@ -220,8 +298,12 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
             k_dim = _field(cfg, "qk_nope_head_dim", arch) + _field(cfg, "qk_rope_head_dim", arch)
             v_dim = _field(cfg, "v_head_dim", arch)
             return cls(tuple(LayerSpec("full", heads, k_dim, v_dim) for _ in range(num_layers)), dtype, str(name))
+        if arch in _HYBRID_ARCHS:
+            from kvbridge.hybrid import hybrid_layers
+            conv_rows_extra = 0 if view == "transformers" else -1
+            return cls(hybrid_layers(cfg, arch, num_layers, conv_rows_extra, state_dtype), dtype, str(name))
         if arch not in _ATTENTION_ARCHS:
-            known = ", ".join(sorted(_ATTENTION_ARCHS | _MLA_ARCHS))
+            known = ", ".join(sorted(_ATTENTION_ARCHS | _MLA_ARCHS | _HYBRID_ARCHS))
             raise ConfigError(f"unsupported architecture {arch or '(no model_type)'!r}; kvbridge knows: {known}")
         q_heads = _field(cfg, "num_attention_heads", arch)
         kv_heads = int(cfg.get("num_key_value_heads") or q_heads)
@@ -244,6 +326,7 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
 _ATTENTION_ARCHS = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma3_text",
                     "gpt_oss", "phi3", "granite", "olmo2", "smollm3"}
 _MLA_ARCHS = {"deepseek_v2", "deepseek_v3", "kimi_k2"}
+_HYBRID_ARCHS = {"bamba", "granitemoehybrid", "qwen3_next", "lfm2"}
 
 
 def _load_config(config: dict[str, Any] | str | Path) -> dict[str, Any]:

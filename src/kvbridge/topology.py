@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import msgspec
 
+from typing import Literal
+
+from kvbridge.blocks import check_prefix_caching
 from kvbridge.errors import IncompatibleEngines, KVBridgeError, ShardingError
 from kvbridge.layout import EngineLayout
 from kvbridge.plan import Plan, Request, plan_request
@@ -49,11 +52,15 @@ class EngineTransferInfo(msgspec.Struct, frozen=True):
 class TransferTopology:
     """Topology of one local rank against any number of remote engines."""
 
-    def __init__(self, engine_id: str, spec: ModelSpec, layout: EngineLayout, tp_rank: int = 0):
+    def __init__(self, engine_id: str, spec: ModelSpec, layout: EngineLayout, tp_rank: int = 0, *,
+                 prefix_caching: bool = False, block_ids: Literal["logical", "kernel"] = "logical"):
+        """`block_ids="kernel"` declares that peers exchange vLLM's kernel-granular id lists; with
+        a hybrid model, prefix caching and different kernel ratios that is refused at registration."""
         layout.check_model(spec, f"local engine {engine_id!r}")
         if not 0 <= tp_rank < layout.tp_size:
             raise ShardingError(f"local TP rank {tp_rank} outside TP size {layout.tp_size}")
         self.engine_id, self.spec, self.tp_rank = engine_id, spec, tp_rank
+        self.prefix_caching, self.block_ids = prefix_caching, block_ids
         self.local = EngineTransferInfo(engine_id, layout, spec)
         self._remotes: dict[str, EngineTransferInfo] = {}
 
@@ -67,6 +74,8 @@ class TransferTopology:
         info = EngineTransferInfo(engine_id, layout, spec)
         known = self._remotes.get(engine_id)
         if known is not None:
+            if known.spec != spec:
+                known.spec.check_compatible(spec, f"registered {engine_id!r}", f"re-registered {engine_id!r}")
             if known != info:
                 raise IncompatibleEngines(
                     f"engine {engine_id!r} is already registered as {known.layout.describe()}; "
@@ -74,6 +83,9 @@ class TransferTopology:
             return known
         self.spec.check_compatible(spec, "local", f"remote {engine_id!r}")
         layout.check_model(spec, f"remote engine {engine_id!r}")
+        if self.block_ids == "kernel":
+            check_prefix_caching(self.local.kernel_blocks_per_block, info.kernel_blocks_per_block,
+                                 spec.has_recurrent, self.prefix_caching)
         self._remotes[engine_id] = info
         return info
 
@@ -134,27 +146,47 @@ class TransferTopology:
         return overlapping_ranks(self.tp_size, self.tp_rank, self.get_engine_info(engine_id).tp_size)
 
     # -- what is read -------------------------------------------------------------------------
-    def head_slices(self, engine_id: str, layer: int = 0) -> tuple[HeadSlice, ...]:
-        """Heads of `layer` this rank reads from each remote rank when the remote is the source."""
+    def head_slices(self, engine_id: str, layer: int | None = None) -> tuple[HeadSlice, ...]:
+        """Heads of an attention layer (default: the first) read from each remote rank."""
+        if layer is None:
+            layer = next((i for i, x in enumerate(self.spec.layers) if not x.is_recurrent), 0)
+        return self.component_slices(engine_id, layer, 0)
+
+    def component_slices(self, engine_id: str, layer: int, comp: int) -> tuple[HeadSlice, ...]:
+        """Units of one component (a head, a Mamba group ...) read from each remote rank."""
         spec_layer = self.spec.layers[layer]
-        return assign_sources(spec_layer.num_kv_heads, self.get_engine_info(engine_id).tp_size, self.tp_size,
-                              self.tp_rank, spec_layer.replicated)
+        c = spec_layer.components[comp]
+        return assign_sources(c.heads, self.get_engine_info(engine_id).tp_size, self.tp_size, self.tp_rank,
+                              spec_layer.replicated)
+
+    def _ranks(self, engine_id: str, recurrent: bool | None) -> tuple[int, ...]:
+        ranks = {s.src_rank for li, layer in enumerate(self.spec.layers)
+                 if recurrent is None or layer.is_recurrent == recurrent
+                 for ci in range(len(layer.components)) for s in self.component_slices(engine_id, li, ci)}
+        return tuple(sorted(ranks))
 
     def source_ranks(self, engine_id: str) -> tuple[int, ...]:
         """Remote ranks actually read when the remote engine is the source of a transfer."""
-        ranks = {s.src_rank for li in range(self.spec.num_layers) for s in self.head_slices(engine_id, li)}
-        return tuple(sorted(ranks))
+        return self._ranks(engine_id, None)
+
+    def attention_source_ranks(self, engine_id: str) -> tuple[int, ...]:
+        """Remote ranks read for attention: one per distinct head (GQA dedup), one for MLA."""
+        return self._ranks(engine_id, False)
+
+    def recurrent_source_ranks(self, engine_id: str) -> tuple[int, ...]:
+        """Remote ranks read for recurrent state: every rank whose state slice overlaps ours."""
+        return self._ranks(engine_id, True)
 
     def reader_ranks(self, engine_id: str) -> tuple[int, ...]:
         """Remote ranks that read from this rank when the local engine is the source (push targets)."""
         remote = self.get_engine_info(engine_id)
         return tuple(d for d in range(remote.tp_size) if any(
-            s.src_rank == self.tp_rank for li, layer in enumerate(self.spec.layers)
-            for s in assign_sources(layer.num_kv_heads, self.tp_size, remote.tp_size, d, layer.replicated)))
+            s.src_rank == self.tp_rank for layer in self.spec.layers for c in layer.components
+            for s in assign_sources(c.heads, self.tp_size, remote.tp_size, d, layer.replicated)))
 
     def local_head_range(self, layer: int = 0) -> tuple[int, int]:
         spec_layer = self.spec.layers[layer]
-        return head_range(spec_layer.num_kv_heads, self.tp_size, self.tp_rank, spec_layer.replicated)
+        return head_range(spec_layer.components[0].heads, self.tp_size, self.tp_rank, spec_layer.replicated)
 
     # -- planning -----------------------------------------------------------------------------
     def plan_pull(self, engine_id: str, request: Request) -> Plan:
@@ -178,8 +210,10 @@ class TransferTopology:
             except ShardingError:
                 ratio = "n/a (non-divisible)"
             slices = ", ".join(f"rank {s.src_rank} heads [{s.start},{s.stop})" for s in self.head_slices(eid))
+            state = (f"; recurrent state from {list(self.recurrent_source_ranks(eid))}"
+                     if self.spec.has_recurrent else "")
             lines.append(
                 f"remote {eid!r}: {info.layout.describe()}; tp_ratio {ratio}; replicated "
                 f"{self.is_kv_replicated(eid)}; handshake {list(self.handshake_target_ranks(eid))}; "
-                f"reads {slices}")
+                f"reads {slices}{state}")
         return "\n".join(lines)

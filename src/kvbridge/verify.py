@@ -17,7 +17,7 @@ import torch
 
 from kvbridge.layout import EngineLayout, RankCache
 from kvbridge.plan import Plan, Request, plan_request
-from kvbridge.spec import LayerSpec, ModelSpec
+from kvbridge.spec import Component, LayerSpec, ModelSpec
 from kvbridge.transport.local import LocalExecutor
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -40,6 +40,14 @@ def moved_positions(spec: ModelSpec, group: int, request: Request) -> np.ndarray
     return np.arange(first, request.num_tokens, dtype=np.int64)
 
 
+def _state_pattern(cache: RankCache, li: int, ci: int, num_tokens: int) -> torch.Tensor:
+    """Pattern of one recurrent state component (its 'token' is the request length)."""
+    spec, a = cache.spec, cache.addr
+    comp = spec.layers[li].components[ci]
+    sub = ModelSpec(spec.layers, spec.component_dtype(comp))  # pattern width follows the component dtype
+    return pattern(sub, li, ci, np.array([num_tokens]), int(a.first_head[li, ci]), int(a.heads[li, ci]), comp.dim)[0]
+
+
 def fill_source(caches: list[RankCache], block_ids: tuple[tuple[int, ...], ...], num_tokens: int) -> None:
     """Write the pattern for tokens `[0, num_tokens)` of every layer into every source rank."""
     positions = np.arange(num_tokens, dtype=np.int64)
@@ -47,6 +55,10 @@ def fill_source(caches: list[RankCache], block_ids: tuple[tuple[int, ...], ...],
         spec, a = cache.spec, cache.addr
         for li in range(spec.num_layers):
             ids = block_ids[spec.layer_group[li]]
+            if spec.layers[li].is_recurrent:
+                for ci in range(len(spec.layers[li].components)):
+                    cache.write_state(li, ci, ids[-1], _state_pattern(cache, li, ci, num_tokens))
+                continue
             first = spec.layers[li].tokens_kept(num_tokens)
             pos = positions[first:]
             for ci, comp in enumerate(spec.layers[li].components):
@@ -60,6 +72,12 @@ def expected_destination(before: list[RankCache], request: Request) -> None:
         spec, a = cache.spec, cache.addr
         for li in range(spec.num_layers):
             g = spec.layer_group[li]
+            if spec.layers[li].is_recurrent:
+                if request.num_cached_tokens < request.num_tokens:
+                    for ci in range(len(spec.layers[li].components)):
+                        cache.write_state(li, ci, request.dst_block_ids[g][-1],
+                                          _state_pattern(cache, li, ci, request.num_tokens))
+                continue
             pos = moved_positions(spec, g, request)
             if not len(pos):
                 continue
@@ -134,7 +152,7 @@ def _legal_tps(heads: int, limit: int = 8) -> list[int]:
 
 def random_case(rng: random.Random) -> tuple[ModelSpec, EngineLayout, EngineLayout, Request]:
     """A random legal shape pair: heads, TP sizes, block and kernel sizes, layouts, groups."""
-    kind = rng.choice(["gqa", "gqa", "mqa", "mla", "hybrid-window", "mixed-dims"])
+    kind = rng.choice(["gqa", "gqa", "mqa", "mla", "hybrid-window", "mixed-dims", "hybrid-state"])
     heads = 1 if kind in ("mqa", "mla") else rng.choice([2, 3, 4, 6, 8])
     dim = rng.choice([4, 8, 16])
     dtype = rng.choice(["bfloat16", "float32", "float16", "float8_e4m3fn"])
@@ -144,6 +162,14 @@ def random_case(rng: random.Random) -> tuple[ModelSpec, EngineLayout, EngineLayo
     elif kind == "hybrid-window":
         spec = ModelSpec.uniform(max(2, layers_n), heads, dim, dtype, "random-swa", kinds=("sliding", "full"),
                                  window=rng.randint(2, 40))
+    elif kind == "hybrid-state":
+        units = rng.choice([1, 2, 4])
+        state = (Component("conv_x", units * 2, 3 * rng.choice([1, 2])), Component("conv_b", units, 3),
+                 Component("conv_c", units, 3), Component("ssm", units * 2, rng.choice([4, 8]),
+                                                          rng.choice([None, "float32"])))
+        rec = LayerSpec("recurrent", state=state, recurrent_type="mamba2", conv_rows=3)
+        attn = LayerSpec("full", heads, dim, dim)
+        spec = ModelSpec(tuple(rec if i % 2 == 0 else attn for i in range(max(2, layers_n))), dtype, "random-hybrid")
     elif kind == "mixed-dims":
         spec = ModelSpec(tuple(LayerSpec("full", heads, dim * (1 + i % 2), dim) for i in range(layers_n)), dtype,
                          "random-dims")
@@ -161,7 +187,12 @@ def random_case(rng: random.Random) -> tuple[ModelSpec, EngineLayout, EngineLayo
             layer_placement="cross_layer" if placement == "cross" else "per_layer")
 
     tps = [1, 2, 3, 4] if kind == "mla" else _legal_tps(heads)
+    if kind == "hybrid-state":
+        tps = [t for t in tps if all(c.heads % t == 0 or t % c.heads == 0 for c in state)]
     src, dst = layout(tps), layout(tps)
+    if kind == "hybrid-state":  # state needs per-layer regions
+        import msgspec
+        src, dst = (msgspec.structs.replace(x, layer_placement="per_layer") for x in (src, dst))
     max_tokens = min(src.block_size * src.num_blocks, dst.block_size * dst.num_blocks) // 2
     num_tokens = rng.randint(1, max(1, max_tokens))
     cached = rng.choice([0, 0, rng.randint(0, num_tokens)])

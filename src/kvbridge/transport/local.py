@@ -1,7 +1,7 @@
 """In-process execution of a plan between torch tensors.
 
 CPU tensors: one compiled (numba, parallel) loop over the run arrays of the whole plan, every
-run a libc memcpy between region base addresses (the executor keeps the tensors alive). CUDA tensors (or `backend="torch"`):
+run a memcpy between region base addresses (the executor keeps the tensors alive). CUDA tensors (or `backend="torch"`):
 runs are grouped per (source region, destination region) and moved with one indexed torch copy
 per group at the widest element size that divides every run. Both validate every run against
 region bounds before the first byte moves, so a bad plan never writes partially.
@@ -9,13 +9,15 @@ region bounds before the first byte moves, so a bad plan never writes partially.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import time
 from collections.abc import Sequence
 from typing import Literal
 
 import numba
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 import numpy as np
 import torch
 
@@ -24,17 +26,27 @@ from kvbridge.layout import RankCache
 from kvbridge.plan import Plan
 
 
-_libc = ctypes.CDLL(None)
-_memcpy = _libc.memcpy
-_memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-_memcpy.restype = ctypes.c_void_p
+@intrinsic
+def _memcpy(typingctx, dst_addr, src_addr, nbytes):  # pragma: no cover - compiled
+    """LLVM's memcpy between raw addresses; an intrinsic keeps `copy_runs` cacheable on disk."""
+    def codegen(context, builder, signature, args):
+        dst, src, n = args
+        cgutils.raw_memcpy(builder, builder.inttoptr(dst, cgutils.voidptr_t),
+                           builder.inttoptr(src, cgutils.voidptr_t), n, 1)
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64, types.int64), codegen
 
 
-@numba.njit(parallel=True, nogil=True)
+@numba.njit(parallel=True, nogil=True, cache=True)
 def copy_runs(src_base, dst_base, src_region, src_off, dst_region, dst_off, length):  # pragma: no cover - compiled
     """memcpy every run; regions are given by base address, so any process-visible memory works."""
     for i in numba.prange(length.shape[0]):
         _memcpy(dst_base[dst_region[i]] + dst_off[i], src_base[src_region[i]] + src_off[i], length[i])
+
+
+def _i64(a: np.ndarray) -> np.ndarray:
+    """Contiguous, writable int64: one compiled signature for every caller."""
+    return np.require(a, np.int64, ["C", "W"])
 
 
 class LocalExecutor:
@@ -63,6 +75,15 @@ class LocalExecutor:
             raise InvalidRequest(
                 f"plan is for TP {plan.src.tp_size} -> {plan.dst.tp_size}, executor holds "
                 f"{len(self.src)} -> {len(self.dst)} rank caches")
+        src_count = np.diff(self._src_first)[plan.src_rank]
+        dst_count = np.diff(self._dst_first)[plan.dst_rank]
+        wrong = (plan.src_region < 0) | (plan.src_region >= src_count) | (plan.dst_region < 0) | (plan.dst_region >= dst_count)
+        if wrong.any():
+            i = int(np.flatnonzero(wrong)[0])
+            raise InvalidRequest(
+                f"run {i} names region {int(plan.src_region[i])} of source rank {int(plan.src_rank[i])} "
+                f"({int(src_count[i])} regions) and region {int(plan.dst_region[i])} of destination rank "
+                f"{int(plan.dst_rank[i])} ({int(dst_count[i])} regions)")
         sr = self._src_first[plan.src_rank] + plan.src_region
         dr = self._dst_first[plan.dst_rank] + plan.dst_region
         bad = ((plan.src_offset < 0) | (plan.src_offset + plan.length > self._src_sizes[sr])
@@ -82,7 +103,8 @@ class LocalExecutor:
         if len(plan) == 0:
             return 0.0
         if self.backend == "numba":
-            copy_runs(self._src_addr, self._dst_addr, sr, plan.src_offset, dr, plan.dst_offset, plan.length)
+            copy_runs(self._src_addr, self._dst_addr, _i64(sr), _i64(plan.src_offset), _i64(dr),
+                      _i64(plan.dst_offset), _i64(plan.length))
         else:
             self._execute_torch(sr, dr, plan)
         return time.perf_counter() - t0
@@ -93,11 +115,12 @@ class LocalExecutor:
         for key in np.unique(pair):
             sel = pair == key
             so, do, ln = plan.src_offset[sel], plan.dst_offset[sel], plan.length[sel]
-            width = math.gcd(int(np.gcd.reduce(so)), int(np.gcd.reduce(do)), int(np.gcd.reduce(ln)), 8)
-            dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width & -width]
-            width = width & -width
-            src = self._src_t[int(key // len(self._dst_t))].view(dtype)
-            dst = self._dst_t[int(key % len(self._dst_t))].view(dtype)
+            src_bytes, dst_bytes = self._src_t[int(key // len(self._dst_t))], self._dst_t[int(key % len(self._dst_t))]
+            width = math.gcd(int(np.gcd.reduce(so)), int(np.gcd.reduce(do)), int(np.gcd.reduce(ln)),
+                             src_bytes.numel(), dst_bytes.numel(), 8)
+            width = width & -width  # largest power of two dividing all of them
+            dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
+            src, dst = src_bytes.view(dtype), dst_bytes.view(dtype)
             counts = torch.from_numpy(ln // width)
             within = torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
             s_idx = (torch.repeat_interleave(torch.from_numpy(so // width), counts) + within).to(src.device)
