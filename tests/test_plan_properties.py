@@ -1,0 +1,285 @@
+"""Property tests of the planner and the local executor over any legal shape pair.
+
+Shapes: heads and TP sizes legal for them (including non-divisible pairs such as P=3/D=2 with 6
+heads and replicated P with P > D), any block / kernel block sizes, NHD/HND, kv_first /
+blocks_first / cross_layer, dtypes, full + several sliding-window groups, MLA (alone or next to
+attention layers), different K and V dims, any token count and prefix-cache hit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import strategies as st
+
+from kvbridge import EngineLayout, LayerSpec, ModelSpec, RankCache
+from kvbridge.plan import Plan, Request, plan_request
+from kvbridge.shard import overlapping_ranks
+from kvbridge.transport.local import LocalExecutor
+from kvbridge.verify import (check_case, clone_caches, expected_destination, fill_source, mismatch_report,
+                             moved_positions, random_bytes)
+
+DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn", "int8"]
+FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PLAN_ONLY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def legal_tps(heads: int | None, limit: int = 8) -> list[int]:
+    if heads is None:  # MLA only: every TP size is legal
+        return list(range(1, limit + 1))
+    return [t for t in range(1, limit + 1) if heads % t == 0 or t % heads == 0]
+
+
+@st.composite
+def specs(draw) -> ModelSpec:
+    kind = draw(st.sampled_from(["gqa", "gqa", "hybrid", "mla", "mla+attn"]))
+    dtype = draw(st.sampled_from(DTYPES))
+    heads = draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
+    n_layers = draw(st.integers(1, 4))
+    dims = st.sampled_from([1, 2, 3, 4, 8, 16])
+    layers = []
+    windows = draw(st.lists(st.integers(2, 40), min_size=1, max_size=2))
+    for i in range(n_layers):
+        if kind == "mla" or (kind == "mla+attn" and i % 2 == 0):
+            layers.append(LayerSpec("mla", 1, draw(dims)))
+            continue
+        k_dim, v_dim = draw(dims), draw(dims)  # K and V dims may differ
+        if kind == "hybrid" and draw(st.booleans()):
+            layers.append(LayerSpec("sliding", heads, k_dim, v_dim, draw(st.sampled_from(windows))))
+        else:
+            layers.append(LayerSpec("full", heads, k_dim, v_dim))
+    return ModelSpec(tuple(layers), dtype, f"hyp-{kind}")
+
+
+@st.composite
+def layouts(draw, spec: ModelSpec, num_tokens: int) -> EngineLayout:
+    attn = [layer.num_kv_heads for layer in spec.layers if not layer.replicated]
+    tp = draw(st.sampled_from(legal_tps(attn[0] if attn else None)))
+    kernel = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
+    block = kernel * draw(st.sampled_from([1, 1, 2, 3, 4]))
+    placement = draw(st.sampled_from(["kv_first", "blocks_first", "cross_layer"]))
+    need = -(-num_tokens // block)
+    return EngineLayout(
+        tp_size=tp, block_size=block, num_blocks=need + draw(st.integers(1, 4)), kernel_block_size=kernel,
+        kv_order=draw(st.sampled_from(["NHD", "HND"])),
+        kv_placement="kv_first" if placement == "kv_first" else "blocks_first",
+        layer_placement="cross_layer" if placement == "cross_layer" else "per_layer")
+
+
+@st.composite
+def block_ids(draw, spec: ModelSpec, lay: EngineLayout, num_tokens: int) -> tuple[tuple[int, ...], ...]:
+    need = -(-num_tokens // lay.block_size)
+    return tuple(tuple(draw(st.permutations(range(lay.num_blocks)))[:need]) for _ in spec.groups)
+
+
+@st.composite
+def cases(draw, max_tokens: int = 48):
+    spec = draw(specs())
+    num_tokens = draw(st.integers(0, max_tokens))
+    cached = draw(st.one_of(st.just(0), st.integers(0, num_tokens)))
+    src, dst = draw(layouts(spec, num_tokens)), draw(layouts(spec, num_tokens))
+    req = Request(draw(block_ids(spec, src, num_tokens)), draw(block_ids(spec, dst, num_tokens)), num_tokens, cached)
+    return spec, src, dst, req
+
+
+def analytic_bytes(spec: ModelSpec, dst: EngineLayout, req: Request) -> int:
+    total = 0
+    for li, layer in enumerate(spec.layers):
+        tokens = len(moved_positions(spec, spec.layer_group[li], req))
+        for comp in layer.components:
+            local_heads = 1 if layer.replicated else max(1, comp.heads // dst.tp_size)
+            total += tokens * local_heads * comp.dim * spec.itemsize * dst.tp_size
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+# Byte-exact end to end
+# --------------------------------------------------------------------------------------------
+
+@FAST
+@given(cases(), st.integers(0, 2**16))
+def test_every_destination_byte_is_right(case, seed):
+    spec, src, dst, req = case
+    result = check_case(spec, src, dst, req, seed=seed)
+    assert result.ok, (result.mismatches, spec.describe(), src.describe(), dst.describe(), req)
+
+
+# --------------------------------------------------------------------------------------------
+# Properties of the plan itself
+# --------------------------------------------------------------------------------------------
+
+def structure_problems(plan: Plan) -> list[str]:
+    """Violations of the plan invariants (empty when the plan is well formed)."""
+    spec, src, dst = plan.spec, plan.src, plan.dst
+    problems = []
+    if len(plan) == 0:
+        return problems
+    if np.any(plan.length <= 0):
+        problems.append("empty or negative run")
+
+    # Destination byte ranges never overlap: every destination byte is written exactly once.
+    order = np.lexsort((plan.dst_offset, plan.dst_region, plan.dst_rank))
+    r, g, o, ln = plan.dst_rank[order], plan.dst_region[order], plan.dst_offset[order], plan.length[order]
+    same = (r[1:] == r[:-1]) & (g[1:] == g[:-1])
+    if np.any(same & (o[1:] < o[:-1] + ln[:-1])):
+        problems.append("overlapping destination runs")
+
+    # Every run lies inside its regions on both sides.
+    for side, rank_arr, region, offset, lay in (("source", plan.src_rank, plan.src_region, plan.src_offset, src),
+                                                ("destination", plan.dst_rank, plan.dst_region, plan.dst_offset,
+                                                 dst)):
+        sizes = {(q, i): s for q in range(lay.tp_size) for i, s in enumerate(lay.addressing(spec, q).region_nbytes)}
+        limit = np.array([sizes[(int(a), int(b))] for a, b in zip(rank_arr, region)])
+        if np.any(offset < 0) or np.any(offset + plan.length > limit):
+            problems.append(f"{side} run outside its region")
+
+    # Runs are maximal: no run ends where another (same ranks and regions) begins on both sides.
+    ends = set(zip(plan.dst_rank.tolist(), plan.src_rank.tolist(), plan.src_region.tolist(),
+                   (plan.src_offset + plan.length).tolist(), plan.dst_region.tolist(),
+                   (plan.dst_offset + plan.length).tolist()))
+    starts = set(zip(plan.dst_rank.tolist(), plan.src_rank.tolist(), plan.src_region.tolist(),
+                     plan.src_offset.tolist(), plan.dst_region.tolist(), plan.dst_offset.tolist()))
+    if ends & starts:
+        problems.append("two runs touch on both sides and were not merged")
+
+    # Reads stay inside vLLM's handshake set (it is a superset of what is read).
+    for d, s in set(zip(plan.dst_rank.tolist(), plan.src_rank.tolist())):
+        if s not in overlapping_ranks(dst.tp_size, d, src.tp_size):
+            problems.append(f"destination rank {d} reads source rank {s} outside its handshake set")
+    return problems
+
+
+@PLAN_ONLY
+@given(cases(max_tokens=96))
+def test_plan_structure(case):
+    spec, src, dst, req = case
+    plan = plan_request(spec, src, dst, req)
+    assert plan.nbytes == analytic_bytes(spec, dst, req)
+    assert plan.stats.bytes_total == plan.nbytes and plan.stats.num_runs == len(plan)
+    assert structure_problems(plan) == []
+
+
+def test_structure_checks_can_fail():
+    spec = ModelSpec.uniform(1, 2, 8, "bfloat16")
+    lay = EngineLayout(tp_size=1, block_size=4, num_blocks=2)
+    plan = plan_request(spec, lay, lay, Request.single_group([0, 1], [0, 1], 8))
+    assert structure_problems(plan) == [] and len(plan) == 1  # whole region: both sides identical
+    runs = plan.runs()
+    half = int(runs["length"][0]) // 2
+    split = {k: np.concatenate([v, v]) for k, v in runs.items()}
+    split["length"][:] = half
+    split["src_offset"][1] += half
+    split["dst_offset"][1] += half
+    assert structure_problems(Plan(spec, lay, lay, split)) == ["two runs touch on both sides and were not merged"]
+    dup = {k: np.concatenate([v, v]) for k, v in runs.items()}
+    assert "overlapping destination runs" in structure_problems(Plan(spec, lay, lay, dup))
+    out = {k: v.copy() for k, v in runs.items()}
+    out["dst_offset"][0] += 1
+    assert structure_problems(Plan(spec, lay, lay, out)) == ["destination run outside its region"]
+
+
+@PLAN_ONLY
+@given(cases(max_tokens=64))
+def test_dst_ranks_subset_is_a_slice_of_the_full_plan(case):
+    spec, src, dst, req = case
+    full = plan_request(spec, src, dst, req)
+    for d in range(dst.tp_size):
+        part = plan_request(spec, src, dst, req, dst_ranks=[d])
+        sel = full.select(full.dst_rank == d)
+        for name, arr in part.runs().items():
+            assert np.array_equal(arr, getattr(sel, name)), name
+
+
+def _run_backend(backend, src_caches, spec, dst, plan, seed):
+    dst_caches = RankCache.allocate_engine(spec, dst, fill=None)
+    random_bytes(dst_caches, seed + 1)
+    LocalExecutor(src_caches, dst_caches, backend=backend).execute(plan)
+    return [r.clone() for c in dst_caches for r in c.byte_regions()]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.integers(0, 2**16))
+def test_numba_and_torch_backends_agree(case, seed):
+    spec, src, dst, req = case
+    src_caches = RankCache.allocate_engine(spec, src, fill=None)
+    random_bytes(src_caches, seed)
+    fill_source(src_caches, req.src_block_ids, req.num_tokens)
+    plan = plan_request(spec, src, dst, req)
+    by_numba = _run_backend("numba", src_caches, spec, dst, plan, seed)
+    try:
+        by_torch = _run_backend("torch", src_caches, spec, dst, plan, seed)
+    except RuntimeError as e:
+        # Known torch-backend bug (see test_torch_backend_region_not_multiple_of_copy_width): skip
+        # only that exact failure so the property keeps checking everything else.
+        if "must be divisible by" in str(e):
+            reject()
+        raise
+    assert len(by_numba) == len(by_torch)
+    for a, b in zip(by_numba, by_torch):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "LocalExecutor torch backend views each whole byte region as the widest int type dividing every run "
+    "(int64 here, runs are 8 B) without checking that the region's byte size is a multiple of it: a 12-byte "
+    "region (MLA latent dim 1, bf16, block 2, 3 blocks) raises RuntimeError 'self.size(-1) must be divisible "
+    "by 8 to view Byte as Long'. The numba backend copies it fine."))
+def test_torch_backend_region_not_multiple_of_copy_width():
+    spec = ModelSpec((LayerSpec("mla", 1, 1),), "bfloat16")
+    src = EngineLayout(tp_size=1, block_size=4, num_blocks=2, kv_order="NHD")
+    dst = EngineLayout(tp_size=1, block_size=2, num_blocks=3, kv_order="NHD")
+    assert dst.addressing(spec, 0).region_nbytes == (12,)
+    req = Request(((0,),), ((0, 1),), 4)
+    assert check_case(spec, src, dst, req, backend="numba").ok
+    assert check_case(spec, src, dst, req, backend="torch").ok
+
+
+# --------------------------------------------------------------------------------------------
+# The checker can fail
+# --------------------------------------------------------------------------------------------
+
+def _corrupt(plan: Plan, field: str, delta: int, index: int = 0) -> Plan:
+    runs = {k: v.copy() for k, v in plan.runs().items()}
+    runs[field][index] += delta
+    return Plan(plan.spec, plan.src, plan.dst, runs)
+
+
+def _execute_and_report(spec, src, dst, req, plan: Plan, backend: str = "numba") -> list[str]:
+    src_caches = RankCache.allocate_engine(spec, src, fill=None)
+    dst_caches = RankCache.allocate_engine(spec, dst, fill=None)
+    random_bytes(src_caches, 1)
+    random_bytes(dst_caches, 2)
+    fill_source(src_caches, req.src_block_ids, req.num_tokens)
+    expected = clone_caches(dst_caches)
+    expected_destination(expected, req)
+    LocalExecutor(src_caches, dst_caches, backend=backend).execute(plan)
+    return mismatch_report(dst_caches, expected)
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize(("field", "delta"), [("src_offset", 2), ("dst_offset", 2), ("length", -2),
+                                             ("src_rank", 1), ("src_offset", 4096)])
+def test_checker_catches_a_corrupted_plan(backend, field, delta):
+    spec = ModelSpec.uniform(2, 4, 16, "bfloat16")
+    src = EngineLayout(tp_size=2, block_size=16, num_blocks=8)
+    dst = EngineLayout(tp_size=1, block_size=8, num_blocks=8, kv_order="NHD")
+    req = Request.single_group([3, 5], [0, 2, 4, 6], 30)
+    plan = plan_request(spec, src, dst, req)
+    assert _execute_and_report(spec, src, dst, req, plan, backend) == []
+    bad = _corrupt(plan, field, delta, index=len(plan) // 2)
+    report = _execute_and_report(spec, src, dst, req, bad, backend)
+    assert report, f"corrupting {field} by {delta} went unnoticed"
+    assert all("bytes differ" in line for line in report)
+
+
+def test_checker_catches_a_dropped_run():
+    spec = ModelSpec.uniform(1, 2, 8, "float16")
+    src = EngineLayout(tp_size=1, block_size=4, num_blocks=4)
+    dst = EngineLayout(tp_size=2, block_size=4, num_blocks=4)
+    req = Request.single_group([1, 2], [3, 0], 8)
+    plan = plan_request(spec, src, dst, req)
+    keep = np.ones(len(plan), dtype=bool)
+    keep[-1] = False
+    assert _execute_and_report(spec, src, dst, req, plan.select(keep))
