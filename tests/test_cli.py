@@ -69,3 +69,33 @@ def test_bench_json_reports_ratio_and_planning_fraction():
     assert out["bytes"] == 128 * 32 * 2 * 8 * 128 * 2
     assert out["ratio"] > 0 and out["plan_fraction"] > 0
     assert out["num_runs"] > 0
+
+
+def test_plan_hybrid_names_attention_and_state_sources():
+    r = run("plan", "qwen3-next-80b", "--prefill-tp", "4", "--decode-tp", "1", "--tokens", "64", "--json")
+    assert r.exit_code == 0, r.output
+    rank = json.loads(r.stdout)["ranks"][0]
+    # 2 KV heads at P TP=4: heads replicated on P, one reader per distinct head (vLLM's GQA dedup);
+    # the GDN state is sharded over all four P ranks, so every one of them is read.
+    assert rank["attention_source_ranks"] == [0, 2]
+    assert rank["recurrent_source_ranks"] == [0, 1, 2, 3]
+    assert rank["state_bytes_per_request"] > 0
+
+
+def test_demo_json_matches_for_non_divisible_pair(tmp_path):
+    dump = tmp_path / "cache.safetensors"
+    r = run("demo", "--model", "tiny-llama-6kv", "--prefill-tp", "3", "--decode-tp", "2", "--prompt-len", "20",
+            "--new-tokens", "4", "--prefill-layout", "NHD", "--decode-block-size", "8", "--json",
+            "--dump-decode-cache", str(dump))
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["match"] is True and out["tokens_reference"] == out["tokens_disaggregated"]
+    assert out["bytes_moved"] > 0 and out["num_runs"] > 0 and out["transfer_seconds"] >= 0
+    from safetensors.torch import load_file
+    tensors = load_file(str(dump))
+    assert tensors["layers.0.keys"].shape[1] == 6  # all KV heads gathered from both decode ranks
+
+
+def test_demo_bad_prompt_ids_exit_2():
+    r = run("demo", "--prompt-ids", "1,x,3")
+    assert r.exit_code == 2 and "prompt-ids" in r.output

@@ -14,6 +14,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import numpy as np
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -26,6 +27,8 @@ from kvbridge.spec import ModelSpec
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Move LLM KV caches between engines of any TP size, block size and layout, byte-exact.")
 console = Console()
+if not console.is_terminal:  # piped output: wide enough for the plan table, never squeezed to 80
+    console = Console(width=160)
 err_console = Console(stderr=True)
 
 
@@ -174,14 +177,18 @@ def plan(
         except KVBridgeError:
             ratio = None
         a = decode.addressing(spec, d)
-        bpt = int((a.heads * a.row_bytes).sum())
+        recurrent = np.array([layer.is_recurrent for layer in spec.layers])
+        per_layer = (a.heads * a.row_bytes).sum(axis=1)
+        bpt, state_bytes = int(per_layer[~recurrent].sum()), int(per_layer[recurrent].sum())
         per_1k = mine.nbytes * 1000 / max(1, tokens)
         ranks.append({
             "decode_rank": d, "tp_ratio": ratio, "source_ranks": list(topo.source_ranks("prefill")),
             "handshake_ranks": list(topo.handshake_target_ranks("prefill")),
             "head_slices": [{"src_rank": s.src_rank, "heads": [s.start, s.stop]}
                             for s in topo.head_slices("prefill")],
-            "bytes_per_token": bpt, "bytes": mine.nbytes, "runs": len(mine),
+            "attention_source_ranks": list(topo.attention_source_ranks("prefill")),
+            "recurrent_source_ranks": list(topo.recurrent_source_ranks("prefill")),
+            "bytes_per_token": bpt, "state_bytes_per_request": state_bytes, "bytes": mine.nbytes, "runs": len(mine),
             "runs_per_block_layer": len(mine) / max(1, n_dst * spec.num_layers), "mean_run_bytes": mine.stats.mean_run_bytes,
             "ms_per_1k_tokens": per_1k / (link_gbps * 1e9 / 8) * 1e3, "warnings": mine.stats.warnings,
         })
@@ -194,13 +201,19 @@ def plan(
         return
     console.print(f"[bold]{out['model']}[/]\nprefill {out['prefill']}  ->  decode {out['decode']}  "
                   f"({tokens} tokens, {full.nbytes / 2**20:.1f} MiB, planned in {full.plan_seconds * 1e3:.1f} ms)")
-    table = Table("D rank", "ratio", "reads", "heads (layer 0)", "B/token", "runs/blk/layer", "mean run",
+    table = Table("D rank", "ratio", "reads", "attention heads", "B/token", "runs/blk/layer", "mean run",
                   "ms/1K tok", caption=f"ms/1K tok: transfer time of 1,000 tokens at {link_gbps:g} Gbit/s")
+    if spec.has_recurrent:
+        table.add_column("state from")
+        table.add_column("state B/req")
     for r in ranks:
         slices = ", ".join(f"P{s['src_rank']}:[{s['heads'][0]},{s['heads'][1]})" for s in r["head_slices"])
+        extra = ([", ".join(f"P{q}" for q in r["recurrent_source_ranks"]), f"{r['state_bytes_per_request']:,}"]
+                 if spec.has_recurrent else [])
         table.add_row(str(r["decode_rank"]), "n/a" if r["tp_ratio"] is None else str(r["tp_ratio"]),
                       ", ".join(f"P{q}" for q in r["source_ranks"]), slices, f"{r['bytes_per_token']:,}",
-                      f"{r['runs_per_block_layer']:.1f}", f"{r['mean_run_bytes'] / 1024:.1f} KiB", f"{r['ms_per_1k_tokens']:.2f}")
+                      f"{r['runs_per_block_layer']:.1f}", f"{r['mean_run_bytes'] / 1024:.1f} KiB", f"{r['ms_per_1k_tokens']:.2f}",
+                      *extra)
     console.print(table)
     for w in sorted({w for r in ranks for w in r["warnings"]}):
         console.print(f"[yellow]warning:[/] {w}", soft_wrap=True)
