@@ -111,11 +111,8 @@ def test_destination_rank_out_of_range():
         plan_request(SPEC, SRC, DST, Request.single_group([0, 1, 2], [0, 1], 12), dst_ranks=[1])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Request validation does not reject duplicate destination block ids among the blocks that receive "
-    "tokens: two logical blocks land on the same physical block, the plan writes those destination bytes "
-    "twice (overlapping runs) and the result silently depends on run order"))
 def test_duplicate_destination_block_ids_rejected():
+    # Two logical blocks on one physical block would be written twice (overlapping runs).
     assert_rejected(InvalidRequest, Request.single_group([0, 1, 2], [1, 1], 12), "block id 1")
 
 
@@ -261,13 +258,10 @@ def test_executor_refuses_out_of_region_runs_without_writing(backend, which):
 DST2 = EngineLayout(tp_size=2, block_size=8, num_blocks=4)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "LocalExecutor.global_regions bounds-checks offsets against the flattened region list of all ranks "
-    "but never checks that a run's region index is < its own rank's region count: a run with dst_rank 0, "
-    "dst_region 2 (rank 0 has regions 0 and 1) is silently written into rank 1's region 0 "
-    "(same for src_region, which reads another rank's memory)"))
 @pytest.mark.parametrize("field", ["dst_region", "src_region"])
 def test_executor_refuses_region_index_outside_its_rank(field):
+    # Regression: offsets were checked against the flattened region list of all ranks only, so
+    # dst_region 2 of rank 0 (which has regions 0, 1) landed in rank 1's region 0.
     req = Request.single_group([4, 0, 2], [3, 1], 12)
     plan = plan_request(SPEC, SRC, DST2, req)
     first = int(np.flatnonzero((plan.dst_rank == 0) & (plan.src_rank == 0))[0])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbridge import EngineLayout, LayerSpec, ModelSpec, RankCache
@@ -208,25 +208,15 @@ def test_numba_and_torch_backends_agree(case, seed):
     fill_source(src_caches, req.src_block_ids, req.num_tokens)
     plan = plan_request(spec, src, dst, req)
     by_numba = _run_backend("numba", src_caches, spec, dst, plan, seed)
-    try:
-        by_torch = _run_backend("torch", src_caches, spec, dst, plan, seed)
-    except RuntimeError as e:
-        # Known torch-backend bug (see test_torch_backend_region_not_multiple_of_copy_width): skip
-        # only that exact failure so the property keeps checking everything else.
-        if "must be divisible by" in str(e):
-            reject()
-        raise
+    by_torch = _run_backend("torch", src_caches, spec, dst, plan, seed)
     assert len(by_numba) == len(by_torch)
     for a, b in zip(by_numba, by_torch):
         assert torch.equal(a, b)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "LocalExecutor torch backend views each whole byte region as the widest int type dividing every run "
-    "(int64 here, runs are 8 B) without checking that the region's byte size is a multiple of it: a 12-byte "
-    "region (MLA latent dim 1, bf16, block 2, 3 blocks) raises RuntimeError 'self.size(-1) must be divisible "
-    "by 8 to view Byte as Long'. The numba backend copies it fine."))
 def test_torch_backend_region_not_multiple_of_copy_width():
+    # Regression: the torch backend used to view each whole region as the widest int type dividing
+    # every run (int64 for 8-B runs) and failed on a 12-byte region.
     spec = ModelSpec((LayerSpec("mla", 1, 1),), "bfloat16")
     src = EngineLayout(tp_size=1, block_size=4, num_blocks=2, kv_order="NHD")
     dst = EngineLayout(tp_size=1, block_size=2, num_blocks=3, kv_order="NHD")

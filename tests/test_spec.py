@@ -145,12 +145,9 @@ def test_gemma3_text_config_on_its_own():
     assert [i for i, k in enumerate(kinds(spec)) if k == "full"] == list(range(5, 62, 6))
 
 
-@pytest.mark.xfail(strict=True, raises=ConfigError, reason=(
-    "from_hf_config only unwraps text_config when the top-level model_type is unknown, but 'gemma3' is "
-    "in _ATTENTION_ARCHS, so the multimodal Gemma3 config (model_type 'gemma3' with the text fields in "
-    "text_config, as on the hub for gemma-3-4b/12b/27b) fails with \"config of 'gemma3' lacks "
-    "'num_hidden_layers'\""))
 def test_gemma3_nested_text_config():
+    # The multimodal hub form (gemma-3-4b/12b/27b): model_type 'gemma3' with the text fields in
+    # text_config; 'gemma3' is itself a known architecture, which used to stop the unwrapping.
     spec = ModelSpec.from_hf_config(GEMMA3_27B_NESTED)
     assert spec.num_layers == 62 and spec.dtype == "bfloat16"
     assert spec.layers[0] == LayerSpec("sliding", 16, 128, 128, 1024)

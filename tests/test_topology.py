@@ -316,11 +316,8 @@ def test_changed_layout_under_same_id_raises():
     assert t.get_engine_info("P") is first
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "register_remote_engine: re-registering an id with the same layout but a different ModelSpec "
-    "raises IncompatibleEngines whose message prints the (identical) layout twice and never names the "
-    "geometry field that changed (here key_dim 128 vs 64)"))
 def test_changed_spec_under_same_id_names_the_change():
+    # Same layout, different geometry: the message must name the changed field, not the layout twice.
     t = TransferTopology("D", ModelSpec.uniform(2, 8, 128), EngineLayout(tp_size=2))
     t.register_remote_engine("P", EngineLayout(tp_size=4))
     with pytest.raises(IncompatibleEngines) as e:
