@@ -1,0 +1,88 @@
+"""How many of a request's offloaded blocks can be loaded: the per-group hit rules.
+
+A full-attention group needs every block of the prefix (maximal-prefix rule). A sliding-window
+group only needs the last `window` offloaded blocks before the hit point, so its rule looks for
+the rightmost run of `window` consecutive hits (or, failing that, hits reaching back to block 0).
+A per-key lookup may answer None ("retry later"); the result is then None so the scheduler asks
+again. `request_hits` combines the groups: every group has to cover the same number of tokens,
+so a shorter hit in one group shrinks the others until nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvbridge.offload.policy import Key
+from kvbridge.offload.spec import cdiv
+
+LookupFn = Callable[[Key], "bool | None"]
+
+
+def prefix_hits(keys: Sequence[Key], lookup: LookupFn) -> int | None:
+    """Leading hits; a None counts as a hit for the scan but defers the result; a miss stops it."""
+    hits, deferred = 0, False
+    for key in keys:
+        found = lookup(key)
+        if found is None:
+            deferred = True
+        elif not found:
+            break
+        hits += 1
+    return None if deferred else hits
+
+
+def window_hits(keys: Sequence[Key], lookup: LookupFn, window: int) -> int | None:
+    """End index of the rightmost run of `window` hits, else the hits that reach back to index 0.
+
+    A None counts as a miss and defers the result.
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1 offloaded block, got {window}")
+    run, deferred = 0, False
+    for i in range(len(keys) - 1, -1, -1):
+        found = lookup(keys[i])
+        if found:
+            run += 1
+            if run == window:
+                return None if deferred else i + window
+        else:
+            deferred |= found is None
+            run = 0
+    return None if deferred else run
+
+
+def request_hits(keys_per_group: Sequence[Sequence[Key]], windows: Sequence[int | None], block_tokens: int,
+                 num_tokens: int, lookup: LookupFn, num_computed_tokens: int = 0) -> int | None:
+    """Tokens of a request that the offloaded blocks of *every* group can supply, or None to retry.
+
+    `windows[g]` is None for a full-attention group and the sliding window in tokens otherwise
+    (an SSM group would use 1 token's worth: window 1 block). Full groups are looked up first,
+    then sliding ones, repeating until the hit count is stable. Returns 0 when fewer than one
+    offloaded block of new tokens would be loaded.
+    """
+    if len(keys_per_group) != len(windows):
+        raise ValueError(f"{len(keys_per_group)} key lists for {len(windows)} groups")
+    max_hit = num_tokens - (1 if any(w is not None for w in windows) else 0)
+    order = sorted(range(len(windows)), key=lambda g: windows[g] is not None)
+    start = num_computed_tokens // block_tokens
+    deferred = False
+    while True:
+        before = max_hit
+        for g in order:
+            keys = keys_per_group[g]
+            max_hit = min(max_hit, len(keys) * block_tokens)
+            stop = min(cdiv(max_hit, block_tokens), len(keys))
+            span = keys[start:stop] if stop > start else []
+            w = windows[g]
+            hits = prefix_hits(span, lookup) if w is None else window_hits(span, lookup, cdiv(w, block_tokens))
+            if hits is None:
+                deferred, hits = True, len(span)
+            max_hit = min(max_hit, block_tokens * (start + hits))
+            if max_hit - num_computed_tokens < block_tokens:
+                return None if deferred else 0
+        if max_hit == before:
+            break
+    return None if deferred else max_hit
+
+
+__all__ = ["LookupFn", "prefix_hits", "request_hits", "window_hits"]
