@@ -102,6 +102,9 @@ def demo(
 
     prefill = layout(prefill_tp, prefill_block_size, prefill_kernel_block_size, prefill_layout)
     decode = layout(decode_tp, decode_block_size, decode_kernel_block_size, decode_layout)
+    spec = load_spec(model)
+    prefill.check_model(spec, "prefill engine")
+    decode.check_model(spec, "decode engine")
     with console.status("prefill, transfer, decode ...", spinner="dots") if not as_json else _nullcontext():
         result = hf.run_demo(model, prompt_ids=ids, prompt_len=prompt_len, new_tokens=new_tokens, seed=seed,
                              prefill=prefill, decode=decode, dump_decode_cache=dump_decode_cache)
