@@ -1,0 +1,1 @@
+"""The request lifecycle between a prefill engine and a decode engine (placeholder; filled below)."""
