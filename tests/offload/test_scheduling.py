@@ -1,0 +1,64 @@
+"""Block tables and keys -> the device side of store and load jobs (vLLM's connector scheduler)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.offload.errors import SpecMismatch
+from kvbridge.offload.scheduling import NULL, load_job, storable_keys, store_job
+from kvbridge.offload.spec import split_groups
+
+N = NULL
+FULL = [10, 11, 12, 13, 14, 15, 16, 17]  # 8 device blocks, factor 4 -> offloaded blocks 0, 1
+SLIDE = [N, N, N, N, N, N, 26, 27]  # a window that keeps the last 2 device blocks
+KEYS = [["f0", "f1"], ["s0", "s1"]]
+
+
+def test_store_skips_null_blocks_and_sets_block_indices():
+    assert storable_keys(SLIDE, KEYS[1], 4, 0, 2) == ["s1"]  # s0 ends in a null block
+    assert storable_keys(FULL, KEYS[0], 4, 0, 2) == ["f0", "f1"]
+    gpu = store_job([FULL, SLIDE], KEYS, ["f0", "f1", "s1"], 4)
+    assert gpu.block_ids.tolist() == FULL + [26, 27]
+    assert (gpu.group_sizes, gpu.block_indices) == ((8, 2), (0, 6))
+    # The worker consumes exactly the three slots the manager handed out for these keys.
+    slices = split_groups(gpu, [5, 6, 7], 4, 2)
+    assert [s.cpu_sub_blocks(4).tolist() for s in slices] == [[20, 21, 22, 23, 24, 25, 26, 27], [30, 31]]
+
+
+def test_store_of_a_later_key_only():
+    gpu = store_job([FULL, SLIDE], KEYS, ["f1"], 4)
+    assert (gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices) == ([14, 15, 16, 17], (4, 0), (4, 0))
+
+
+@pytest.mark.parametrize("to_store, message", [
+    (["s0"], r"offloaded block 0 of group 1 is not full on the device"),
+    (["s1", "f0"], r"group order"),
+    (["x"], r"not one of the request's keys"),
+])
+def test_store_refuses_what_it_cannot_describe(to_store, message):
+    with pytest.raises(SpecMismatch, match=message):
+        store_job([FULL, SLIDE], KEYS, to_store, 4)
+
+
+def test_load_starts_at_the_first_block_to_fill():
+    # 32 cached tokens of block size 4: 8 blocks per group. Blocks 0-4 of group 0 are prefix-cache hits.
+    have = [[True] * 5 + [False] * 3, [False] * 8]
+    keys, gpu = load_job([FULL, SLIDE], KEYS, 32, 4, 4, have)
+    assert keys == ["f1", "s1"]
+    assert (gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices) == ([15, 16, 17, 26, 27], (3, 2), (5, 6))
+    slices = split_groups(gpu, [8, 9], 4, 2)
+    assert [s.cpu_sub_blocks(4).tolist() for s in slices] == [[33, 34, 35], [38, 39]]
+
+
+def test_load_of_a_partial_offloaded_block_and_of_nothing():
+    keys, gpu = load_job([FULL, SLIDE], KEYS, 24, 4, 4)  # 6 blocks: f0 and the first half of f1
+    assert keys == ["f0", "f1"] and gpu.group_sizes == (6, 0) and gpu.block_indices == (0, 0)
+    keys, gpu = load_job([FULL], [KEYS[0]], 32, 4, 4, [[True] * 8])
+    assert keys == [] and len(gpu) == 0 and gpu.group_sizes == (0,)
+
+
+def test_load_refuses_short_tables_and_holes():
+    with pytest.raises(SpecMismatch, match="need 9 blocks, the table has 8"):
+        load_job([FULL], [KEYS[0]], 36, 4, 4)
+    with pytest.raises(SpecMismatch, match=r"null block inside the range \[0, 3\)"):
+        load_job([[1, N, 3]], [["k"]], 12, 4, 4)
