@@ -200,19 +200,16 @@ def test_deepseek_mla_latent(cfg):
 
 
 @pytest.mark.parametrize("cfg", [DEEPSEEK_V2_LITE, DEEPSEEK_V3])
-def test_deepseek_heads_view(cfg):
-    spec = ModelSpec.from_hf_config(cfg, mla_view="heads")
-    heads = cfg["num_key_value_heads"]
-    assert set(spec.layers) == {LayerSpec("full", heads, 128 + 64, 128)}
+def test_deepseek_transformers_view_splits_latent_and_rope(cfg):
+    # transformers >= 5 caches the normalized latent and the rotated rope part as two
+    # single-head tensors; both are replicated on every TP rank, like vLLM's 576-wide row.
+    spec = ModelSpec.from_hf_config(cfg, view="transformers")
+    assert set(spec.layers) == {LayerSpec("mla", 1, 512, 64)}
     comps = spec.layers[0].components
-    assert [(c.name, c.heads, c.dim) for c in comps] == [("k", heads, 192), ("v", heads, 128)]
-    assert not spec.is_mla
-
-
-def test_deepseek_heads_view_without_kv_heads_uses_attention_heads():
-    cfg = {k: v for k, v in DEEPSEEK_V2_LITE.items() if k != "num_key_value_heads"}
-    spec = ModelSpec.from_hf_config(cfg, mla_view="heads")
-    assert spec.layers[0].num_kv_heads == 16
+    assert [(c.name, c.heads, c.dim) for c in comps] == [("latent", 1, 512), ("rope", 1, 64)]
+    assert spec.is_mla and spec.layers[0].replicated
+    assert ModelSpec.from_hf_config(cfg, mla_view="heads") == spec
+    assert spec.bytes_per_token() == ModelSpec.from_hf_config(cfg).bytes_per_token()
 
 
 def test_dtype_override_and_aliases():
@@ -247,14 +244,6 @@ def test_missing_field_named(cfg, field):
     with pytest.raises(ConfigError) as e:
         ModelSpec.from_hf_config(broken)
     assert repr(field) in str(e.value) and repr(cfg["model_type"]) in str(e.value)
-
-
-@pytest.mark.parametrize("field", ["qk_nope_head_dim", "v_head_dim"])
-def test_missing_mla_heads_view_field_named(field):
-    broken = {k: v for k, v in DEEPSEEK_V3.items() if k != field}
-    ModelSpec.from_hf_config(broken)  # the latent view does not need it
-    with pytest.raises(ConfigError, match=repr(field)):
-        ModelSpec.from_hf_config(broken, mla_view="heads")
 
 
 def test_config_from_file_and_directory(tmp_path):

@@ -98,8 +98,8 @@ class LayerSpec(msgspec.Struct, frozen=True):
             raise ConfigError(f"a sliding layer needs window >= 2, got {self.window}")
         if self.kind != "sliding" and self.window is not None:
             raise ConfigError(f"only sliding layers have a window (kind {self.kind!r}, window {self.window})")
-        if self.kind == "mla" and (self.num_kv_heads != 1 or self.value_dim):
-            raise ConfigError("an MLA layer has one latent row per token (num_kv_heads=1, value_dim=0)")
+        if self.kind == "mla" and self.num_kv_heads != 1:
+            raise ConfigError(f"an MLA layer has one latent row per token (num_kv_heads=1), got {self.num_kv_heads}")
         if self.kind != "mla" and self.value_dim < 1:
             raise ConfigError(f"attention layer needs value_dim >= 1, got {self.value_dim}")
 
@@ -117,6 +117,8 @@ class LayerSpec(msgspec.Struct, frozen=True):
         if self.kind == "recurrent":
             return self.state
         if self.kind == "mla":
+            if self.value_dim:  # transformers keeps the normalized latent and the rotated rope part apart
+                return (Component("latent", 1, self.key_dim), Component("rope", 1, self.value_dim))
             return (Component("latent", 1, self.key_dim),)
         return (Component("k", self.num_kv_heads, self.key_dim), Component("v", self.num_kv_heads, self.value_dim))
 
@@ -274,8 +276,9 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
         """Geometry from a Hugging Face `config.json` (dict, file or model directory).
 
         `view="engine"` describes the cache as serving engines (vLLM) hold it: MLA as one latent
-        row, conv states with `kernel - 1` columns. `view="transformers"` as `transformers` holds
-        it: MLA decompressed to K/V per head, conv states with `kernel` columns.
+        row (kv_lora_rank + rope dims), conv states with `kernel - 1` columns. `view="transformers"`
+        as `transformers` >= 5 holds it: MLA as two replicated single-head tensors (the normalized
+        latent and the rotated rope part), conv states with `kernel` columns.
         `mla_view="heads"` alone selects the transformers view of MLA. `state_dtype` is the SSM /
         recurrent state dtype when it differs from the KV dtype (vLLM's mamba_ssm_cache_dtype).
         """
@@ -293,11 +296,8 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
             if mla_view == "latent":
                 latent = _field(cfg, "kv_lora_rank", arch) + _field(cfg, "qk_rope_head_dim", arch)
                 return cls(tuple(LayerSpec("mla", 1, latent) for _ in range(num_layers)), dtype, str(name))
-            heads = _field(cfg, "num_key_value_heads", arch) if cfg.get("num_key_value_heads") else _field(
-                cfg, "num_attention_heads", arch)
-            k_dim = _field(cfg, "qk_nope_head_dim", arch) + _field(cfg, "qk_rope_head_dim", arch)
-            v_dim = _field(cfg, "v_head_dim", arch)
-            return cls(tuple(LayerSpec("full", heads, k_dim, v_dim) for _ in range(num_layers)), dtype, str(name))
+            lora, rope = _field(cfg, "kv_lora_rank", arch), _field(cfg, "qk_rope_head_dim", arch)
+            return cls(tuple(LayerSpec("mla", 1, lora, rope) for _ in range(num_layers)), dtype, str(name))
         if arch in _HYBRID_ARCHS:
             from kvbridge.hybrid import hybrid_layers
             conv_rows_extra = 0 if view == "transformers" else -1
