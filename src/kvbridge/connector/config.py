@@ -1,0 +1,66 @@
+"""Every deadline of the request lifecycle, in one place.
+
+The worst failure of a disaggregated server is a wait that never ends, so there is no
+"infinite" here: each knob is a finite number of seconds, checked when the config is built.
+Defaults follow vLLM's NIXL connector where it has one (5 s handshake receive, 30 s lease,
+heartbeats every lease/6 extending the lease to 2/3 of its length), and are small enough that
+a failure shows up in a test within seconds when a test shortens them.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvbridge.connector.messages import MAX_FRAME_BYTES
+from kvbridge.errors import ConfigError
+
+
+class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
+    handshake_timeout: float = 5.0
+    """Seconds to wait for each peer's Hello reply."""
+    transfer_timeout: float = 30.0
+    """Seconds a decode rank gives a request, from `receive` to the last byte, before failing it."""
+    lease_seconds: float = 30.0
+    """Seconds a prefill rank holds a request's blocks without hearing from its readers."""
+    heartbeat_interval: float | None = None
+    """Seconds between a decode rank's heartbeats per prefill rank (default lease / 6)."""
+    abort_timeout: float = 2.0
+    """Seconds to wait for a transfer to stop (or a push writer to confirm it stopped) after an abort."""
+    announcement_ttl: float | None = None
+    """Seconds an unclaimed RequestReady is kept on a decode rank (default: its lease)."""
+    max_frame_bytes: int = MAX_FRAME_BYTES
+    """Bound of one side-channel frame; larger frames are refused on both ends."""
+    max_pending: int = 65536
+    """Bound on buffered announcements / early destinations / release history per rank."""
+    transport_notify: bool = True
+    """Also carry ReadDone / WriteDone as the transfer's own notification (NIXL style); the
+    side-channel copy is always sent, and the receiver counts whichever arrives first."""
+    side_channel_heartbeat: float = 1.0
+    """ZMTP heartbeat interval of decode-side sockets; a silent peer is dropped after 3x."""
+
+    def __post_init__(self) -> None:
+        for name in ("handshake_timeout", "transfer_timeout", "lease_seconds", "abort_timeout",
+                     "side_channel_heartbeat"):
+            value = getattr(self, name)
+            if not 0 < value < 7 * 24 * 3600:
+                raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value}")
+        for name in ("heartbeat_interval", "announcement_ttl"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < 7 * 24 * 3600:
+                raise ConfigError(f"{name} must be None or a finite number of seconds > 0, got {value}")
+        if self.max_frame_bytes < 4096:
+            raise ConfigError(f"max_frame_bytes must be >= 4096, got {self.max_frame_bytes}")
+        if self.max_pending < 1:
+            raise ConfigError(f"max_pending must be >= 1, got {self.max_pending}")
+
+    @property
+    def heartbeat_every(self) -> float:
+        return self.heartbeat_interval or self.lease_seconds / 6
+
+    @property
+    def lease_extension(self) -> float:
+        """How far a heartbeat pushes a lease (vLLM: 2/3 of the lease)."""
+        return self.lease_seconds * 2 / 3
+
+
+__all__ = ["ConnectorConfig"]

@@ -1,0 +1,674 @@
+"""The decode side of the lifecycle: handshake, receive a request from all its source ranks, report.
+
+One `Consumer` serves one decode TP rank. The engine gives it the rank's cache (registered
+with the transport here), connects it to a prefill engine with `connect("host:port")` (any rank
+of that engine whose Hello lists its engine's rank addresses, normally rank 0), and then calls
+
+* `receive(id, block_ids, ...)` once it has allocated the request's destination blocks;
+* `progress(timeout)` from its loop; it returns the requests that finished since the last
+  call as `RequestResult`s (success, or failure with a reason);
+* `abort(id)` to cancel.
+
+A request is done on this rank when every source rank (`TransferTopology.source_ranks`: every
+prefill rank holding heads this rank needs, GQA-deduplicated) has delivered: in pull mode our
+read from it finished (we post it once the source rank announced the request with
+`RequestReady`, which is also what tells us the source block ids), in push mode it reported
+`WriteDone`. A read that fails, a source rank that aborts, a side channel that drops (the peer
+died), a plan that the request's block ids make invalid, or the request's deadline all end it
+as a failure; every failure has a reason naming the rank and the cause.
+
+A result is reported only when no transfer may still write this rank's blocks for the request:
+our own reads are aborted and polled to a stop first; in push mode we ask every writer that has
+not finished to stop (`Abort`) and wait, bounded, for its acknowledgement (an `Abort` back, or
+its side channel gone). If a writer does not confirm in time the result says so
+(`quiesced=False`) and the engine must not reuse the blocks.
+
+The decode engine (its scheduler) aggregates its ranks' results, like vLLM's
+`KVOutputAggregator`: the request is usable when every rank reports ok.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from kvbridge.connector import messages as m
+from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector.handshake import make_hello, validate_peer
+from kvbridge.connector.runs import runs_for
+from kvbridge.connector.transports import agent_name, transport_kind
+from kvbridge.connector.side_channel import (Received, SideChannelClient, SideChannelError, poll_clients)
+from kvbridge.errors import InvalidRequest, KVBridgeError
+from kvbridge.layout import EngineLayout, RankCache
+from kvbridge.plan import Plan, Request
+from kvbridge.topology import TransferTopology
+from kvbridge.transport.base import Handle, Transport, XferState
+
+log = logging.getLogger("kvbridge.connector.consumer")
+
+
+class RequestResult(msgspec.Struct, frozen=True):
+    """How one request ended on one decode rank."""
+
+    request_id: str
+    ok: bool
+    reason: str
+    engine_id: str  # the prefill engine it came from
+    rank: int  # this decode rank
+    num_tokens: int
+    first_token: int | None
+    nbytes: int
+    nruns: int
+    seconds: float  # from `receive` to the end
+    transfer_seconds: float  # from the first transfer posted (or requested) to the last completion
+    quiesced: bool = True  # False: a writer did not confirm it stopped; do not reuse the blocks
+
+
+@dataclass
+class _Engine:
+    """A prefill engine this rank completed the handshake with."""
+
+    engine_id: str
+    layout: EngineLayout
+    addresses: tuple[str, ...]
+    sources: tuple[int, ...]
+    clients: dict[int, SideChannelClient] = field(default_factory=dict)
+    agents: dict[int, str] = field(default_factory=dict)
+    lost: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    engine: str
+    block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int | None
+    num_cached_tokens: int
+    started: float
+    deadline: float
+    sources: tuple[int, ...]
+    announced: dict[int, m.RequestReady] = field(default_factory=dict)
+    plan: Plan | None = None
+    reads: dict[int, Handle] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)
+    quiet: set[int] = field(default_factory=set)
+    failure: str | None = None
+    stop_deadline: float = 0.0
+    first_post: float | None = None
+    last_done: float | None = None
+    nbytes: int = 0
+    nruns: int = 0
+
+
+class Consumer:
+    """Decode-side connector for one TP rank."""
+
+    def __init__(self, engine_id: str, rank: int, cache: RankCache, transport: Transport, *,
+                 mode: m.Mode = "pull", config: ConnectorConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if mode not in ("pull", "push"):
+            raise KVBridgeError(f"mode must be 'pull' or 'push', got {mode!r}")
+        self.engine_id, self.rank, self.cache, self.transport = engine_id, rank, cache, transport
+        self.mode: m.Mode = mode
+        self.config = config or ConnectorConfig()
+        self.clock = clock
+        self.topology = TransferTopology(engine_id, cache.spec, cache.layout, rank)
+        self.agent_name = agent_name(transport)
+        transport.register(cache.regions)
+        self._metadata = transport.metadata()
+        self._identity = f"{engine_id}/{rank}/{uuid.uuid4().hex[:12]}".encode()
+        self._engines: dict[str, _Engine] = {}
+        self._client_of: dict[int, tuple[str, int]] = {}  # id(client) -> (engine, source rank)
+        self._active: dict[str, _Pending] = {}
+        self._unclaimed: OrderedDict[str, tuple[float, dict[int, m.RequestReady]]] = OrderedDict()
+        self._cancelled: OrderedDict[str, str] = OrderedDict()
+        self._finished: OrderedDict[str, RequestResult] = OrderedDict()
+        self._out: list[RequestResult] = []
+        self._next_heartbeat = self.clock() + self.config.heartbeat_every
+        self.stats: Counter[str] = Counter()
+        self.closed = False
+
+    # -- public API -------------------------------------------------------------------------------
+    @property
+    def hello(self) -> m.Hello:
+        return make_hello(self.engine_id, self.rank, "decode", self.mode, self.cache.spec, self.cache.layout,
+                          transport_kind(self.transport), self.agent_name,
+                          self._metadata)
+
+    @property
+    def prefill_engines(self) -> tuple[str, ...]:
+        return tuple(self._engines)
+
+    @property
+    def active(self) -> tuple[str, ...]:
+        return tuple(self._active)
+
+    def source_ranks(self, engine_id: str) -> tuple[int, ...]:
+        return self._engines[engine_id].sources
+
+    def connect(self, address: str, timeout: float | None = None) -> str:
+        """Handshake with the prefill engine reachable at `address`; returns its engine id.
+
+        Refuses (raises `HandshakeRefused`, naming both values) an engine this rank cannot
+        exchange bytes with, and is refused in turn the same way. Bounded by `timeout`
+        (default `handshake_timeout`) per rank contacted.
+        """
+        self._check_open()
+        timeout = timeout or self.config.handshake_timeout
+        mine = self.hello
+        opened: list[SideChannelClient] = []
+        try:
+            boot = self._client(address, opened)
+            reply = self._exchange(boot, mine, timeout)
+            validate_peer(self.topology, mine, reply)
+            engine_id = reply.engine_id
+            if engine_id in self._engines:
+                raise m.HandshakeRefused(f"prefill engine {engine_id!r} is already connected to decode rank "
+                                         f"{self.rank}")
+            tp = reply.layout.tp_size
+            if reply.peer_addresses:
+                addresses = reply.peer_addresses
+            elif tp == 1:
+                addresses = (address,)
+            else:
+                raise m.HandshakeRefused(f"prefill engine {engine_id!r} rank {reply.rank} at {address} does not list "
+                                         f"its engine's {tp} rank addresses; connect to its rank 0")
+            sources = self.topology.source_ranks(engine_id)
+            eng = _Engine(engine_id, reply.layout, tuple(addresses), sources)
+            for s in sources:
+                if s == reply.rank:
+                    client, hello = boot, reply
+                else:
+                    client = self._client(addresses[s], opened)
+                    hello = self._exchange(client, mine, timeout)
+                    if (hello.engine_id, hello.rank) != (engine_id, s):
+                        raise m.HandshakeRefused(f"{addresses[s]} answered as {hello.engine_id!r} rank {hello.rank}, "
+                                                 f"expected {engine_id!r} rank {s}")
+                    validate_peer(self.topology, mine, hello)
+                try:
+                    self.transport.connect(hello.agent_name, hello.transport_metadata)
+                except Exception as e:
+                    raise m.HandshakeRefused(f"transport {mine.transport} cannot connect to prefill rank {s} "
+                                             f"({hello.agent_name!r}): {e}") from None
+                eng.clients[s], eng.agents[s] = client, hello.agent_name
+        except BaseException:
+            for c in opened:
+                c.close()
+            raise
+        for c in opened:
+            if all(c is not x for x in eng.clients.values()):
+                c.close()
+        for s, c in eng.clients.items():
+            self._client_of[id(c)] = (engine_id, s)
+        self._engines[engine_id] = eng
+        self.stats["handshakes"] += 1
+        return engine_id
+
+    def receive(self, request_id: str, block_ids: Sequence[Sequence[int]], *, num_tokens: int | None = None,
+                num_cached_tokens: int = 0, engine_id: str | None = None, timeout: float | None = None) -> None:
+        """Receive `request_id` into this rank's `block_ids` (per KV-cache group).
+
+        `num_tokens` is required in push mode (the writer needs it to plan); in pull mode it is
+        taken from the source's announcement and, if given, checked against it. The request
+        fails unless it completes within `timeout` (default `transfer_timeout`) seconds.
+        """
+        self._check_open()
+        engine = self._engine_for(engine_id)
+        if request_id in self._active or request_id in self._finished:
+            raise InvalidRequest(f"request id {request_id!r} is already known to decode rank {self.rank}")
+        if self.mode == "push" and num_tokens is None:
+            raise InvalidRequest("push mode needs num_tokens: the prefill side plans the writes with it")
+        ids = tuple(tuple(int(b) for b in g) for g in block_ids)
+        self._check_blocks(ids, num_tokens, request_id)
+        now = self.clock()
+        budget = timeout or self.config.transfer_timeout
+        eng = self._engines[engine]
+        req = _Pending(request_id, engine, ids, num_tokens, int(num_cached_tokens), now, now + budget, eng.sources)
+        self._active[request_id] = req
+        self.stats["requests"] += 1
+        cancelled = self._cancelled.pop(request_id, None)
+        if cancelled is not None:
+            self._fail(req, cancelled)
+        claimed = self._unclaimed.pop(request_id, None)
+        if claimed is not None:
+            for rank, ann in claimed[1].items():
+                if ann.engine_id == engine:
+                    self._on_ready(req, ann)
+        if self.mode == "push" and req.failure is None:
+            assert num_tokens is not None
+            for s in req.sources:
+                dest = m.DestinationReady(self.engine_id, self.rank, request_id, ids, num_tokens, req.num_cached_tokens)
+                if not eng.clients[s].send(dest):
+                    self._fail(req, f"cannot send DestinationReady to prefill rank {s}: side channel full or closed")
+                    break
+            req.first_post = now
+        self._advance(req)
+
+    def abort(self, request_id: str, reason: str = "aborted by the decode engine") -> bool:
+        """Cancel a request; its result (a failure) comes from `progress` once its transfers stopped."""
+        req = self._active.get(request_id)
+        if req is None:
+            return False
+        self._fail(req, reason)
+        self._advance(req)
+        return True
+
+    def progress(self, timeout: float = 0.0) -> list[RequestResult]:
+        """One bounded round of work (waits at most `timeout` s); the requests that ended since last call."""
+        if self.closed:
+            return self._drain()
+        clients = [c for e in self._engines.values() for c in e.clients.values()]
+        for client, rec in poll_clients(clients, timeout):
+            self._on_frame(client, rec)
+        self._transport_notifications()
+        for eng in self._engines.values():
+            for s, c in eng.clients.items():
+                if c.lost and s not in eng.lost:
+                    eng.lost.add(s)
+                    self.stats["sources_lost"] += 1
+                    log.warning("decode rank %d: side channel to prefill %r rank %d (%s) lost", self.rank,
+                                eng.engine_id, s, c.address)
+        for req in list(self._active.values()):
+            self._advance(req)
+        self._heartbeat()
+        self._expire_unclaimed()
+        return self._drain()
+
+    def wait(self, request_ids: Iterable[str], timeout: float, step: float = 0.01) -> dict[str, RequestResult]:
+        """Drive `progress` until every id has a result or `timeout` s pass; returns the results seen."""
+        want = set(request_ids)
+        got: dict[str, RequestResult] = {rid: self._finished[rid] for rid in want if rid in self._finished}
+        deadline = self.clock() + timeout
+        while want - set(got):
+            left = deadline - self.clock()
+            if left <= 0:
+                break
+            for res in self.progress(min(step, left)):
+                if res.request_id in want:
+                    got[res.request_id] = res
+        return got
+
+    def unclaimed(self) -> list[m.RequestReady]:
+        """Announced requests that `receive` has not claimed yet (first announcement of each)."""
+        return [next(iter(anns.values())) for _, anns in self._unclaimed.values() if anns]
+
+    def result(self, request_id: str) -> RequestResult | None:
+        return self._finished.get(request_id)
+
+    def close(self) -> None:
+        """Cancel active requests (bounded wait for their transfers to stop), close the side channels."""
+        if self.closed:
+            return
+        for req in list(self._active.values()):
+            self._fail(req, "decode consumer closed")
+        deadline = self.clock() + self.config.abort_timeout + 0.5
+        while self._active and self.clock() < deadline:
+            self.progress(0.01)
+        self.closed = True
+        for eng in self._engines.values():
+            for c in eng.clients.values():
+                c.close()
+
+    # -- handshake helpers ------------------------------------------------------------------------
+    def _client(self, address: str, opened: list[SideChannelClient]) -> SideChannelClient:
+        client = SideChannelClient(address, self._identity, max_frame_bytes=self.config.max_frame_bytes,
+                                   heartbeat_seconds=self.config.side_channel_heartbeat)
+        opened.append(client)
+        return client
+
+    def _exchange(self, client: SideChannelClient, mine: m.Hello, timeout: float) -> m.Hello:
+        try:
+            reply = client.request(mine, timeout, (m.Hello,))
+        except SideChannelError as e:
+            raise SideChannelError(f"handshake with prefill at {client.address} failed: {e}") from None
+        if isinstance(reply, m.Error):
+            raise m.HandshakeRefused(f"prefill engine {reply.engine_id!r} rank {reply.rank} at {client.address} "
+                                     f"refused decode {self.engine_id!r} rank {self.rank}: {reply.reason}")
+        assert isinstance(reply, m.Hello)
+        return reply
+
+    # -- frames -----------------------------------------------------------------------------------
+    def _on_frame(self, client: SideChannelClient, rec: Received) -> None:
+        if rec.error is not None:
+            self.stats["refused_frames"] += 1
+            log.warning("decode rank %d refused a frame from %s: %s", self.rank, client.address, rec.error)
+            return
+        engine, s = self._client_of.get(id(client), ("", -1))
+        msg = rec.msg
+        if isinstance(msg, m.Hello):
+            self.stats["unexpected_messages"] += 1
+            return
+        if (msg.engine_id, msg.rank) != (engine, s):
+            self.stats["refused_frames"] += 1
+            log.warning("decode rank %d: message from %s claims %r rank %d, expected %r rank %d", self.rank,
+                        client.address, msg.engine_id, msg.rank, engine, s)
+            return
+        self._on_message(msg)
+
+    def _on_message(self, msg: m.Message) -> None:
+        if isinstance(msg, m.RequestReady):
+            req = self._active.get(msg.request_id)
+            if req is not None and req.engine == msg.engine_id:
+                self._on_ready(req, msg)
+                self._advance(req)
+            elif msg.request_id in self._finished:
+                self.stats["late_announcements"] += 1
+            else:
+                since, anns = self._unclaimed.setdefault(msg.request_id, (self.clock(), {}))
+                anns[msg.rank] = msg
+                while len(self._unclaimed) > self.config.max_pending:
+                    self._unclaimed.popitem(last=False)
+                    self.stats["announcements_dropped"] += 1
+        elif isinstance(msg, m.WriteDone):
+            self._on_write_done(msg)
+        elif isinstance(msg, m.Abort):
+            self._on_abort(msg)
+        elif isinstance(msg, m.Error):
+            self.stats["errors_received"] += 1
+            req = self._active.get(msg.request_id or "")
+            if req is not None and req.engine == msg.engine_id:
+                self._fail(req, f"prefill {msg.engine_id!r} rank {msg.rank} refused it: {msg.reason}")
+                self._advance(req)
+            else:
+                log.warning("decode rank %d: prefill %r rank %d reports: %s", self.rank, msg.engine_id, msg.rank,
+                            msg.reason)
+        else:
+            self.stats["unexpected_messages"] += 1
+
+    def _on_ready(self, req: _Pending, ann: m.RequestReady) -> None:
+        if ann.rank not in req.sources:
+            self.stats["unexpected_announcements"] += 1
+            return
+        if ann.rank in req.announced:
+            self.stats["duplicate_announcements"] += 1
+            return
+        first = next(iter(req.announced.values()), None)
+        if first is not None and (first.block_ids, first.num_tokens) != (ann.block_ids, ann.num_tokens):
+            self._fail(req, f"prefill ranks {first.rank} and {ann.rank} announced different block ids or token "
+                            f"counts ({first.num_tokens} vs {ann.num_tokens} tokens)")
+            return
+        if req.num_tokens is not None and req.num_tokens != ann.num_tokens:
+            self._fail(req, f"prefill rank {ann.rank} announced {ann.num_tokens} tokens, this rank expects "
+                            f"{req.num_tokens}")
+            return
+        req.announced[ann.rank] = ann
+
+    def _on_write_done(self, msg: m.WriteDone) -> None:
+        req = self._active.get(msg.request_id)
+        if req is None or req.engine != msg.engine_id:
+            self.stats["late_notifications" if msg.request_id in self._finished else "unknown_notifications"] += 1
+            return
+        if self.mode != "push" or msg.rank not in req.sources:
+            self.stats["unexpected_notifications"] += 1
+            return
+        if msg.rank in req.done:
+            self.stats["duplicate_notifications"] += 1
+            return
+        req.done.add(msg.rank)
+        req.quiet.add(msg.rank)
+        req.last_done = self.clock()
+        self._advance(req)
+
+    def _on_abort(self, msg: m.Abort) -> None:
+        req = self._active.get(msg.request_id)
+        if req is None or req.engine != msg.engine_id:
+            if msg.request_id in self._finished:
+                self.stats["late_aborts"] += 1
+            else:
+                self._unclaimed.pop(msg.request_id, None)
+                self._cancelled[msg.request_id] = f"prefill {msg.engine_id!r} rank {msg.rank} aborted: {msg.reason}"
+                while len(self._cancelled) > self.config.max_pending:
+                    self._cancelled.popitem(last=False)
+            return
+        req.quiet.add(msg.rank)  # the sender has nothing in flight for this request anymore
+        self._fail(req, f"prefill {msg.engine_id!r} rank {msg.rank} aborted: {msg.reason}")
+        self._advance(req)
+
+    # -- state machine ----------------------------------------------------------------------------
+    def _advance(self, req: _Pending) -> None:
+        if req.request_id not in self._active:
+            return
+        eng = self._engines[req.engine]
+        if req.failure is None:
+            lost = sorted(s for s in req.sources if s in eng.lost and s not in req.done)
+            if lost:
+                req.quiet.update(lost)
+                self._fail(req, f"side channel to prefill {req.engine!r} rank(s) {lost} lost (peer closed or died; "
+                                f"its transfers are presumed stopped)")
+        if req.failure is None and self.mode == "pull":
+            self._start_reads(req, eng)
+            self._poll_reads(req)
+        if req.failure is None:
+            if req.done >= set(req.sources):
+                self._finish(req, ok=True, reason="")
+                return
+            now = self.clock()
+            if now > req.deadline:
+                self._fail(req, self._timeout_reason(req, now))
+        if req.failure is not None:
+            self._stop(req, eng)
+
+    def _start_reads(self, req: _Pending, eng: _Engine) -> None:
+        for s in sorted(set(req.announced) - set(req.reads) - req.done):
+            ann = req.announced[s]
+            if req.plan is None:
+                try:
+                    request = Request(ann.block_ids, req.block_ids, ann.num_tokens, req.num_cached_tokens)
+                    req.plan = self.topology.plan_pull(req.engine, request)
+                except KVBridgeError as e:
+                    self._fail(req, f"invalid request from prefill rank {s}: {e}")
+                    return
+                req.num_tokens = ann.num_tokens
+            runs = runs_for(req.plan, "read", s)
+            if req.first_post is None:
+                req.first_post = self.clock()
+            if len(runs) == 0:
+                self._read_done(req, eng, s)
+                continue
+            notify = (m.encode(m.ReadDone(self.engine_id, self.rank, req.request_id), self.config.max_frame_bytes)
+                      if self.config.transport_notify else None)
+            try:
+                req.reads[s] = self.transport.submit(eng.agents[s], "read", runs, notify)
+            except Exception as e:
+                self._fail(req, f"posting the read from prefill rank {s} failed: {type(e).__name__}: {e}")
+                return
+            req.nbytes += runs.nbytes
+            req.nruns += len(runs)
+
+    def _poll_reads(self, req: _Pending) -> None:
+        eng = self._engines[req.engine]
+        for s, handle in req.reads.items():
+            if s in req.done:
+                continue
+            try:
+                state = self.transport.poll(handle)
+            except Exception as e:  # noqa: BLE001
+                state, handle.reason = XferState.FAILED, f"poll raised {type(e).__name__}: {e}"
+            if state == XferState.DONE:
+                self._read_done(req, eng, s)
+            elif state == XferState.FAILED:
+                self._fail(req, f"read from prefill {req.engine!r} rank {s} failed: {handle.reason or 'no reason'}")
+                return
+
+    def _read_done(self, req: _Pending, eng: _Engine, s: int) -> None:
+        req.done.add(s)
+        req.last_done = self.clock()
+        if not eng.clients[s].send(m.ReadDone(self.engine_id, self.rank, req.request_id)):
+            self.stats["send_failures"] += 1
+
+    def _fail(self, req: _Pending, reason: str) -> None:
+        """Record the first failure and stop our transfers; the result comes once they stopped."""
+        if req.failure is not None:
+            return
+        req.failure = reason
+        req.stop_deadline = self.clock() + self.config.abort_timeout
+        for s, handle in req.reads.items():
+            if s not in req.done and handle.state == XferState.PENDING:
+                try:
+                    self.transport.abort(handle)
+                except Exception as e:  # noqa: BLE001 - _stop keeps polling it
+                    log.error("decode rank %d: aborting read %d raised %s", self.rank, handle.id, e)
+        eng = self._engines.get(req.engine)
+        if eng is None:
+            return
+        for s in req.sources:
+            # Pull: tell every source to release now. Push: ask every writer to stop (its Abort is the ack).
+            if (self.mode == "push" and s in req.quiet) or s in eng.lost:
+                continue
+            if not eng.clients[s].send(m.Abort(self.engine_id, self.rank, req.request_id, reason[:4000])):
+                self.stats["send_failures"] += 1
+
+    def _stop(self, req: _Pending, eng: _Engine) -> None:
+        now = self.clock()
+        if self.mode == "pull":
+            pending = []
+            for s, handle in req.reads.items():
+                if s in req.done:
+                    continue
+                try:
+                    state = self.transport.poll(handle) if handle.state == XferState.PENDING else handle.state
+                except Exception:  # noqa: BLE001
+                    state = XferState.PENDING
+                if state == XferState.PENDING:
+                    pending.append(s)
+            if not pending:
+                self._finish(req, ok=False, reason=req.failure or "failed")
+            elif now > req.stop_deadline:
+                self._finish(req, ok=False, quiesced=False,
+                             reason=f"{req.failure}; reads from prefill ranks {pending} did not stop after abort")
+            return
+        noisy = sorted(set(req.sources) - req.quiet - eng.lost)
+        if not noisy:
+            self._finish(req, ok=False, reason=req.failure or "failed")
+        elif now > req.stop_deadline:
+            self._finish(req, ok=False, quiesced=False,
+                         reason=f"{req.failure}; prefill ranks {noisy} did not confirm their writes stopped within "
+                                f"{self.config.abort_timeout:.1f} s")
+
+    def _finish(self, req: _Pending, ok: bool, reason: str, quiesced: bool = True) -> None:
+        if self._active.pop(req.request_id, None) is None:
+            return
+        now = self.clock()
+        ann = next(iter(req.announced.values()), None)
+        first = req.first_post if req.first_post is not None else now
+        last = req.last_done if req.last_done is not None else now
+        res = RequestResult(req.request_id, ok, reason, req.engine, self.rank,
+                            int(req.num_tokens if req.num_tokens is not None else (ann.num_tokens if ann else 0)),
+                            ann.first_token if ann else None, req.nbytes, req.nruns, now - req.started,
+                            max(0.0, last - first), quiesced)
+        self._finished[req.request_id] = res
+        while len(self._finished) > self.config.max_pending:
+            self._finished.popitem(last=False)
+        self._out.append(res)
+        self.stats["ok" if ok else "failed"] += 1
+
+    def _timeout_reason(self, req: _Pending, now: float) -> str:
+        budget = req.deadline - req.started
+        missing = sorted(set(req.sources) - req.done)
+        if self.mode == "push":
+            what = f"no WriteDone from prefill ranks {missing}"
+        else:
+            unannounced = sorted(set(missing) - set(req.announced))
+            reading = sorted(set(missing) & set(req.reads))
+            parts = []
+            if unannounced:
+                parts.append(f"no RequestReady from prefill ranks {unannounced}")
+            if reading:
+                parts.append(f"reads from prefill ranks {reading} still pending")
+            what = "; ".join(parts) or f"prefill ranks {missing} not done"
+        return f"timed out after {budget:.1f} s: {what}"
+
+    # -- periodic ---------------------------------------------------------------------------------
+    def _heartbeat(self) -> None:
+        now = self.clock()
+        if now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + self.config.heartbeat_every
+        for eng in self._engines.values():
+            for s, client in eng.clients.items():
+                if s in eng.lost:
+                    continue
+                rids = [r.request_id for r in self._active.values()
+                        if r.engine == eng.engine_id and r.failure is None and s not in r.done]
+                for i in range(0, len(rids), m.MAX_REQUESTS_PER_HEARTBEAT):
+                    chunk = tuple(rids[i:i + m.MAX_REQUESTS_PER_HEARTBEAT])
+                    if client.send(m.Heartbeat(self.engine_id, self.rank, chunk)):
+                        self.stats["heartbeats_sent"] += 1
+
+    def _expire_unclaimed(self) -> None:
+        now = self.clock()
+        while self._unclaimed:
+            rid, (since, anns) = next(iter(self._unclaimed.items()))
+            ttl = self.config.announcement_ttl or min((a.lease_seconds for a in anns.values()),
+                                                      default=self.config.lease_seconds)
+            if now - since < ttl:
+                break
+            self._unclaimed.popitem(last=False)
+            self.stats["announcements_expired"] += 1
+
+    def _transport_notifications(self) -> None:
+        try:
+            notes = self.transport.notifications()
+        except Exception as e:  # noqa: BLE001
+            log.error("decode rank %d: transport notifications failed: %s", self.rank, e)
+            return
+        for sender, payload in notes:
+            try:
+                msg = m.decode(payload, self.config.max_frame_bytes)
+            except m.ProtocolError as e:
+                self.stats["refused_notifications"] += 1
+                log.warning("decode rank %d refused a transport notification from %s: %s", self.rank, sender, e)
+                continue
+            eng = self._engines.get(getattr(msg, "engine_id", ""))
+            if not isinstance(msg, m.WriteDone) or eng is None or eng.agents.get(msg.rank) != sender:
+                self.stats["refused_notifications"] += 1
+                continue
+            self._on_write_done(msg)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _engine_for(self, engine_id: str | None) -> str:
+        if engine_id is not None:
+            if engine_id not in self._engines:
+                known = ", ".join(self._engines) or "none"
+                raise InvalidRequest(f"prefill engine {engine_id!r} is not connected to decode rank {self.rank} "
+                                     f"(connected: {known})")
+            return engine_id
+        if len(self._engines) != 1:
+            raise InvalidRequest(f"decode rank {self.rank} is connected to {len(self._engines)} prefill engines; "
+                                 f"name one with engine_id=")
+        return next(iter(self._engines))
+
+    def _check_blocks(self, ids: tuple[tuple[int, ...], ...], num_tokens: int | None, request_id: str) -> None:
+        spec, layout = self.cache.spec, self.cache.layout
+        if len(ids) != len(spec.groups):
+            raise InvalidRequest(f"request {request_id!r}: block ids for {len(ids)} KV-cache groups, the model has "
+                                 f"{len(spec.groups)}")
+        for g, group in enumerate(ids):
+            arr = np.asarray(group, dtype=np.int64)
+            bad = arr[(arr < 0) | (arr >= layout.num_blocks)]
+            if bad.size:
+                raise InvalidRequest(f"request {request_id!r} group {g}: block id {int(bad[0])} outside "
+                                     f"[0, {layout.num_blocks})")
+            if num_tokens is not None and not spec.group_layer(g).is_recurrent:
+                need = -(-num_tokens // layout.block_size)
+                if len(group) != need:
+                    raise InvalidRequest(f"request {request_id!r} group {g}: {num_tokens} tokens need {need} blocks "
+                                         f"of {layout.block_size}, got {len(group)}")
+
+    def _drain(self) -> list[RequestResult]:
+        out, self._out = self._out, []
+        return out
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise KVBridgeError(f"decode rank {self.rank} consumer is closed")
+
+
+__all__ = ["Consumer", "RequestResult"]
