@@ -1,0 +1,66 @@
+"""Transformers proof: a prefix stored to CPU, evicted from the device and loaded back decodes like `generate`.
+
+Hybrid model: tiny-gemma2 alternates sliding-window (8) and full-attention layers, so there are two
+KV-cache groups and the sliding group's stores and loads start at null-padded positions.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.errors import InvalidRequest
+from kvbridge.offload.demo import run_offload_demo
+
+pytestmark = pytest.mark.oracle
+
+
+def test_hybrid_model_mirror_pool():
+    r = run_offload_demo("tiny-gemma2", seed=0, prompt_len=40, block_size=4, block_size_factor=2)
+    assert r.ok, r.summary()
+    assert r.hit_tokens == r.prefix_len == 32 and r.tokens_offload == r.tokens_reference
+    # chunk 1 (32 tokens): 4 full blocks + the sliding group's window block; chunk 2: one more of each
+    assert (r.stored_blocks, r.loaded_blocks, r.events) == (7, 5, {"stored": 7, "removed": 0})
+    assert r.to_dict()["ok"] is True
+
+
+@pytest.mark.parametrize("store_tp, load_tp, block_size, load_block_size, factor", [
+    (2, 4, 4, 8, 2),  # TP 2 -> 4, device blocks 4 -> 8 tokens (factor 2 -> 1)
+    (2, 1, 4, 4, 4),  # TP 2 -> 1, 16-token offloaded blocks: the sliding group loads from sub-block 2
+])
+def test_tp_independent_offload(store_tp, load_tp, block_size, load_block_size, factor):
+    r = run_offload_demo("tiny-gemma2", seed=1, prompt_len=40, block_size=block_size, block_size_factor=factor,
+                         store_tp=store_tp, load_tp=load_tp, load_block_size=load_block_size, canonical=True)
+    assert r.ok, r.summary()
+    assert f"TP={store_tp}" in r.store_engine and f"TP={load_tp}" in r.load_engine and "canonical" in r.pool
+
+
+def test_all_sliding_model_with_arc():
+    # Every layer slides (window 8): only the blocks inside the window at each chunk's end are stored.
+    r = run_offload_demo("tiny-mistral", seed=2, prompt_len=24, prefix_len=16, block_size=4, block_size_factor=2,
+                         policy="arc", num_cpu_blocks=6)
+    assert r.ok, r.summary()
+    assert (r.stored_blocks, r.loaded_blocks) == (2, 1)
+
+
+def test_a_prefix_evicted_from_cpu_is_a_miss():
+    # One CPU slot: storing the second chunk's block evicts the prefix's block, so B finds nothing to load.
+    r = run_offload_demo("tiny-mistral", seed=2, prompt_len=24, prefix_len=16, block_size=4, block_size_factor=2,
+                         num_cpu_blocks=1)
+    assert r.events == {"stored": 2, "removed": 1}
+    assert r.hit_tokens == 0 and r.loaded_blocks == 0 and not r.ok
+
+
+def test_the_proof_fails_when_the_pool_is_corrupted():
+    def corrupt(pool):
+        for r in pool.byte_regions():
+            r.add_(1)
+
+    r = run_offload_demo("tiny-gemma2", seed=0, prompt_len=40, after_store=corrupt)
+    assert not r.cache_equal and not r.ok and r.differences
+
+
+def test_a_mirror_pool_is_loaded_by_its_own_engine_shape():
+    with pytest.raises(InvalidRequest, match="use canonical=True to load on another shape"):
+        run_offload_demo("tiny-gemma2", store_tp=2, load_tp=4)
+    with pytest.raises(InvalidRequest, match="prefix_len must be a multiple of the 8-token offloaded block"):
+        run_offload_demo("tiny-gemma2", prompt_len=40, prefix_len=12)
