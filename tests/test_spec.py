@@ -235,15 +235,38 @@ def test_unknown_architecture_lists_known_ones():
         ModelSpec.from_hf_config({"num_hidden_layers": 2})
 
 
-@pytest.mark.parametrize(("cfg", "field"), [
-    (LLAMA3_8B, "num_hidden_layers"), (LLAMA3_8B, "num_attention_heads"), (LLAMA3_8B, "hidden_size"),
-    (DEEPSEEK_V3, "kv_lora_rank"), (DEEPSEEK_V3, "qk_rope_head_dim"),
-])
-def test_missing_field_named(cfg, field):
+MISSING = [(LLAMA3_8B, "num_hidden_layers"), (LLAMA3_8B, "num_attention_heads"), (LLAMA3_8B, "hidden_size"),
+           (DEEPSEEK_V3, "kv_lora_rank"), (DEEPSEEK_V3, "qk_rope_head_dim")]
+
+
+@pytest.mark.parametrize(("cfg", "field"), MISSING)
+def test_missing_field_takes_transformers_default(cfg, field):
+    # Hub configs omit fields left at their defaults; kvbridge must see the geometry transformers builds.
+    from transformers import CONFIG_MAPPING
+    broken = {k: v for k, v in cfg.items() if k != field}
+    expected = CONFIG_MAPPING[cfg["model_type"]](**{k: v for k, v in broken.items() if k != "model_type"})
+    assert ModelSpec.from_hf_config(broken) == ModelSpec.from_hf_config({**expected.to_dict(), **broken,
+                                                                         field: getattr(expected, field)})
+
+
+@pytest.mark.parametrize(("cfg", "field"), MISSING)
+def test_missing_field_named_when_no_defaults_exist(cfg, field, monkeypatch):
+    import kvbridge.spec
+    monkeypatch.setattr(kvbridge.spec, "_with_transformers_defaults", lambda c: None)
     broken = {k: v for k, v in cfg.items() if k != field}
     with pytest.raises(ConfigError) as e:
         ModelSpec.from_hf_config(broken)
     assert repr(field) in str(e.value) and repr(cfg["model_type"]) in str(e.value)
+
+
+def test_sparse_gemma3_hub_config_uses_transformers_defaults():
+    # gemma-3-4b's text_config omits head counts and head_dim (transformers defaults: 8, 4, 256).
+    cfg = {"model_type": "gemma3", "torch_dtype": "bfloat16",
+           "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "num_hidden_layers": 34,
+                           "sliding_window": 1024, "intermediate_size": 10240}}
+    spec = ModelSpec.from_hf_config(cfg)
+    assert spec.num_layers == 34 and spec.layers[5].kind == "full" and spec.layers[0].kind == "sliding"
+    assert (spec.layers[0].num_kv_heads, spec.layers[0].key_dim) == (4, 256)
 
 
 def test_config_from_file_and_directory(tmp_path):

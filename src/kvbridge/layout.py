@@ -50,8 +50,11 @@ class EngineLayout(msgspec.Struct, frozen=True):
             raise IncompatibleEngines(
                 f"TP size, block size and block count must be >= 1, got {self.tp_size}, "
                 f"{self.block_size}, {self.num_blocks}")
+        if self.kernel_block_size is not None and self.kernel_block_size < 1:
+            raise IncompatibleEngines(
+                f"kernel block size must be >= 1 (block size {self.block_size}), got {self.kernel_block_size}")
         kbs = self.kernel_block_size or self.block_size
-        if kbs < 1 or self.block_size % kbs:
+        if self.block_size % kbs:
             raise IncompatibleEngines(
                 f"kernel block size {kbs} must divide the logical block size {self.block_size}")
         if self.kv_order not in ("NHD", "HND"):

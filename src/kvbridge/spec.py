@@ -285,6 +285,20 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
         if view == "transformers":
             mla_view = "heads"
         cfg = _load_config(config)
+        try:
+            return cls._from_config(cfg, dtype, mla_view, view, state_dtype)
+        except ConfigError as missing:
+            filled = _with_transformers_defaults(cfg)  # hub configs often omit fields left at defaults
+            if filled is None or filled == cfg:
+                raise
+            try:
+                return cls._from_config(filled, dtype, mla_view, view, state_dtype)
+            except ConfigError:
+                raise missing from None
+
+    @classmethod
+    def _from_config(cls, cfg: dict[str, Any], dtype: str | None, mla_view: str, view: str,
+                     state_dtype: str | None) -> ModelSpec:
         arch = str(cfg.get("model_type", "")).lower()
         if "text_config" in cfg and ("num_hidden_layers" not in cfg or arch not in _ATTENTION_ARCHS | _MLA_ARCHS | _HYBRID_ARCHS):
             cfg = {**cfg["text_config"], "torch_dtype": cfg.get("torch_dtype", cfg.get("dtype"))}
@@ -327,6 +341,23 @@ _ATTENTION_ARCHS = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "ge
                     "gpt_oss", "phi3", "granite", "olmo2", "smollm3"}
 _MLA_ARCHS = {"deepseek_v2", "deepseek_v3", "kimi_k2"}
 _HYBRID_ARCHS = {"bamba", "granitemoehybrid", "qwen3_next", "lfm2"}
+
+
+def _with_transformers_defaults(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """`cfg` (and its `text_config`) completed with the architecture's transformers defaults."""
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+
+    arch = cfg.get("model_type")
+    if arch not in CONFIG_MAPPING:
+        return None
+    try:  # the config class fills defaults and derives fields (layer_types ...) as transformers would
+        out = CONFIG_MAPPING[arch](**{k: v for k, v in cfg.items() if k != "model_type"}).to_dict()
+    except Exception:  # noqa: BLE001 - a config transformers itself rejects: keep the original error
+        return None
+    return {**out, "model_type": arch}
 
 
 def _load_config(config: dict[str, Any] | str | Path) -> dict[str, Any]:
