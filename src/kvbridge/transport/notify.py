@@ -1,0 +1,111 @@
+"""A small per-agent message channel over ZMQ: notifications and transport control messages.
+
+Each agent binds one PULL socket (`tcp://HOST:*`, loopback by default) and opens one PUSH socket
+per connected peer. A message is three frames: sender name, kind (one byte), payload. Sends
+never block longer than `send_timeout_ms`: PUSH sockets use `ZMQ_IMMEDIATE`, so a message to a
+peer with no live connection (dead, never started, unreachable) is refused instead of queued,
+and the sender learns it as a `PeerUnreachable` error within the timeout. Delivery is in order
+per (sender, receiver) pair.
+
+Threading: sends may come from any thread (one lock per channel); `recv` is meant for a single
+consumer thread (the agent's service thread).
+
+Backends without built-in notifications (shared memory, Mooncake) deliver `Transport`
+notifications here, sent only after the transfer's bytes have landed; every backend with a
+staging path sends its control messages here.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import zmq
+
+from kvbridge.errors import KVBridgeError
+
+NOTIFY = 0
+"""A user notification (`Transport.send_notification`, or a transfer's `notify`)."""
+CONTROL = 1
+"""A transport-internal control message (staging protocol)."""
+
+
+class PeerUnreachable(KVBridgeError, ConnectionError):
+    """A message could not be handed to a live connection to the peer in time."""
+
+
+class Channel:
+    """One agent's endpoint: `endpoint` is what peers connect to."""
+
+    def __init__(self, name: str, host: str = "127.0.0.1", send_timeout_ms: int = 2000):
+        self.name = name
+        self._name_bytes = name.encode()
+        self._send_timeout_ms = send_timeout_ms
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        port = self._pull.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self._push: dict[str, zmq.Socket] = {}
+        self._lock = threading.Lock()
+        self._poller = zmq.Poller()
+        self._poller.register(self._pull, zmq.POLLIN)
+        self._closed = False
+
+    def connect(self, peer: str, endpoint: str) -> None:
+        with self._lock:
+            old = self._push.pop(peer, None)
+            if old is not None:
+                old.close(0)
+            s = self._ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IMMEDIATE, 1)
+            s.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.connect(endpoint)
+            self._push[peer] = s
+
+    def disconnect(self, peer: str) -> None:
+        with self._lock:
+            s = self._push.pop(peer, None)
+            if s is not None:
+                s.close(0)
+
+    def send(self, peer: str, kind: int, payload: bytes) -> None:
+        """Hand one message to the connection to `peer`; raises `PeerUnreachable` on failure."""
+        with self._lock:
+            s = self._push.get(peer)
+            if s is None:
+                raise PeerUnreachable(f"{self.name}: no channel to peer {peer!r} (not connected)")
+            try:
+                s.send_multipart([self._name_bytes, bytes([kind]), payload], copy=len(payload) < 65536)
+            except zmq.Again:
+                raise PeerUnreachable(
+                    f"{self.name}: peer {peer!r} accepted no message within {self._send_timeout_ms} ms "
+                    "(no live connection: the peer process is gone or unreachable)") from None
+            except zmq.ZMQError as e:
+                raise PeerUnreachable(f"{self.name}: sending to peer {peer!r} failed: {e}") from None
+
+    def recv(self, timeout_ms: int) -> list[tuple[str, int, bytes]]:
+        """Every message waiting (after at most `timeout_ms` for the first): (sender, kind, payload)."""
+        out: list[tuple[str, int, bytes]] = []
+        if self._closed or not self._poller.poll(timeout_ms):
+            return out
+        while True:
+            try:
+                frames = self._pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            if len(frames) == 3 and len(frames[1]) == 1:
+                out.append((frames[0].decode(errors="replace"), frames[1][0], frames[2]))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for s in self._push.values():
+                s.close(0)
+            self._push.clear()
+            self._pull.close(0)
+            self._ctx.term()

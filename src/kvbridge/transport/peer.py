@@ -1,0 +1,238 @@
+"""Agents in another process, driven over a pipe: what the transport bench and tests use to put
+the two sides of a transfer in two real processes.
+
+`AgentHost` owns transport agents and the rank caches they registered and exposes plain
+methods (create, alloc, metadata, connect, submit, wait, ...). `PeerProcess` runs an `AgentHost`
+in a spawned child and forwards calls to it, each with a deadline; the same methods are called
+on a local `AgentHost` for the side in this process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvbridge.layout import EngineLayout, RankCache
+from kvbridge.plan import Request
+from kvbridge.spec import ModelSpec
+from kvbridge.transport.base import Handle, Runs, XferState
+
+BACKENDS = {"shm": ("kvbridge.transport.shm", "ShmTransport"),
+            "nixl": ("kvbridge.transport.nixl", "NixlTransport"),
+            "mooncake": ("kvbridge.transport.mooncake", "MooncakeTransport")}
+
+
+def create_transport(backend: str, name: str, **kwargs: Any):
+    module, cls = BACKENDS[backend]
+    return getattr(importlib.import_module(module), cls)(name, **kwargs)
+
+
+class AgentHost:
+    """Agents and their memory in one process."""
+
+    def __init__(self) -> None:
+        self.agents: dict[str, Any] = {}
+        self.backend: dict[str, str] = {}
+        self.caches: dict[str, RankCache] = {}
+        self.before: dict[str, RankCache] = {}
+        self.handles: dict[tuple[str, int], Handle] = {}
+        self.scratch: dict[str, list[torch.Tensor]] = {}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def create(self, backend: str, name: str, **kwargs: Any) -> str:
+        self.agents[name] = create_transport(backend, name, **kwargs)
+        self.backend[name] = backend
+        return name
+
+    def alloc(self, name: str, spec: ModelSpec, layout: EngineLayout, rank: int, fill: str = "random",
+              block_ids: tuple[tuple[int, ...], ...] | None = None, num_tokens: int = 0, seed: int = 0) -> int:
+        """Allocate rank `rank`'s cache for agent `name` and register it; returns its region count.
+
+        fill: "random" bytes, "pattern" (verify.fill_source over `block_ids`, `num_tokens`) on top
+        of random bytes, or "const" (every byte `seed`).
+        """
+        from kvbridge import verify
+        if self.backend[name] == "shm":
+            from kvbridge.transport.shm import allocate_shared
+            cache = allocate_shared(spec, layout, rank, name_prefix=name, fill=None)
+        else:
+            cache = RankCache.allocate(spec, layout, rank, fill=None)
+        if fill == "const":
+            for r in cache.byte_regions():
+                r.fill_(seed)
+        else:
+            verify.random_bytes([cache], seed)
+        if fill == "pattern":
+            verify.fill_source([cache], block_ids, num_tokens)
+        self.caches[name] = cache
+        self.agents[name].register(cache.regions)
+        return len(cache.regions)
+
+    def alloc_bytes(self, name: str, nbytes: int, value: int) -> int:
+        """A contiguous buffer of `nbytes` (every byte `value`) registered after the cache; its region index."""
+        if self.backend[name] == "shm":
+            from kvbridge.transport.shm import shared_bytes
+            t = shared_bytes(nbytes, name)
+        else:
+            t = torch.empty(nbytes, dtype=torch.uint8)
+        t.fill_(value)
+        self.scratch.setdefault(name, []).append(t)
+        self.agents[name].register([t])
+        return len(self.agents[name]._regions) - 1
+
+    def check_bytes(self, name: str, index: int, value: int) -> bool:
+        return bool((self.scratch[name][index] == value).all())
+
+    def metadata(self, name: str) -> bytes:
+        return self.agents[name].metadata()
+
+    def connect(self, name: str, peer: str, metadata: bytes) -> None:
+        self.agents[name].connect(peer, metadata)
+
+    def set(self, name: str, **attrs: Any) -> None:
+        for k, v in attrs.items():
+            setattr(self.agents[name], k, v)
+
+    def submit(self, name: str, peer: str, op: str, runs: Runs, notify: bytes | None = None) -> int:
+        h = self.agents[name].submit(peer, op, runs, notify)
+        self.handles[(name, h.id)] = h
+        return h.id
+
+    def wait(self, name: str, ids: list[int], timeout: float = 60.0) -> list[tuple[str, str]]:
+        """Poll until every handle is terminal or `timeout`; returns (state, reason) per handle."""
+        agent, hs = self.agents[name], [self.handles[(name, i)] for i in ids]
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if all(agent.poll(h) != XferState.PENDING for h in hs):
+                break
+            time.sleep(0.0005)
+        return [(agent.poll(h).value, h.reason) for h in hs]
+
+    def abort(self, name: str, hid: int) -> tuple[str, str]:
+        h = self.handles[(name, hid)]
+        self.agents[name].abort(h)
+        return h.state.value, h.reason
+
+    def notifications(self, name: str, count: int = 0, timeout: float = 10.0) -> list[tuple[str, bytes]]:
+        """Notifications received, waiting up to `timeout` until there are at least `count`."""
+        out: list[tuple[str, bytes]] = []
+        end = time.monotonic() + timeout
+        while True:
+            out.extend(self.agents[name].notifications())
+            if len(out) >= count or time.monotonic() > end:
+                return out
+            time.sleep(0.002)
+
+    def send_notification(self, name: str, peer: str, message: bytes) -> None:
+        self.agents[name].send_notification(peer, message)
+
+    def snapshot(self, name: str) -> None:
+        from kvbridge.verify import clone_caches
+        self.before[name] = clone_caches([self.caches[name]])[0]
+
+    def verify(self, name: str, request: Request) -> list[str]:
+        """Byte-exact check of this destination cache against the snapshot plus `request`'s tokens."""
+        from kvbridge.verify import expected_destination, mismatch_report
+        expected = self.before.pop(name)
+        expected_destination([expected], request)
+        return mismatch_report([self.caches[name]], [expected])
+
+    def unchanged(self, name: str) -> list[str]:
+        """Differences between the cache and its snapshot (a transfer that must not have landed)."""
+        from kvbridge.verify import mismatch_report
+        return mismatch_report([self.caches[name]], [self.before.pop(name)])
+
+    def close(self, name: str) -> None:
+        self.agents[name].close()
+
+    def close_all(self) -> None:
+        for a in self.agents.values():
+            a.close()
+        self.agents.clear()
+        self.caches.clear()
+        self.scratch.clear()
+        self.before.clear()
+        self.handles.clear()
+
+
+def _child(conn) -> None:
+    torch.set_num_threads(1)
+    host = AgentHost()
+    while True:
+        try:
+            method, args, kwargs = conn.recv()
+        except EOFError:
+            break
+        if method == "exit":
+            host.close_all()
+            conn.send(("ok", None))
+            break
+        if method == "crash":
+            os._exit(17)
+        try:
+            conn.send(("ok", getattr(host, method)(*args, **kwargs)))
+        except Exception as e:  # sent back and raised in the parent
+            conn.send(("err", f"{type(e).__name__}: {e}"))
+    os._exit(0)
+
+
+class PeerError(RuntimeError):
+    """An `AgentHost` call failed in the child process."""
+
+
+class PeerProcess:
+    """An `AgentHost` in a spawned child; `call(method, ...)` runs it there."""
+
+    def __init__(self, start_timeout: float = 120.0):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_child, args=(child,), daemon=True)
+        self.process.start()
+        child.close()
+        self.pid = self.call("pid", timeout=start_timeout)
+
+    def call(self, method: str, *args: Any, timeout: float = 120.0, **kwargs: Any) -> Any:
+        self._conn.send((method, args, kwargs))
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"peer process {self.process.pid}: {method} took more than {timeout} s")
+        status, value = self._conn.recv()
+        if status == "err":
+            raise PeerError(value)
+        return value
+
+    def __getattr__(self, method: str):
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return lambda *a, **k: self.call(method, *a, **k)
+
+    def kill(self) -> None:
+        """SIGKILL the child (a crash: no cleanup runs there)."""
+        self.process.kill()
+        self.process.join(10)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.call("exit", timeout=30)
+            except Exception:
+                self.process.kill()
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+def runs_between(plan, src_rank: int, dst_rank: int, op: str) -> Runs:
+    """The runs of `plan` from source rank to destination rank, as the poster of `op` sees them."""
+    m = (plan.src_rank == src_rank) & (plan.dst_rank == dst_rank)
+    s = (plan.src_region[m], plan.src_offset[m])
+    d = (plan.dst_region[m], plan.dst_offset[m])
+    local, remote = (d, s) if op == "read" else (s, d)
+    return Runs(*(np.ascontiguousarray(a, np.int64) for a in (*local, *remote, plan.length[m])))
