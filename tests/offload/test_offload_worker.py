@@ -17,7 +17,10 @@ from kvbridge.offload.worker import OffloadWorker, TransferResult
 from kvbridge.spec import ModelSpec
 from kvbridge.verify import random_bytes
 
-from offload_helpers import snapshot
+
+def snapshot(caches: list[RankCache]) -> list[torch.Tensor]:
+    return [r.clone() for c in caches for r in c.byte_regions()]
+
 
 HYBRID = ModelSpec.uniform(4, 4, 8, "bfloat16", kinds=("sliding", "full"), window=5)  # groups (0, 2), (1, 3)
 DEVICE = EngineLayout(tp_size=2, block_size=4, num_blocks=32)
