@@ -59,7 +59,7 @@ def test_the_proof_fails_when_the_pool_is_corrupted():
     assert not r.cache_equal and not r.ok and r.differences
 
 
-def test_a_mirror_pool_is_loaded_by_its_own_engine_shape():
+def test_demo_arguments_are_checked():
     with pytest.raises(InvalidRequest, match="use canonical=True to load on another shape"):
         run_offload_demo("tiny-gemma2", store_tp=2, load_tp=4)
     with pytest.raises(InvalidRequest, match="prefix_len must be a multiple of the 8-token offloaded block"):

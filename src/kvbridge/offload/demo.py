@@ -17,7 +17,6 @@ the one that was stored.
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -178,8 +177,8 @@ def run_offload_demo(model: str = "tiny-gemma2", seed: int = 0, prompt_len: int 
                                    num_blocks=blocks_needed)
     else:
         if (load_tp not in (None, store_tp)) or (load_block_size not in (None, block_size)):
-            raise InvalidRequest("a mirror pool is loaded by the engine that stored it; use canonical=True to load on "
-                                 f"another shape (asked TP {store_tp} -> {load_tp}, block {block_size} -> "
+            raise InvalidRequest("the mirror (vLLM) variant loads on the engine that stored; use canonical=True "
+                                 f"to load on another shape (asked TP {store_tp} -> {load_tp}, block {block_size} -> "
                                  f"{load_block_size})")
         pool = CPUPool.mirror(spec, store_layout, block_size_factor, num_cpu_blocks, pin_memory=False)
         load_layout = store_layout
@@ -206,7 +205,8 @@ def run_offload_demo(model: str = "tiny-gemma2", seed: int = 0, prompt_len: int 
                for k in storable_keys(tables_a[g], keys_a[g], store_engine.factor, next_stored[g], stop // obs)]
         out = manager.prepare_store(new)
         if out is None:
-            raise InvalidRequest(f"CPU pool of {num_cpu_blocks} blocks cannot take {len(new)} more; raise num_cpu_blocks")
+            raise InvalidRequest(f"CPU pool of {num_cpu_blocks} blocks cannot take {len(new)} more; "
+                                 f"raise num_cpu_blocks")
         manager.touch([k for ks in keys_a for k in ks[:stop // obs]])
         if out.keys_to_store:
             job = (store_job(tables_a, keys_a, out.keys_to_store, store_engine.factor), out.store_spec)

@@ -96,7 +96,8 @@ class OffloadingManager:
         for key in keys:
             block = self.policy.get(key)
             if block is None or not block.is_ready:
-                raise OffloadStateError(f"cannot load block {key!r}: {'not offloaded' if block is None else 'not ready'}")
+                why = "not offloaded" if block is None else "not ready"
+                raise OffloadStateError(f"cannot load block {key!r}: {why}")
             blocks.append(block)
         for block in blocks:  # all-or-nothing
             block.ref_cnt += 1

@@ -143,7 +143,8 @@ class ARCPolicy(CachePolicy):
                 if pick is not None:
                     t1_size -= 1
             if pick is None:
-                pick = next(((k, b, False) for k, b in self.t2.items() if self._evictable(k, b, protected, names)), None)
+                pick = next(((k, b, False) for k, b in self.t2.items()
+                             if self._evictable(k, b, protected, names)), None)
                 if pick is None:
                     return None
             chosen.append(pick)

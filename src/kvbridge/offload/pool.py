@@ -57,7 +57,8 @@ class CPUPool:
         self.spec, self.layout, self.caches, self.format = spec, layout, list(caches), fmt
 
     @classmethod
-    def allocate(cls, spec: ModelSpec, layout: EngineLayout, fmt: PoolFormat, pin_memory: bool | None = None) -> CPUPool:
+    def allocate(cls, spec: ModelSpec, layout: EngineLayout, fmt: PoolFormat,
+                 pin_memory: bool | None = None) -> CPUPool:
         """Zeroed host memory; pinned (page-locked, for asynchronous DMA) when CUDA is available."""
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         dtype = TORCH_DTYPES[spec.dtype]

@@ -55,7 +55,8 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec):
         return len(self.block_ids)
 
     def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and np.array_equal(self.block_ids, other.block_ids)  # type: ignore[attr-defined]
+        return (type(self) is type(other)
+                and np.array_equal(self.block_ids, other.block_ids))  # type: ignore[attr-defined]
 
     __hash__ = None  # type: ignore[assignment]
 

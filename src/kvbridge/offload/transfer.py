@@ -69,9 +69,9 @@ class _Side:
         self.layout = layout
         self.pos = np.full(layout.tp_size, -1, dtype=np.int64)
         self.pos[np.asarray(ranks, dtype=np.int64)] = np.arange(len(ranks))
-        per_rank = len(layout.addressing(spec, 0).region_nbytes)
-        self.first = np.arange(len(ranks), dtype=np.int64) * per_rank
-        self.sizes = np.tile(np.asarray(layout.addressing(spec, 0).region_nbytes, dtype=np.int64), len(ranks))
+        sizes = [layout.addressing(spec, r).region_nbytes for r in ranks]
+        self.first = np.cumsum([0] + [len(s) for s in sizes[:-1]]).astype(np.int64)
+        self.sizes = np.asarray([n for s in sizes for n in s], dtype=np.int64)
         per_layer = layout.layer_placement == "per_layer"
         self.remap = [np.asarray(layers if per_layer else (0,), dtype=np.int64) for layers in spec.groups]
 

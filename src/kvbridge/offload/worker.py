@@ -193,7 +193,8 @@ class OffloadWorker:
         src, dst = job
         pair = (src.medium(), dst.medium())
         if pair not in (STORE, LOAD):
-            raise SpecMismatch(f"no handler moves {pair[0]} -> {pair[1]}; this worker handles GPU -> CPU and CPU -> GPU")
+            raise SpecMismatch(f"no handler moves {pair[0]} -> {pair[1]}; this worker handles GPU -> CPU and "
+                               f"CPU -> GPU")
         gpu, cpu = (src, dst) if pair == STORE else (dst, src)
         if not isinstance(gpu, GPULoadStoreSpec):
             raise SpecMismatch(f"the device side of a job must be a GPULoadStoreSpec, got {type(gpu).__name__}")
