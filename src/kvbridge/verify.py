@@ -132,8 +132,11 @@ class CaseResult:
 
 
 def check_case(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, request: Request, seed: int = 0,
-               backend: str = "auto") -> CaseResult:
-    """Plan and execute one request between fresh caches and compare every destination byte."""
+               backend: str = "auto", checksum: bool = False) -> CaseResult:
+    """Plan and execute one request between fresh caches and compare every destination byte.
+
+    With `checksum`, the end-to-end request checksum (`integrity`) must also agree.
+    """
     src_caches = RankCache.allocate_engine(spec, src, fill=None)
     dst_caches = RankCache.allocate_engine(spec, dst, fill=None)
     random_bytes(src_caches, seed)
@@ -143,7 +146,11 @@ def check_case(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, request: R
     expected_destination(expected, request)
     plan = plan_request(spec, src, dst, request)
     LocalExecutor(src_caches, dst_caches, backend=backend).execute(plan)  # type: ignore[arg-type]
-    return CaseResult(spec, src, dst, request, plan, mismatch_report(dst_caches, expected))
+    mismatches = mismatch_report(dst_caches, expected)
+    if checksum:
+        from kvbridge.integrity import verify_request
+        mismatches += verify_request(src_caches, dst_caches, request)
+    return CaseResult(spec, src, dst, request, plan, mismatches)
 
 
 def _legal_tps(heads: int, limit: int = 8) -> list[int]:

@@ -1,0 +1,115 @@
+"""End-to-end integrity: a request checksum over *logical* content, independent of layouts and TP.
+
+Each logical row — (layer, component, token, head) for attention, (layer, component, unit) for
+recurrent state — contributes `hash(row bytes, coordinates)`; contributions are added modulo
+2^64, so any partition of the rows sums to the same value. The source computes, for each destination
+rank, the sum over the rows that rank must hold, each source rank adding only rows it is the
+*designated* (first) holder of, so replicated source heads count once. Each destination rank
+sums every row it holds, replicas included. Equal sums mean every row arrived intact and in its
+place (a row in the wrong place changes its coordinates' weights); a mismatch names the rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvbridge.layout import EngineLayout, RankCache
+from kvbridge.plan import Request
+from kvbridge.shard import head_range, holders
+
+_MASK = (1 << 64) - 1
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _i64(c: int) -> int:
+    """A 64-bit constant as the signed int64 torch arithmetic wraps with."""
+    c &= _MASK
+    return c - (1 << 64) if c >> 63 else c
+
+
+_K = [_i64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x2545F4914F6CDD1D,
+                        0x5851F42D4C957F2D)]
+
+
+def _weights(layer: int, comp: int, coords: torch.Tensor, words: int) -> torch.Tensor:
+    """Pseudo-random odd int64 weights per (row coordinates, word index): `[rows, words]`."""
+    x = coords[:, None] * _K[0] + torch.arange(words, dtype=torch.int64)[None, :] * _K[1]
+    x = x + _i64(layer * _K[2] + comp * _K[3])
+    x = x ^ (x >> 31)
+    x = x * _K[4]
+    x = x ^ (x >> 29)
+    return x | 1
+
+
+def _row_hashes(rows: torch.Tensor, layer: int, comp: int, coords: torch.Tensor) -> torch.Tensor:
+    """hash(row, coords) per row of `rows` `[n, bytes]` (uint8), int64 wrapping arithmetic."""
+    if rows.numel() == 0:
+        return torch.zeros(rows.shape[0], dtype=torch.int64)
+    n = rows.shape[1]
+    width = 8 if n % 8 == 0 else 4 if n % 4 == 0 else 2 if n % 2 == 0 else 1
+    words = rows.contiguous().view(_WORD[width]).to(torch.int64)
+    return (words * _weights(layer, comp, coords, words.shape[1])).sum(dim=1)
+
+
+def _rank_rows(cache: RankCache, block_ids: tuple[tuple[int, ...], ...], request: Request):
+    """Yield (layer, comp, global heads of each row, row hashes) for the rows this rank holds."""
+    spec, a = cache.spec, cache.addr
+    for li, layer in enumerate(spec.layers):
+        ids = block_ids[spec.layer_group[li]]
+        for ci in range(len(layer.components)):
+            h0, nh = int(a.first_head[li, ci]), int(a.heads[li, ci])
+            heads = torch.arange(h0, h0 + nh, dtype=torch.int64)
+            if layer.is_recurrent:
+                if request.num_cached_tokens >= request.num_tokens:
+                    continue
+                data = cache.read_state(li, ci, ids[-1]).contiguous().view(torch.uint8).reshape(nh, -1)
+                coords, row_heads = heads, heads
+            else:
+                start = max(request.num_cached_tokens, layer.tokens_kept(request.num_tokens))
+                pos = np.arange(start, request.num_tokens, dtype=np.int64)
+                if not len(pos):
+                    continue
+                rows = cache.read_tokens(li, ci, ids, pos)  # [T, H, D]
+                data = rows.contiguous().view(torch.uint8).reshape(len(pos) * nh, -1)
+                coords = (torch.from_numpy(pos)[:, None] * 65536 + heads[None, :]).reshape(-1)
+                row_heads = heads.repeat(len(pos))
+            yield li, ci, row_heads, _row_hashes(data.cpu(), li, ci, coords)
+
+
+def _sum(x: torch.Tensor) -> int:
+    return int(x.sum()) & _MASK
+
+
+def destination_checksums(caches: list[RankCache], request: Request) -> list[int]:
+    """What each destination rank holds of the request, every replica included."""
+    return [sum(_sum(h) for *_, h in _rank_rows(c, request.dst_block_ids, request)) & _MASK for c in caches]
+
+
+def source_checksums(caches: list[RankCache], request: Request, dst: EngineLayout) -> list[int]:
+    """What each rank of a destination engine shaped `dst` must hold, computed from the source.
+
+    Each source rank counts the rows it is the designated (first) holder of, so replicated source
+    heads count once; each destination rank's expectation includes every head it holds.
+    """
+    spec = caches[0].spec
+    out = [0] * dst.tp_size
+    for cache in caches:
+        for li, ci, row_heads, hashes in _rank_rows(cache, request.src_block_ids, request):
+            layer, comp = spec.layers[li], spec.layers[li].components[ci]
+            first = torch.tensor([holders(comp.heads, cache.layout.tp_size, int(h), layer.replicated)[0]
+                                  for h in range(comp.heads)])
+            mine = first[row_heads] == cache.rank
+            for d in range(dst.tp_size):
+                d0, d1 = head_range(comp.heads, dst.tp_size, d, layer.replicated)
+                sel = mine & (row_heads >= d0) & (row_heads < d1)
+                out[d] = (out[d] + _sum(hashes[sel])) & _MASK
+    return out
+
+
+def verify_request(src: list[RankCache], dst: list[RankCache], request: Request) -> list[str]:
+    """Reasons the landed request differs from the source (empty when intact)."""
+    expected = source_checksums(src, request, dst[0].layout)
+    actual = destination_checksums(dst, request)
+    return [f"destination rank {d}: checksum {a:#018x}, source sent {e:#018x}"
+            for d, (e, a) in enumerate(zip(expected, actual)) if e != a]
