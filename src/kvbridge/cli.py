@@ -39,6 +39,19 @@ class Order(str, Enum):
 
 class Transport(str, Enum):
     local = "local"
+    shm = "shm"
+    nixl = "nixl"
+    mooncake = "mooncake"
+
+
+class Mode(str, Enum):
+    pull = "pull"
+    push = "push"
+
+
+class Role(str, Enum):
+    both = "both"
+    decode = "decode"
 
 
 def _friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -74,6 +87,23 @@ def load_spec(model: str) -> ModelSpec:
 
 
 # --------------------------------------------------------------------------------------------- demo
+_DEMO_KEYS = ("model", "transport", "mode", "prefill", "decode", "tokens_reference", "tokens_disaggregated",
+              "tokens_offload", "match", "cache_equal", "bytes_moved", "num_runs", "plan_seconds",
+              "transfer_seconds", "store_engine", "load_engine", "pool", "hit_tokens", "bytes_stored",
+              "bytes_loaded", "store_seconds", "load_seconds", "requests_ok")
+
+
+def _show(out: dict[str, Any], title: str) -> None:
+    table = Table(title=title, show_header=False)
+    for key in _DEMO_KEYS:
+        if key in out and out[key] is not None:
+            value = out[key]
+            if isinstance(value, float):
+                value = f"{value * 1e3:.2f} ms" if key.endswith("seconds") else f"{value:.3f}"
+            table.add_row(key, str(value))
+    console.print(table)
+
+
 @app.command()
 @_friendly_errors
 def demo(
@@ -87,48 +117,103 @@ def demo(
     prefill_kernel_block_size: Optional[int] = typer.Option(None, min=1, help="Kernel block size (default: block size)."),
     decode_kernel_block_size: Optional[int] = typer.Option(None, min=1),
     prefill_layout: Order = typer.Option(Order.HND), decode_layout: Order = typer.Option(Order.HND),
-    transport: Transport = typer.Option(Transport.local, help="How bytes move."),
+    transport: Transport = typer.Option(Transport.local, help="local: one process; shm/nixl/mooncake: one process per rank."),
+    mode: Mode = typer.Option(Mode.pull, help="pull: decode reads (NIXL style); push: prefill writes (Mooncake style)."),
+    requests: int = typer.Option(1, min=1, help="Requests in flight at once (multi-process transports)."),
+    role: Role = typer.Option(Role.both, help="decode: only the decode half, against a `kvbridge prefill-server`."),
+    prefill: Optional[str] = typer.Option(None, help="HOST:PORT of the prefill server (with --role decode)."),
+    offload: bool = typer.Option(False, help="Offload scenario: store a prefix to CPU, evict, load it back, decode."),
     dump_decode_cache: Optional[Path] = typer.Option(None, help="Write the reassembled decode cache (.safetensors)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Prefill on one engine shape, move the KV cache, decode on another; compare with `generate`."""
-    from kvbridge import hf
     ids = _parse_ids(prompt_ids) if prompt_ids else None
     n = (len(ids) if ids else prompt_len) + new_tokens
 
     def layout(tp: int, bs: int, kbs: Optional[int], order: Order) -> EngineLayout:
-        return EngineLayout(tp_size=tp, block_size=bs, num_blocks=-(-n // bs) + 8, kernel_block_size=kbs,
-                            kv_order=order.value)
+        return EngineLayout(tp_size=tp, block_size=bs, num_blocks=(-(-n // bs) + 8) * requests,
+                            kernel_block_size=kbs, kv_order=order.value)
 
-    prefill = layout(prefill_tp, prefill_block_size, prefill_kernel_block_size, prefill_layout)
-    decode = layout(decode_tp, decode_block_size, decode_kernel_block_size, decode_layout)
+    prefill_shape = layout(prefill_tp, prefill_block_size, prefill_kernel_block_size, prefill_layout)
+    decode_shape = layout(decode_tp, decode_block_size, decode_kernel_block_size, decode_layout)
     spec = load_spec(model)
-    prefill.check_model(spec, "prefill engine")
-    decode.check_model(spec, "decode engine")
-    with console.status("prefill, transfer, decode ...", spinner="dots") if not as_json else _nullcontext():
-        result = hf.run_demo(model, prompt_ids=ids, prompt_len=prompt_len, new_tokens=new_tokens, seed=seed,
-                             prefill=prefill, decode=decode, dump_decode_cache=dump_decode_cache)
+    prefill_shape.check_model(spec, "prefill engine")
+    decode_shape.check_model(spec, "decode engine")
+    if role == Role.decode and not prefill:
+        from kvbridge.errors import InvalidRequest
+        raise InvalidRequest("--role decode needs --prefill HOST:PORT of a running `kvbridge prefill-server`")
+    status = console.status("prefill, transfer, decode ...", spinner="dots") if not as_json else _nullcontext()
+    with status:
+        if offload:
+            from kvbridge.offload.demo import run_offload_demo
+            result = run_offload_demo(model if model != "tiny-llama" else "tiny-gemma2", seed=seed,
+                                      prompt_len=max(prompt_len, 16), new_tokens=new_tokens, store_tp=prefill_tp,
+                                      load_tp=decode_tp, canonical=prefill_tp != decode_tp)
+            ok = result.ok
+        elif role == Role.decode:
+            from kvbridge.connector.demo import run_decode_client
+            result = run_decode_client(prefill or "", transport=transport.value, model=model, prompt_ids=ids,
+                                       prompt_len=None if ids else prompt_len, new_tokens=new_tokens, seed=seed,
+                                       decode=decode_shape, mode=mode.value, num_requests=requests,
+                                       dump_decode_cache=dump_decode_cache)
+            ok = result.match
+        elif transport == Transport.local:
+            from kvbridge import hf
+            result = hf.run_demo(model, prompt_ids=ids, prompt_len=prompt_len, new_tokens=new_tokens, seed=seed,
+                                 prefill=prefill_shape, decode=decode_shape, dump_decode_cache=dump_decode_cache)
+            ok = result.match
+        else:
+            from kvbridge.connector.demo import run_multiprocess_demo
+            result = run_multiprocess_demo(transport.value, model, prompt_ids=ids,
+                                           prompt_len=None if ids else prompt_len, new_tokens=new_tokens,
+                                           seed=seed, prefill=prefill_shape, decode=decode_shape, mode=mode.value,
+                                           dump_decode_cache=dump_decode_cache, num_requests=requests)
+            ok = result.match
     out = result.to_dict()
-    out["transport"] = transport.value
+    out.setdefault("transport", transport.value)
     if as_json:
         _print_json(out)
     else:
-        table = Table(title=f"kvbridge demo: {out.get('model', model)}", show_header=False)
-        for key in ("model", "prefill", "decode", "tokens_reference", "tokens_disaggregated", "match",
-                    "cache_equal", "bytes_moved", "num_runs", "plan_seconds", "transfer_seconds"):
-            if key in out:
-                value = out[key]
-                if isinstance(value, float):
-                    value = f"{value * 1e3:.2f} ms" if key.endswith("seconds") else f"{value:.3f}"
-                table.add_row(key, str(value))
-        console.print(table)
-        verdict = "[bold green]MATCH[/]" if result.match else "[bold red]MISMATCH[/]"
-        console.print(f"{verdict}: disaggregated tokens {'equal' if result.match else 'differ from'} "
-                      f"monolithic generate")
-        if dump_decode_cache:
+        _show(out, f"kvbridge demo: {out.get('model', model)}")
+        verdict = "[bold green]MATCH[/]" if ok else "[bold red]MISMATCH[/]"
+        what = "offloaded-and-reloaded" if offload else "disaggregated"
+        console.print(f"{verdict}: {what} tokens {'equal' if ok else 'differ from'} monolithic generate")
+        if dump_decode_cache and not offload:
             console.print(f"decode cache written to {dump_decode_cache}")
-    if not result.match:
+    if not ok:
         raise typer.Exit(1)
+
+
+@app.command("prefill-server")
+@_friendly_errors
+def prefill_server(
+    listen: str = typer.Option("127.0.0.1:5600", help="HOST:PORT the decode side connects to."),
+    model: str = typer.Option("tiny-llama"), prompt_ids: Optional[str] = typer.Option(None),
+    prompt_len: int = typer.Option(32, min=1), seed: int = typer.Option(0),
+    prefill_tp: int = typer.Option(1, min=1), prefill_block_size: int = typer.Option(16, min=1),
+    prefill_layout: Order = typer.Option(Order.HND),
+    transport: Transport = typer.Option(Transport.shm), mode: Mode = typer.Option(Mode.pull),
+    requests: int = typer.Option(1, min=1), timeout: float = typer.Option(120.0, min=1.0),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """The prefill half of the two-host demo: prefill, lease the blocks, serve one decode engine."""
+    from kvbridge.connector.demo import run_prefill_server
+    if transport == Transport.local:
+        from kvbridge.errors import InvalidRequest
+        raise InvalidRequest("prefill-server needs a transport between processes: shm, nixl or mooncake")
+    ids = _parse_ids(prompt_ids) if prompt_ids else None
+    n = (len(ids) if ids else prompt_len) + 8
+    shape = EngineLayout(prefill_tp, prefill_block_size, (-(-n // prefill_block_size) + 8) * requests,
+                         kv_order=prefill_layout.value)
+    shape.check_model(load_spec(model), "prefill engine")
+    result = run_prefill_server(listen, transport=transport.value, model=model, prompt_ids=ids,
+                                prompt_len=None if ids else prompt_len, seed=seed, prefill=shape, mode=mode.value,
+                                num_requests=requests, timeout=timeout,
+                                on_listening=None if as_json else lambda a: err_console.print(f"listening on {a}"))
+    if as_json:
+        _print_json(result.to_dict())
+    else:
+        console.print(result.to_dict())
 
 
 class _nullcontext:
@@ -277,10 +362,12 @@ def bench(
     prefill_block_size: int = typer.Option(16, min=1), decode_block_size: int = typer.Option(16, min=1),
     prefill_layout: Order = typer.Option(Order.HND), decode_layout: Order = typer.Option(Order.HND),
     repeats: int = typer.Option(7, min=1, help="Interleaved repetitions; medians are reported."),
+    transport: Transport = typer.Option(Transport.local, help="local executor, or a real engine between processes."),
+    op: Mode = typer.Option(Mode.pull, help="pull (READ) or push (WRITE), for --transport shm/nixl/mooncake."),
+    offload: bool = typer.Option(False, help="GPU<->CPU offload store and load instead of a P/D transfer."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Local executor vs a plain contiguous copy of the same bytes, side by side in one run."""
-    from kvbridge.bench import bench_local
+    """Our copies vs a plain contiguous copy of the same bytes, side by side in one run."""
     from kvbridge.presets import PRESETS
     if model not in PRESETS:
         from kvbridge.errors import ConfigError
@@ -291,11 +378,28 @@ def bench(
                         console=err_console, disable=as_json)
     with progress:
         task = progress.add_task("repeats", total=repeats)
-        result = bench_local(model, tokens, prefill, decode, repeats,
-                             progress=lambda done, total: progress.update(task, completed=done))
+        tick = lambda done, total: progress.update(task, completed=done)  # noqa: E731
+        if offload:
+            from kvbridge.offload.bench import bench_offload
+            result: Any = bench_offload(model, tokens, prefill_block_size, tp_size=prefill_tp, repeats=repeats,
+                                        progress=tick)
+        elif transport != Transport.local:
+            from kvbridge.transport.bench import bench_transport
+            result = bench_transport(transport.value, model, tokens, prefill, decode,
+                                     op="read" if op == Mode.pull else "write", repeats=repeats, progress=tick)
+        else:
+            from kvbridge.bench import bench_local
+            result = bench_local(model, tokens, prefill, decode, repeats, progress=tick)
     out = result.to_dict()
     if as_json:
         _print_json(out)
+        return
+    if offload or transport != Transport.local:
+        table = Table(title=f"{model}, {tokens} tokens ({'offload' if offload else transport.value})", show_header=False)
+        for key, value in out.items():
+            table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+        console.print(table)
+        console.print(f"medians of {repeats} interleaved repetitions; compare ratios, not absolute times")
         return
     table = Table(title=f"{model}, {tokens} tokens: {result.prefill} -> {result.decode}")
     table.add_column("measure")
