@@ -1,0 +1,670 @@
+"""The multi-process proof: every prefill rank and every decode rank is its own process.
+
+`run_multiprocess_demo` keeps `hf.run_demo`'s proof and changes everything around it into what
+a deployment has:
+
+1. The parent loads the model, runs each request's prefill once (the engine's forward pass)
+   and writes the resulting KV cache into each prefill rank's paged layout (`hf.export_cache`,
+   one head shard per rank). Each prefill rank *process* owns its registered cache and
+   receives its shard over a pipe, as a TP worker would compute it.
+2. Each decode rank process handshakes with the prefill engine over the ZMQ side channel
+   (one bootstrap address; rank 0 lists the others), then receives the request through the
+   real transport: it reads from every source rank (pull) or the prefill ranks write into it
+   (push). Each prefill rank releases each request exactly once.
+3. Decode rank 0 gathers the other ranks' caches, rebuilds a transformers `DynamicCache`,
+   compares it bit for bit with a monolithic forward and continues greedy decoding; the
+   tokens must equal a monolithic `generate`.
+
+The two-host form splits the same steps: `run_prefill_server(listen=...)` runs steps 1 and the
+prefill half of 2 and returns when every request is released; `run_decode_client(prefill=...)`
+runs the decode half of 2 and step 3. Both derive the prompts and request ids from the same
+arguments (model, prompt, seed, number of requests), as a proxy would send both engines the
+same prompt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing as mp
+import random
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector.messages import HandshakeRefused
+from kvbridge.connector.processes import RankArgs, RankProcess, RankProcessError, process_context, stop_all
+from kvbridge.connector.side_channel import format_address, parse_address
+from kvbridge.errors import ConfigError, InvalidRequest
+from kvbridge.layout import EngineLayout, RankCache
+from kvbridge.plan import Request, plan_request
+from kvbridge.spec import ModelSpec
+
+Mode = str  # "pull" | "push"
+
+
+# -------------------------------------------------------------------------------------------------
+# Results
+# -------------------------------------------------------------------------------------------------
+@dataclass
+class MultiProcessDemoResult:
+    """Outcome of a multi-process run; the fields of `hf.DemoResult` plus the lifecycle's."""
+
+    model: str
+    spec: str
+    prefill: str
+    decode: str
+    prompt_len: int
+    new_tokens: int
+    tokens_reference: list[int]
+    tokens_disaggregated: list[int]
+    match: bool
+    cache_equal: bool
+    replicas_equal: bool
+    bytes_moved: int  # what the plans move (every request, every rank pair)
+    num_runs: int
+    transfer_seconds: float  # slowest request: first transfer posted -> last byte landed, on one decode rank
+    plan_seconds: float
+    cache_differences: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    transport: str = "shm"
+    mode: str = "pull"
+    num_requests: int = 1
+    requests_ok: int = 0
+    requests: list[dict[str, Any]] = field(default_factory=list)  # per request: id, ok, reason, match ...
+    bytes_measured: int = 0  # bytes the posting side reported (pull: decode ranks; push: prefill ranks)
+    releases: dict[str, dict[str, int]] = field(default_factory=dict)  # prefill rank -> reason -> count
+    released_exactly_once: bool = True
+    processes: int = 0
+    wall_seconds: float = 0.0
+    receive_seconds: float = 0.0  # parent's view: requests started -> every decode rank reported
+
+    @property
+    def ok(self) -> bool:
+        return (self.match and self.cache_equal and self.replicas_equal and self.requests_ok == self.num_requests
+                and self.released_exactly_once)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+    def summary(self) -> str:
+        verdict = "OK" if self.ok else "MISMATCH"
+        return (f"{verdict}: {self.model} prefill [{self.prefill}] -> decode [{self.decode}] over {self.transport} "
+                f"({self.mode}), {self.processes} processes, {self.requests_ok}/{self.num_requests} requests; tokens "
+                f"{'match' if self.match else 'differ'}, cache {'bit-exact' if self.cache_equal else 'differs'}; "
+                f"{self.bytes_moved} B in {self.num_runs} runs (slowest transfer {self.transfer_seconds * 1e3:.2f} ms)")
+
+
+@dataclass
+class PrefillServerResult:
+    """What the prefill half of the two-host demo saw."""
+
+    listen: str
+    engine_id: str
+    transport: str
+    mode: str
+    num_requests: int
+    decode_engines: list[str]
+    releases: dict[str, dict[str, int]]  # prefill rank -> reason -> count
+    released_exactly_once: bool
+    all_done: bool  # every release was a completion ("done ...")
+    wall_seconds: float
+    processes: int
+
+    @property
+    def ok(self) -> bool:
+        return self.released_exactly_once and self.all_done
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+# -------------------------------------------------------------------------------------------------
+# Shared pieces
+# -------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """Same thread count as the rank processes: float results are then bit-comparable."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _model_config(model: str) -> Any:
+    """The model's transformers config without loading weights (for spec and vocabulary)."""
+    from kvbridge import hf
+    if model in hf.BUILTIN_MODELS:
+        config = hf.BUILTIN_MODELS[model]()
+    elif Path(model).is_dir():
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(model, local_files_only=True)
+    else:
+        raise ConfigError(f"unknown model {model!r}: not a local model directory; builtin models: "
+                          f"{', '.join(hf.BUILTIN_MODELS)}")
+    config.name_or_path = model
+    return config
+
+
+@dataclass
+class _Workload:
+    """Request ids and prompts: the same on both hosts for the same arguments."""
+
+    model: str
+    spec: ModelSpec
+    ids: list[str]
+    prompts: list[list[int]]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(p) for p in self.prompts]
+
+
+def _workload(model: str, prompt: Sequence[int] | int | None, prompt_ids: Sequence[int] | None,
+              prompt_len: int | None, seed: int, num_requests: int) -> _Workload:
+    from kvbridge import hf
+    if prompt is not None and prompt_ids is not None:
+        raise InvalidRequest("give the prompt once: positional `prompt` or `prompt_ids`, not both")
+    if num_requests < 1:
+        raise InvalidRequest(f"num_requests must be >= 1, got {num_requests}")
+    if prompt is None:
+        prompt = prompt_ids if prompt_ids is not None else (32 if prompt_len is None else prompt_len)
+    config = _model_config(model)
+    spec = hf.spec_for(config, torch.float32)
+    vocab = int(config.get_text_config().vocab_size)
+    prompts = [hf.make_prompt_ids(prompt, vocab, seed + i) for i in range(num_requests)]
+    return _Workload(model, spec, [f"req-{seed}-{i}" for i in range(num_requests)], prompts)
+
+
+def _sized_layout(layout: EngineLayout | None, spec: ModelSpec, lengths: list[int], tp: int, side: str) -> EngineLayout:
+    """The given layout (checked to hold every request) or a default with room to scatter blocks."""
+    groups = len(spec.groups)
+    if layout is None:
+        need = groups * sum(math.ceil(n / 16) for n in lengths)
+        return EngineLayout(tp_size=tp, block_size=16, num_blocks=max(4, 2 * need + 2))
+    need = groups * sum(math.ceil(n / layout.block_size) for n in lengths)
+    if need > layout.num_blocks:
+        raise InvalidRequest(f"{side} layout has {layout.num_blocks} blocks of {layout.block_size} tokens; "
+                             f"{len(lengths)} request(s) of {sum(lengths)} tokens over {groups} KV-cache group(s) need "
+                             f"{need} (set num_blocks >= {need})")
+    return layout
+
+
+def _block_tables(spec: ModelSpec, layout: EngineLayout, lengths: list[int],
+                  rng: random.Random) -> list[tuple[tuple[int, ...], ...]]:
+    """Disjoint random block ids for every request and group (one permutation, sliced)."""
+    perm = list(range(layout.num_blocks))
+    rng.shuffle(perm)
+    out, at = [], 0
+    for n in lengths:
+        per = math.ceil(n / layout.block_size)
+        groups = []
+        for _ in spec.groups:
+            groups.append(tuple(perm[at:at + per]))
+            at += per
+        out.append(tuple(groups))
+    return out
+
+
+def _random_fill(caches: list[RankCache], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for c in caches:
+        for r in c.byte_regions():
+            r.copy_(torch.randint(0, 256, r.shape, dtype=torch.uint8, generator=gen))
+
+
+def _host_of(address: str) -> str:
+    return parse_address(address)[0]
+
+
+def local_address_towards(address: str) -> str:
+    """This host's address on the route to `address` (a UDP connect sends no packet)."""
+    host, port = parse_address(address)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, port or 9))
+            return s.getsockname()[0]
+        except OSError:
+            return "::1" if family == socket.AF_INET6 else "127.0.0.1"
+
+
+def _releases_summary(releases: dict[int, list[tuple[str, str]]], ids: list[str]) -> tuple[dict, bool, bool]:
+    summary: dict[str, dict[str, int]] = {}
+    once = True
+    all_done = True
+    for rank, events in sorted(releases.items()):
+        per: dict[str, int] = {}
+        seen: dict[str, int] = {}
+        for rid, reason in events:
+            key = reason.split(":")[0]
+            per[key] = per.get(key, 0) + 1
+            seen[rid] = seen.get(rid, 0) + 1
+            all_done &= reason.startswith("done")
+        once &= all(seen.get(rid, 0) == 1 for rid in ids) and set(seen) <= set(ids)
+        summary[str(rank)] = per
+    return summary, once, all_done
+
+
+# -------------------------------------------------------------------------------------------------
+# The two engines, each a set of rank processes
+# -------------------------------------------------------------------------------------------------
+class PrefillEngine:
+    """The prefill engine's rank processes, seen from the orchestrating parent."""
+
+    def __init__(self, ctx: Any, transport: str, engine_id: str, spec: ModelSpec, layout: EngineLayout, mode: Mode,
+                 listen: str, config: ConnectorConfig, fill_seed: int = 1):
+        host = _host_of(listen)
+        self.engine_id, self.layout, self.spec = engine_id, layout, spec
+        self.ranks = [RankProcess(RankArgs(role="prefill", engine_id=engine_id, rank=r, transport=transport, spec=spec,
+                                           layout=layout, mode=mode, listen=listen if r == 0 else format_address(host, 0),
+                                           host=host, config=config, fill_seed=fill_seed + r), ctx)
+                      for r in range(layout.tp_size)]
+        self.address = ""
+        self.releases: dict[int, list[tuple[str, str]]] = {r: [] for r in range(layout.tp_size)}
+        self.decode_engines: set[str] = set()
+
+    def start(self, timeout: float) -> str:
+        """Wait until every rank listens; give rank 0 the directory; returns the bootstrap address."""
+        addresses = [p.expect("ready", timeout)[1] for p in self.ranks]
+        self.ranks[0].send("directory", addresses)
+        self.ranks[0].expect("directory_set", timeout)
+        self.address = addresses[0]
+        return self.address
+
+    def load(self, shards: list[list[np.ndarray]], timeout: float) -> None:
+        for p, regions in zip(self.ranks, shards):
+            p.send("load", regions)
+        for p in self.ranks:
+            p.expect("loaded", timeout)
+
+    def add(self, requests: list[tuple], timeout: float) -> None:
+        """`requests`: (id, block ids, num tokens, first token, lease seconds or None)."""
+        for p in self.ranks:
+            p.send("add", requests)
+        for p in self.ranks:
+            p.expect("added", timeout)
+
+    def pump(self, timeout: float = 0.0) -> None:
+        for p in self.ranks:
+            p.pump(timeout / max(1, len(self.ranks)))
+            for _, rid, why in p.take("released"):
+                self.releases[p.args.rank].append((rid, why))
+            for _, eng in p.take("handshake"):
+                self.decode_engines.add(eng)
+            if p.error:
+                raise RankProcessError(f"{p.name} failed:\n{p.error}")
+
+    def wait_handshake(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.decode_engines:
+            if time.monotonic() > deadline:
+                raise RankProcessError(f"no decode engine connected to {self.address} within {timeout:.1f} s")
+            self.pump(0.05)
+
+    def wait_released(self, ids: Sequence[str], timeout: float) -> bool:
+        """True when every rank released every id (at least once) within `timeout`."""
+        deadline = time.monotonic() + timeout
+        want = set(ids)
+        while True:
+            self.pump(0.02)
+            if all(want <= {rid for rid, _ in ev} for ev in self.releases.values()):
+                return True
+            if time.monotonic() > deadline:
+                return False
+
+    def stop(self) -> dict[int, dict[str, int]]:
+        stop_all(self.ranks)
+        for p in self.ranks:
+            for _, rid, why in p.take("released"):
+                self.releases[p.args.rank].append((rid, why))
+        return {p.args.rank: dict(ev[1]) for p in self.ranks for ev in p.take("stats")[-1:]}
+
+
+class DecodeEngine:
+    """The decode engine's rank processes, seen from the orchestrating parent."""
+
+    def __init__(self, ctx: Any, transport: str, engine_id: str, spec: ModelSpec, layout: EngineLayout, mode: Mode,
+                 host: str, config: ConnectorConfig, fill_seed: int = 1001):
+        self.engine_id, self.layout, self.spec = engine_id, layout, spec
+        self.ranks = [RankProcess(RankArgs(role="decode", engine_id=engine_id, rank=r, transport=transport, spec=spec,
+                                           layout=layout, mode=mode, host=host, config=config,
+                                           fill_seed=fill_seed + r), ctx)
+                      for r in range(layout.tp_size)]
+        self.results: dict[int, dict[str, dict[str, Any]]] = {r: {} for r in range(layout.tp_size)}
+
+    def start(self, timeout: float) -> None:
+        for p in self.ranks:
+            p.expect("ready", timeout)
+
+    def connect(self, address: str, timeout: float) -> None:
+        for p in self.ranks:
+            p.send("connect", address, timeout)
+        for p in self.ranks:
+            deadline = time.monotonic() + timeout + 5
+            while True:
+                p.pump(0.05)
+                failed = p.take("connect_failed")
+                if failed:
+                    raise HandshakeRefused(f"decode rank {p.args.rank}: {failed[0][1]}")
+                if p.take("connected"):
+                    break
+                if p.error or not p.alive() or time.monotonic() > deadline:
+                    p.expect("connected", 0.0)  # raises with the reason
+
+    def receive(self, requests: list[tuple], timeout: float) -> None:
+        """`requests`: (id, block ids, num tokens, per-request timeout)."""
+        for p in self.ranks:
+            p.send("receive", requests)
+        for p in self.ranks:
+            p.expect("receiving", timeout)
+
+    def pump(self, timeout: float = 0.0) -> None:
+        for p in self.ranks:
+            p.pump(timeout / max(1, len(self.ranks)))
+            for _, res in p.take("result"):
+                self.results[p.args.rank][res["request_id"]] = res
+            if p.error:
+                raise RankProcessError(f"{p.name} failed:\n{p.error}")
+
+    def wait_results(self, ids: Sequence[str], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        want = set(ids)
+        while True:
+            self.pump(0.02)
+            if all(want <= set(r) for r in self.results.values()):
+                return True
+            if time.monotonic() > deadline:
+                return False
+
+    def decode(self, job: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Rank 0 gathers the other ranks' caches and decodes every request of `job`."""
+        others = {}
+        for p in self.ranks[1:]:
+            p.send("regions")
+        for p in self.ranks[1:]:
+            others[p.args.rank] = p.expect("regions", timeout)[1]
+        self.ranks[0].send("decode", {**job, "others": others})
+        return self.ranks[0].expect("decoded", timeout)[1]
+
+    def stop(self) -> None:
+        stop_all(self.ranks)
+
+
+# -------------------------------------------------------------------------------------------------
+# Prefill work in the parent
+# -------------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def _prefill(model_name: str, seed: int, work: _Workload, layout: EngineLayout,
+             tables: list[tuple[tuple[int, ...], ...]], fill_seed: int) -> tuple[list[int], list[list[np.ndarray]]]:
+    """Run every request's prefill; returns first tokens and each prefill rank's region bytes."""
+    from kvbridge import hf
+    with _torch_threads(1):
+        model, _ = hf.load_model(model_name, seed)
+        staging = RankCache.allocate_engine(work.spec, layout, fill=None)
+        for r, c in enumerate(staging):
+            _random_fill([c], fill_seed + r)  # the same bytes the rank process starts with
+        firsts = []
+        for ids, table in zip(work.prompts, tables):
+            input_ids = torch.tensor([ids], dtype=torch.long)
+            out = model(input_ids, attention_mask=torch.ones_like(input_ids), use_cache=True)
+            firsts.append(int(out.logits[0, -1].argmax()))
+            hf.export_cache(out.past_key_values, work.spec, staging, table, len(ids))
+    return firsts, [[r.numpy().copy() for r in c.byte_regions()] for c in staging]
+
+
+def _plan_totals(spec: ModelSpec, prefill: EngineLayout, decode: EngineLayout, lengths: list[int],
+                 src: list, dst: list) -> tuple[int, int, float, list[str]]:
+    nbytes = nruns = 0
+    seconds = 0.0
+    warnings: list[str] = []
+    for n, s, d in zip(lengths, src, dst):
+        plan = plan_request(spec, prefill, decode, Request(s, d, n))
+        nbytes += plan.nbytes
+        nruns += len(plan)
+        seconds += plan.stats.plan_seconds
+        warnings = warnings or list(plan.stats.warnings)
+    return nbytes, nruns, seconds, warnings
+
+
+def _demo_result(work: _Workload, prefill: EngineLayout, decode: EngineLayout, new_tokens: int, transport: str,
+                 mode: Mode, results: dict[int, dict[str, dict[str, Any]]], decoded: dict[str, Any],
+                 src_tables: list | None, dst_tables: list, firsts: list[int | None]) -> MultiProcessDemoResult:
+    requests = []
+    for i, rid in enumerate(work.ids):
+        per_rank = [results[r].get(rid) for r in sorted(results)]
+        ok = all(res is not None and res["ok"] for res in per_rank)
+        reasons = sorted({f"decode rank {r}: {res['reason']}" if res else f"decode rank {r}: no result"
+                          for r, res in zip(sorted(results), per_rank) if not (res and res["ok"])})
+        d = decoded.get(rid, {})
+        match = bool(d) and ok and d["tokens_reference"] == d["tokens_disaggregated"]
+        requests.append({"id": rid, "ok": ok, "reason": "; ".join(reasons), "match": match,
+                         "cache_equal": bool(d) and not d["cache_differences"],
+                         "replicas_equal": bool(d) and not d["replica_mismatches"],
+                         "first_token": firsts[i] if i < len(firsts) else None,
+                         "transfer_seconds": max((res["transfer_seconds"] for res in per_rank if res), default=0.0),
+                         "tokens_reference": d.get("tokens_reference", []),
+                         "tokens_disaggregated": d.get("tokens_disaggregated", [])})
+    head = decoded.get(work.ids[0], {})
+    nbytes = nruns = 0
+    plan_seconds = 0.0
+    warnings: list[str] = []
+    if src_tables is not None:
+        nbytes, nruns, plan_seconds, warnings = _plan_totals(work.spec, prefill, decode, work.lengths, src_tables,
+                                                             dst_tables)
+    measured = sum(res["nbytes"] for rr in results.values() for res in rr.values())
+    differences = [f"{r['id']}: {x}" for r in requests for x in decoded.get(r["id"], {}).get("cache_differences", [])]
+    differences += [f"{r['id']}: {x}" for r in requests
+                    for x in decoded.get(r["id"], {}).get("replica_mismatches", [])]
+    return MultiProcessDemoResult(
+        model=work.model, spec=work.spec.describe(), prefill=prefill.describe(), decode=decode.describe(),
+        prompt_len=work.lengths[0], new_tokens=new_tokens,
+        tokens_reference=head.get("tokens_reference", []), tokens_disaggregated=head.get("tokens_disaggregated", []),
+        match=all(r["match"] for r in requests), cache_equal=all(r["cache_equal"] for r in requests),
+        replicas_equal=all(r["replicas_equal"] for r in requests), bytes_moved=nbytes, num_runs=nruns,
+        transfer_seconds=max((r["transfer_seconds"] for r in requests), default=0.0), plan_seconds=plan_seconds,
+        cache_differences=differences[:50], warnings=warnings, transport=transport, mode=mode,
+        num_requests=len(work.ids), requests_ok=sum(r["ok"] for r in requests), requests=requests,
+        bytes_measured=measured)
+
+
+def _decode_job(work: _Workload, model: str, seed: int, new_tokens: int, dst_tables: list, firsts: list,
+                ok_ids: set[str], dump: str | Path | None) -> dict[str, Any]:
+    reqs = [{"id": rid, "prompt_ids": p, "block_ids": t, "first_token": f}
+            for rid, p, t, f in zip(work.ids, work.prompts, dst_tables, firsts) if rid in ok_ids]
+    return {"model": model, "seed": seed, "new_tokens": new_tokens, "requests": reqs,
+            "dump": str(dump) if dump is not None and reqs and reqs[0]["id"] == work.ids[0] else None}
+
+
+def _ok_ids(results: dict[int, dict[str, dict[str, Any]]], ids: list[str]) -> set[str]:
+    return {rid for rid in ids if all(rid in rr and rr[rid]["ok"] for rr in results.values())}
+
+
+def _first_tokens(results: dict[int, dict[str, dict[str, Any]]], ids: list[str]) -> list[int | None]:
+    out = []
+    for rid in ids:
+        firsts = {rr[rid]["first_token"] for rr in results.values() if rid in rr and rr[rid]["ok"]}
+        firsts.discard(None)
+        out.append(firsts.pop() if len(firsts) == 1 else None)
+    return out
+
+
+# -------------------------------------------------------------------------------------------------
+# Entry points
+# -------------------------------------------------------------------------------------------------
+def run_multiprocess_demo(transport: str = "shm", model: str = "tiny-llama", prompt: Sequence[int] | int | None = None,
+                          new_tokens: int = 8, seed: int = 0, prefill: EngineLayout | None = None,
+                          decode: EngineLayout | None = None, mode: Mode = "pull",
+                          dump_decode_cache: str | Path | None = None, *, prompt_ids: Sequence[int] | None = None,
+                          prompt_len: int | None = None, num_requests: int = 1, config: ConnectorConfig | None = None,
+                          timeout: float = 120.0) -> MultiProcessDemoResult:
+    """Prefill on P rank processes, move the KV cache with `transport` to D decode rank processes,
+    decode there; compare with monolithic `generate` (see the module docstring).
+
+    `prompt` / `prompt_ids` / `prompt_len` as in `hf.run_demo` (request i > 0 draws its random
+    prompt from `seed + i`). All `num_requests` requests are in flight at once. Every wait is
+    bounded by `timeout` seconds; a rank process that fails raises `RankProcessError` with its
+    traceback, while a request that fails is reported in the result (`requests`, `ok`).
+    """
+    if mode not in ("pull", "push"):
+        raise InvalidRequest(f"mode must be 'pull' or 'push', got {mode!r}")
+    if new_tokens < 1:
+        raise InvalidRequest(f"new_tokens must be >= 1, got {new_tokens}")
+    t0 = time.monotonic()
+    work = _workload(model, prompt, prompt_ids, prompt_len, seed, num_requests)
+    prefill = _sized_layout(prefill, work.spec, work.lengths, 1, "prefill")
+    decode = _sized_layout(decode, work.spec, work.lengths, 2, "decode")
+    config = config or ConnectorConfig(transfer_timeout=min(60.0, timeout), lease_seconds=min(60.0, timeout))
+    _check_transport(transport)
+    rng = random.Random(seed)
+    src_tables = _block_tables(work.spec, prefill, work.lengths, rng)
+    dst_tables = _block_tables(work.spec, decode, work.lengths, rng)
+    ctx = process_context()
+    pre: PrefillEngine | None = None
+    dec: DecodeEngine | None = None
+    try:
+        pre = PrefillEngine(ctx, transport, "prefill", work.spec, prefill, mode, "127.0.0.1:0", config)
+        dec = DecodeEngine(ctx, transport, "decode", work.spec, decode, mode, "127.0.0.1", config)
+        firsts, shards = _prefill(model, seed, work, prefill, src_tables, fill_seed=1)
+        address = pre.start(timeout)
+        pre.load(shards, timeout)
+        dec.start(timeout)
+        dec.connect(address, config.handshake_timeout)
+        dec.receive([(rid, t, n, config.transfer_timeout) for rid, t, n in zip(work.ids, dst_tables, work.lengths)],
+                    timeout)
+        t_start = time.monotonic()
+        pre.add([(rid, t, n, f, None) for rid, t, n, f in zip(work.ids, src_tables, work.lengths, firsts)], timeout)
+        dec.wait_results(work.ids, config.transfer_timeout + config.abort_timeout + 5)
+        receive_seconds = time.monotonic() - t_start
+        pre.wait_released(work.ids, config.lease_seconds + 5)
+        ok_ids = _ok_ids(dec.results, work.ids)
+        decoded = dec.decode(_decode_job(work, model, seed, new_tokens, dst_tables, _first_tokens(dec.results, work.ids),
+                                         ok_ids, dump_decode_cache), timeout) if ok_ids else {}
+        results = dec.results
+    finally:
+        if dec is not None:
+            dec.stop()
+        stats = pre.stop() if pre is not None else {}
+    result = _demo_result(work, prefill, decode, new_tokens, transport, mode, results, decoded, src_tables, dst_tables,
+                          firsts)
+    result.releases, result.released_exactly_once, _ = _releases_summary(pre.releases, work.ids)
+    if mode == "push":
+        result.bytes_measured = sum(s.get("bytes_written", 0) for s in stats.values())
+    result.processes = prefill.tp_size + decode.tp_size
+    result.receive_seconds = receive_seconds
+    result.wall_seconds = time.monotonic() - t0
+    return result
+
+
+def run_prefill_server(listen: str = "127.0.0.1:5600", *, transport: str = "shm", model: str = "tiny-llama",
+                       prompt: Sequence[int] | int | None = None, prompt_ids: Sequence[int] | None = None,
+                       prompt_len: int | None = None, seed: int = 0, prefill: EngineLayout | None = None,
+                       mode: Mode = "pull", num_requests: int = 1, config: ConnectorConfig | None = None,
+                       timeout: float = 120.0, on_listening: Any = None) -> PrefillServerResult:
+    """The prefill half of the two-host demo: P rank processes, rank 0 listening on `listen`.
+
+    Runs every request's prefill, leases the blocks, waits (at most `timeout` s) for a decode
+    engine to connect, lets it receive every request, and returns once each rank released each
+    request (or the leases expired). `on_listening(address)` is called once rank 0 listens.
+    The decode side must use the same model, prompt arguments, seed and `num_requests`.
+    """
+    if mode not in ("pull", "push"):
+        raise InvalidRequest(f"mode must be 'pull' or 'push', got {mode!r}")
+    t0 = time.monotonic()
+    host, _ = parse_address(listen)
+    if host in ("0.0.0.0", "::", "*"):
+        raise InvalidRequest(f"listen on a concrete address (peers connect to what rank 0 advertises), got {listen!r}")
+    work = _workload(model, prompt, prompt_ids, prompt_len, seed, num_requests)
+    prefill = _sized_layout(prefill, work.spec, work.lengths, 1, "prefill")
+    config = config or ConnectorConfig(transfer_timeout=min(60.0, timeout), lease_seconds=min(60.0, timeout))
+    _check_transport(transport)
+    src_tables = _block_tables(work.spec, prefill, work.lengths, random.Random(seed))
+    pre = PrefillEngine(process_context(), transport, "prefill", work.spec, prefill, mode, listen, config)
+    try:
+        firsts, shards = _prefill(model, seed, work, prefill, src_tables, fill_seed=1)
+        address = pre.start(timeout)
+        pre.load(shards, timeout)
+        if on_listening is not None:
+            on_listening(address)
+        pre.wait_handshake(timeout)
+        pre.add([(rid, t, n, f, None) for rid, t, n, f in zip(work.ids, src_tables, work.lengths, firsts)], timeout)
+        pre.wait_released(work.ids, config.lease_seconds + config.transfer_timeout + 5)
+    finally:
+        pre.stop()
+    releases, once, all_done = _releases_summary(pre.releases, work.ids)
+    return PrefillServerResult(listen=pre.address or listen, engine_id=pre.engine_id, transport=transport, mode=mode,
+                               num_requests=num_requests, decode_engines=sorted(pre.decode_engines),
+                               releases=releases, released_exactly_once=once, all_done=all_done,
+                               wall_seconds=time.monotonic() - t0, processes=prefill.tp_size)
+
+
+def run_decode_client(prefill: str = "127.0.0.1:5600", *, transport: str = "shm", model: str = "tiny-llama",
+                      prompt: Sequence[int] | int | None = None, prompt_ids: Sequence[int] | None = None,
+                      prompt_len: int | None = None, new_tokens: int = 8, seed: int = 0,
+                      decode: EngineLayout | None = None, mode: Mode = "pull", num_requests: int = 1,
+                      dump_decode_cache: str | Path | None = None, config: ConnectorConfig | None = None,
+                      host: str | None = None, timeout: float = 120.0) -> MultiProcessDemoResult:
+    """The decode half of the two-host demo: D rank processes that connect to `prefill`
+    (host:port of the prefill server's rank 0), receive every request and prove it by decoding.
+
+    `host` is this side's transport address (default: the local address on the route to the
+    prefill host). The handshake waits up to `timeout` s for the server to come up.
+    """
+    if mode not in ("pull", "push"):
+        raise InvalidRequest(f"mode must be 'pull' or 'push', got {mode!r}")
+    t0 = time.monotonic()
+    work = _workload(model, prompt, prompt_ids, prompt_len, seed, num_requests)
+    decode = _sized_layout(decode, work.spec, work.lengths, 2, "decode")
+    config = config or ConnectorConfig(transfer_timeout=min(60.0, timeout), lease_seconds=min(60.0, timeout))
+    _check_transport(transport)
+    dst_tables = _block_tables(work.spec, decode, work.lengths, random.Random(seed + 7919))
+    host = host or local_address_towards(prefill)
+    dec = DecodeEngine(process_context(), transport, "decode", work.spec, decode, mode, host, config)
+    try:
+        dec.start(timeout)
+        dec.connect(prefill, timeout)
+        t_start = time.monotonic()
+        dec.receive([(rid, t, n, config.transfer_timeout) for rid, t, n in zip(work.ids, dst_tables, work.lengths)],
+                    timeout)
+        dec.wait_results(work.ids, config.transfer_timeout + config.abort_timeout + 5)
+        receive_seconds = time.monotonic() - t_start
+        ok_ids = _ok_ids(dec.results, work.ids)
+        firsts = _first_tokens(dec.results, work.ids)
+        decoded = dec.decode(_decode_job(work, model, seed, new_tokens, dst_tables, firsts, ok_ids, dump_decode_cache),
+                             timeout) if ok_ids else {}
+    finally:
+        dec.stop()
+    prefill_layout = _remote_layout_description(dec, prefill)
+    result = _demo_result(work, decode, decode, new_tokens, transport, mode, dec.results, decoded, None, dst_tables,
+                          firsts)
+    result.prefill = prefill_layout
+    result.processes = decode.tp_size
+    result.receive_seconds = receive_seconds
+    result.wall_seconds = time.monotonic() - t0
+    return result
+
+
+def _remote_layout_description(dec: DecodeEngine, address: str) -> str:
+    return f"remote prefill engine at {address}"
+
+
+def _check_transport(transport: str) -> None:
+    from kvbridge.connector.transports import TRANSPORTS, unavailable_reason
+    if transport not in TRANSPORTS:
+        raise ConfigError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
+    why = unavailable_reason(transport)
+    if why is not None:
+        raise ConfigError(f"transport {transport!r} is not available here: {why}")
+
+
+__all__ = ["DecodeEngine", "MultiProcessDemoResult", "PrefillEngine", "PrefillServerResult", "local_address_towards",
+           "run_decode_client", "run_multiprocess_demo", "run_prefill_server"]
