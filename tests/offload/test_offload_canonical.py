@@ -62,6 +62,21 @@ def test_canonical_layout_is_parallelism_free():
     lay = canonical_layout(32, 100)
     assert (lay.tp_size, lay.kv_order, lay.kv_placement, lay.layer_placement, lay.kernel_size) == (
         1, "HND", "kv_first", "per_layer", 32)
+    assert canonical_layout(32, 100, kernel_tokens=8).kernel_size == 8
+    with pytest.raises(NotCanonicalizable, match="kernel block of 12 tokens must divide the 32-token block"):
+        CPUPool.canonical(HYBRID, 32, 2, pin_memory=False, kernel_tokens=12)
+
+
+def test_a_canonical_kernel_of_the_device_block_keeps_pages_whole():
+    spec = ModelSpec.uniform(2, 8, 16, "bfloat16")
+    device = EngineLayout(tp_size=1, block_size=16, num_blocks=8)
+    caches = RankCache.allocate_engine(spec, device, fill=None)
+    job = (GPULoadStoreSpec([1, 3, 5, 7], (4,), (0,)), CPULoadStoreSpec([0]))
+    runs = {}
+    for kernel in (None, 16):
+        with OffloadWorker(caches, CPUPool.canonical(spec, 64, 1, pin_memory=False, kernel_tokens=kernel)) as w:
+            runs[kernel] = len(w.plan(job)[1])
+    assert runs[16] == 4 * 2 * 2 and runs[None] == 8 * runs[16]  # one run per page, or one per head
 
 
 @pytest.mark.parametrize("spec, device, message", [

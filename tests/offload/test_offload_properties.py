@@ -143,7 +143,9 @@ def test_store_then_load_restores_every_byte(data):
     factor = data.draw(st.integers(1, 4))
     canonical = data.draw(st.booleans())
     gpu, cpu, slots = data.draw(jobs(spec, layout, factor))
-    pool = (CPUPool.canonical(spec, layout.block_size * factor, slots, pin_memory=False) if canonical
+    kernel = data.draw(st.sampled_from([None, layout.block_size]))
+    pool = (CPUPool.canonical(spec, layout.block_size * factor, slots, pin_memory=False, kernel_tokens=kernel)
+            if canonical
             else CPUPool.mirror(spec, layout, factor, slots, pin_memory=False))
     device = RankCache.allocate_engine(spec, layout, fill=None)
     fill_pattern(device, 0)
@@ -190,7 +192,8 @@ def test_canonical_pool_loads_into_another_tp_block_size_and_layout(data):
 
     gx, tx = gpu_spec(X)
     gy, ty = gpu_spec(Y)
-    pool = CPUPool.canonical(spec, obs, slots, pin_memory=False)
+    pool = CPUPool.canonical(spec, obs, slots, pin_memory=False,
+                             kernel_tokens=data.draw(st.sampled_from([None, bx, by])))
     src = RankCache.allocate_engine(spec, X, fill=None)
     dst = RankCache.allocate_engine(spec, Y, fill=None)
     random_bytes(src, 2)

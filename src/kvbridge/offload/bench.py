@@ -78,7 +78,7 @@ def bench_offload(model: str | ModelSpec = "llama-3-8b", num_tokens: int = 4096,
     layout = msgspec.structs.replace(layout, block_size=block_size, num_blocks=n + 1)
     groups = len(spec.groups)
     slots = groups * per_group + 1
-    pool = (CPUPool.canonical(spec, obs, slots, pin_memory=False) if canonical
+    pool = (CPUPool.canonical(spec, obs, slots, pin_memory=False, kernel_tokens=block_size) if canonical
             else CPUPool.mirror(spec, layout, block_size_factor, slots, pin_memory=False))
     device = RankCache.allocate_engine(spec, layout, fill=None)
     for c in device:

@@ -172,7 +172,7 @@ def run_offload_demo(model: str = "tiny-gemma2", seed: int = 0, prompt_len: int 
     blocks_needed = 2 * cdiv(max(prompt_len, len(prompt_b)), min(block_size, load_block_size or block_size)) + 4
     store_layout = EngineLayout(tp_size=store_tp, block_size=block_size, num_blocks=blocks_needed)
     if canonical:
-        pool = CPUPool.canonical(spec, obs, num_cpu_blocks, pin_memory=False)
+        pool = CPUPool.canonical(spec, obs, num_cpu_blocks, pin_memory=False, kernel_tokens=block_size)
         load_layout = EngineLayout(tp_size=load_tp or store_tp, block_size=load_block_size or block_size,
                                    num_blocks=blocks_needed)
     else:

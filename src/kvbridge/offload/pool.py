@@ -33,9 +33,14 @@ from kvbridge.spec import ModelSpec
 PoolFormat = Literal["mirror", "canonical"]
 
 
-def canonical_layout(block_tokens: int, num_blocks: int) -> EngineLayout:
-    """The parallelism-free layout: all heads of a block of one layer and component contiguous, head-major."""
-    return EngineLayout(tp_size=1, block_size=block_tokens, num_blocks=num_blocks, kernel_block_size=None,
+def canonical_layout(block_tokens: int, num_blocks: int, kernel_tokens: int | None = None) -> EngineLayout:
+    """The parallelism-free layout: TP=1, head-major (HND), K/V-first, per-layer regions.
+
+    `kernel_tokens` (dividing `block_tokens`) cuts each slot into head-major chunks; choosing
+    the storing engine's block size keeps every device page one contiguous run. Loaders do
+    not need to match it: the planner reads any kernel size.
+    """
+    return EngineLayout(tp_size=1, block_size=block_tokens, num_blocks=num_blocks, kernel_block_size=kernel_tokens,
                         kv_order="HND", kv_placement="kv_first", layer_placement="per_layer")
 
 
@@ -79,11 +84,15 @@ class CPUPool:
         return cls.allocate(spec, mirror_layout(device, block_size_factor, num_blocks), "mirror", pin_memory)
 
     @classmethod
-    def canonical(cls, spec: ModelSpec, block_tokens: int, num_blocks: int, pin_memory: bool | None = None) -> CPUPool:
+    def canonical(cls, spec: ModelSpec, block_tokens: int, num_blocks: int, pin_memory: bool | None = None,
+                  kernel_tokens: int | None = None) -> CPUPool:
         """kvbridge's TP-independent format: one copy of every head, `block_tokens` tokens per slot."""
         if block_tokens < 1:
             raise NotCanonicalizable(f"canonical block size must be >= 1 token, got {block_tokens}")
-        return cls.allocate(spec, canonical_layout(block_tokens, num_blocks), "canonical", pin_memory)
+        if kernel_tokens is not None and (kernel_tokens < 1 or block_tokens % kernel_tokens):
+            raise NotCanonicalizable(f"canonical kernel block of {kernel_tokens} tokens must divide the "
+                                     f"{block_tokens}-token block")
+        return cls.allocate(spec, canonical_layout(block_tokens, num_blocks, kernel_tokens), "canonical", pin_memory)
 
     @property
     def block_tokens(self) -> int:
