@@ -13,6 +13,9 @@ Data movement is one call per job over a run list that covers every group and la
   stream first waits for the compute stream (the KV it copies must have been written), every job
   waits for the previous job's end event (FIFO), and the runs are issued as asynchronous copies
   between start and end events, which time it. Completion is polled with `Event.query()`.
+  The runs are issued from a Python loop (one `cudaMemcpyAsync` per coalesced run, vLLM's
+  fallback path); a batched driver call (`cuMemcpyBatchAsync`) would remove that per-run cost.
+  This path has not run yet: the development machines have no GPU.
 """
 
 from __future__ import annotations
