@@ -113,6 +113,7 @@ class Producer:
         self._engines: dict[str, dict[int, bytes]] = {}
         self._leases: dict[str, _Lease] = {}
         self._early: OrderedDict[str, tuple[float, dict[int, m.DestinationReady]]] = OrderedDict()
+        self._early_aborts: OrderedDict[str, tuple[float, str]] = OrderedDict()
         self._history: OrderedDict[str, str] = OrderedDict()
         self.releases: list[tuple[str, str]] = []  # (request id, reason), in order; bounded by max_pending
         self.stats: Counter[str] = Counter()
@@ -161,6 +162,11 @@ class Producer:
             self._leases.pop(request_id)
             raise InvalidRequest(f"{len(self._engines)} decode engines are connected ({', '.join(self._engines)}): "
                                  f"name one with to_engine=")
+        early_abort = self._early_aborts.pop(request_id, None)
+        if early_abort is not None:
+            self._early.pop(request_id, None)
+            self._end(req, early_abort[1], ok=False)
+            return
         self._bind(req)
         self._advance(req)
 
@@ -319,10 +325,19 @@ class Producer:
     def _on_abort(self, msg: m.Abort) -> None:
         req = self._leases.get(msg.request_id)
         if req is None or req.engine not in (None, msg.engine_id):
-            self.stats["late_aborts" if msg.request_id in self._history else "unknown_aborts"] += 1
             if msg.request_id in self._history:  # acknowledge: nothing of ours is in flight
+                self.stats["late_aborts"] += 1
                 self._send_to(msg.engine_id, msg.rank, m.Abort(self.engine_id, self.rank, msg.request_id,
                                                                f"already released: {self._history[msg.request_id]}"))
+            elif req is None:
+                # The decode side gave up before this rank finished its prefill: remember it, so
+                # the lease ends at `add_request` instead of holding the blocks for a full lease.
+                self.stats["early_aborts"] += 1
+                self._early_aborts[msg.request_id] = (
+                    self.clock(), f"aborted by decode {msg.engine_id!r} rank {msg.rank} before prefill finished: "
+                                  f"{msg.reason}")
+                while len(self._early_aborts) > self.config.max_pending:
+                    self._early_aborts.popitem(last=False)
             return
         self.stats["aborts_received"] += 1
         self._end(req, f"aborted by decode {msg.engine_id!r} rank {msg.rank}: {msg.reason}", ok=False)
@@ -564,6 +579,11 @@ class Producer:
 
     def _expire_early(self, now: float) -> None:
         ttl = self.config.announcement_ttl or self.config.lease_seconds
+        while self._early_aborts:
+            since, _ = next(iter(self._early_aborts.values()))
+            if now - since < ttl:
+                break
+            self._early_aborts.popitem(last=False)
         while self._early:
             rid, (since, _) = next(iter(self._early.items()))
             if now - since < ttl:
