@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import DynamicCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from kvbridge.errors import ConfigError, InvalidRequest
 from kvbridge.hf import (BUILTIN_MODELS, cache_differences, export_cache, import_cache, load_model, make_prompt_ids,
@@ -81,6 +82,23 @@ def test_disaggregated_decode_matches_generate(case: str) -> None:
     assert len(r.tokens_disaggregated) == 5
 
 
+@pytest.mark.parametrize("model, n, cached, prefill, decode", [
+    ("tiny-llama", 40, 32, L(2, 32, kernel_block_size=16), L(1, 16, kv_order="NHD")),
+    ("tiny-gemma2", 45, 24, L(1, 16), L(4, 8, kernel_block_size=4)),  # the hit covers tokens beyond the window
+    ("tiny-mistral", 30, 16, L(2, 4), L(1, 16)),
+])
+def test_prefix_hit_on_decode(model: str, n: int, cached: int, prefill: EngineLayout, decode: EngineLayout) -> None:
+    """The decode engine holds the first `cached` tokens (a prefix-cache hit); only the rest moves."""
+    full = run_demo(model, n, 3, 2, prefill, decode)
+    hit = run_demo(model, n, 3, 2, prefill, decode, num_cached_tokens=cached)
+    assert hit.ok and full.ok, hit.cache_differences
+    assert hit.tokens_disaggregated == full.tokens_disaggregated
+    spec = spec_for(BUILTIN_MODELS[model]())
+    moved = sum(n - max(cached, layer.tokens_kept(n)) for layer in spec.layers)
+    total = sum(n - layer.tokens_kept(n) for layer in spec.layers)
+    assert hit.bytes_moved * total == full.bytes_moved * moved
+
+
 @pytest.mark.parametrize("name", list(BUILTIN_MODELS))
 def test_builtin_layer_kinds_agree_with_transformers_cache(name: str) -> None:
     """kvbridge's reading of the config and transformers' own cache layout must agree per layer."""
@@ -89,6 +107,9 @@ def test_builtin_layer_kinds_agree_with_transformers_cache(name: str) -> None:
     cache = DynamicCache(config=config)
     assert len(cache.layers) == spec.num_layers
     for i, layer in enumerate(cache.layers):
+        assert isinstance(layer, LinearAttentionCacheLayerMixin) == spec.layers[i].is_recurrent, i
+        if spec.layers[i].is_recurrent:
+            continue
         assert layer.is_sliding == (spec.layers[i].kind == "sliding"), i
         if layer.is_sliding:
             assert layer.sliding_window == spec.layers[i].window
@@ -100,6 +121,8 @@ def test_builtin_models_cover_the_geometries() -> None:
     assert kinds["tiny-mistral"] == {"sliding"}
     assert kinds["tiny-gemma2"] == kinds["tiny-gpt-oss"] == kinds["tiny-qwen2"] == {"sliding", "full"}
     assert kinds["tiny-llama"] == kinds["tiny-qwen3"] == {"full"}
+    for name in ("tiny-bamba", "tiny-granite-hybrid", "tiny-qwen3-next", "tiny-lfm2"):
+        assert kinds[name] == {"recurrent", "full"}
     assert spec_for(BUILTIN_MODELS["tiny-llama-mqa"]()).total_kv_heads == 1
     assert spec_for(BUILTIN_MODELS["tiny-llama-6kv"]()).total_kv_heads == 6
 
