@@ -254,7 +254,7 @@ class Agent:
     desc_bytes = 1 << 20  # descriptor size for staged windows
 
     def __init__(self, name: str, *, host: str = "127.0.0.1", timeout_s: float = 30.0, workers: int = 4,
-                 staging_bytes: int = 32 << 20, slot_bytes: int = 4 << 20, stage_below: int = 256 << 10,
+                 staging_bytes: int = 64 << 20, slot_bytes: int = 16 << 20, stage_below: int = 256 << 10,
                  depth: int = 3):
         if not name or "\0" in name:
             raise InvalidRequest(f"agent name must be a non-empty string, got {name!r}")
@@ -344,7 +344,7 @@ class Agent:
             self._addrs = np.array([r.addr for r in self._regions], np.int64)
             self._sizes = np.array([r.nbytes for r in self._regions], np.int64)
             if self._staging is None and self._staging_bytes >= self.slot_bytes:
-                self._staging = torch.zeros(self._staging_bytes, dtype=torch.uint8)
+                self._staging = torch.empty(self._staging_bytes, dtype=torch.uint8)
                 self._staging_info = RegionInfo(self._staging.data_ptr(), self._staging_bytes, -1)
                 self._engine_register(self._staging_info)
                 self._pool = SlotPool(self._staging_bytes // self.slot_bytes)

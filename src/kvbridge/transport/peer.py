@@ -101,6 +101,27 @@ class AgentHost:
         for k, v in attrs.items():
             setattr(self.agents[name], k, v)
 
+    def get(self, name: str, attr: str) -> Any:
+        return getattr(self.agents[name], attr)
+
+    def run_timed(self, batch: list[tuple[str, str, str, Runs]], timeout: float = 300.0) -> float:
+        """Submit every (agent, peer, op, runs) at once, wait for all; seconds from first submit to last done."""
+        t0 = time.perf_counter()
+        hs = [(self.agents[a], self.agents[a].submit(peer, op, runs)) for a, peer, op, runs in batch]
+        end = time.monotonic() + timeout
+        pending = list(hs)
+        while pending:
+            pending = [(a, h) for a, h in pending if a.poll(h) == XferState.PENDING]
+            if pending:
+                if time.monotonic() > end:
+                    raise TimeoutError(f"transfers still pending after {timeout} s")
+                time.sleep(0.0002)
+        elapsed = time.perf_counter() - t0
+        failed = [h.reason for _, h in hs if h.state != XferState.DONE]
+        if failed:
+            raise RuntimeError(f"transfer failed: {failed[0]}")
+        return elapsed
+
     def submit(self, name: str, peer: str, op: str, runs: Runs, notify: bytes | None = None) -> int:
         h = self.agents[name].submit(peer, op, runs, notify)
         self.handles[(name, h.id)] = h
@@ -150,7 +171,7 @@ class AgentHost:
         from kvbridge.verify import mismatch_report
         return mismatch_report([self.caches[name]], [self.before.pop(name)])
 
-    def close(self, name: str) -> None:
+    def close_agent(self, name: str) -> None:
         self.agents[name].close()
 
     def close_all(self) -> None:
