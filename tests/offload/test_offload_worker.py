@@ -90,13 +90,13 @@ def test_one_copy_call_per_job_over_all_groups(monkeypatch):
         calls.append(len(args[-1]))
         return real(*args)
 
-    monkeypatch.setattr(worker_mod, "copy_runs", counting)
     spec = ModelSpec.uniform(6, 2, 8, "float16", kinds=("sliding", "full", "mla"), window=7)  # 3 groups
     layout = EngineLayout(tp_size=2, block_size=2, num_blocks=40, kv_order="NHD")
     device, pool = setup(spec, layout, factor=3, slots=12)
     gpu = GPULoadStoreSpec([3, 4, 5, 6, 30, 31, 32, 33, 34, 35, 36, 1], (4, 7, 1), (2, 0, 5))
     cpu = CPULoadStoreSpec([0, 1, 2, 3, 4, 5])  # cdiv(4+2, 3) + cdiv(7, 3) + cdiv(1+2, 3) = 2 + 3 + 1
     with OffloadWorker(device, pool) as w:
+        monkeypatch.setattr(worker_mod, "copy_runs", counting)  # after the worker compiled the kernel
         _, runs = w.plan((gpu, cpu))
         finish(w, w.submit((gpu, cpu)))
         finish(w, w.submit((cpu, gpu)))
@@ -121,9 +121,9 @@ def test_a_failed_copy_is_reported_not_raised(monkeypatch):
     def broken(*args):
         raise MemoryError("simulated")
 
-    monkeypatch.setattr(worker_mod, "copy_runs", broken)
     device, pool = setup()
     with OffloadWorker(device, pool) as w:
+        monkeypatch.setattr(worker_mod, "copy_runs", broken)
         job_id = w.submit(EXAMPLE)
         w.wait([job_id])
         assert w.get_finished() == [TransferResult(job_id, False, 0, 0.0)]
