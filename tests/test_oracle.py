@@ -65,6 +65,10 @@ CASES = {
     "qwen3": ("tiny-qwen3", 24, L(4, 16), L(1, 32, kv_order="NHD")),
     "gpt-oss-alternating": ("tiny-gpt-oss", 22, L(2, 16, kv_placement="blocks_first", layer_placement="cross_layer"),
                             L(1, 4)),
+    # MLA: the latent and rope rows are whole on every rank; one reader per destination rank
+    "mla-P4>D2": ("tiny-deepseek-v3", 26, L(4), L(2, 8, kv_order="NHD")),
+    "mla-P2-D3-nondivisible": ("tiny-deepseek-v3", 26, L(2, 32, kernel_block_size=16), L(3, 16)),
+    "mla-P1<D4": ("tiny-deepseek-v3", 19, L(1, 4, kv_placement="blocks_first"), L(4, 16)),
     "everything-at-once": ("tiny-llama-6kv", 38, L(3, 48, kernel_block_size=16, kv_placement="blocks_first",
                                                    layer_placement="cross_layer"),
                            L(2, 8, kv_order="NHD", kernel_block_size=4)),

@@ -122,6 +122,8 @@ def demo(
     requests: int = typer.Option(1, min=1, help="Requests in flight at once (multi-process transports)."),
     role: Role = typer.Option(Role.both, help="decode: only the decode half, against a `kvbridge prefill-server`."),
     prefill: Optional[str] = typer.Option(None, help="HOST:PORT of the prefill server (with --role decode)."),
+    num_cached_tokens: int = typer.Option(0, min=0, help="Prefix the decode side already holds (a multiple of "
+                                          "its block size); only the rest moves (local transport)."),
     offload: bool = typer.Option(False, help="Offload scenario: store a prefix to CPU, evict, load it back, decode."),
     dump_decode_cache: Optional[Path] = typer.Option(None, help="Write the reassembled decode cache (.safetensors)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -139,6 +141,9 @@ def demo(
     spec = load_spec(model)
     prefill_shape.check_model(spec, "prefill engine")
     decode_shape.check_model(spec, "decode engine")
+    if num_cached_tokens and (transport != Transport.local or offload or role == Role.decode):
+        from kvbridge.errors import InvalidRequest
+        raise InvalidRequest("--num-cached-tokens is supported with --transport local")
     if role == Role.decode and not prefill:
         from kvbridge.errors import InvalidRequest
         raise InvalidRequest("--role decode needs --prefill HOST:PORT of a running `kvbridge prefill-server`")
@@ -160,7 +165,8 @@ def demo(
         elif transport == Transport.local:
             from kvbridge import hf
             result = hf.run_demo(model, prompt_ids=ids, prompt_len=prompt_len, new_tokens=new_tokens, seed=seed,
-                                 prefill=prefill_shape, decode=decode_shape, dump_decode_cache=dump_decode_cache)
+                                 prefill=prefill_shape, decode=decode_shape, dump_decode_cache=dump_decode_cache,
+                                 num_cached_tokens=num_cached_tokens)
             ok = result.match
         else:
             from kvbridge.connector.demo import run_multiprocess_demo

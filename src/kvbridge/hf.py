@@ -37,7 +37,8 @@ from typing import Any
 import msgspec
 import numpy as np
 import torch
-from transformers import (AutoModelForCausalLM, BambaConfig, DynamicCache, Gemma2Config, GenerationConfig,
+from transformers import (AutoModelForCausalLM, BambaConfig, DeepseekV3Config, DynamicCache, Gemma2Config,
+                          GenerationConfig,
                           GptOssConfig, GraniteMoeHybridConfig, Lfm2Config, LlamaConfig, MistralConfig,
                           PretrainedConfig, PreTrainedModel, Qwen2Config, Qwen3Config, Qwen3NextConfig)
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
@@ -96,6 +97,16 @@ def _tiny_qwen2() -> PretrainedConfig:
 def _tiny_qwen3() -> PretrainedConfig:
     """Qwen3: QK-norm, full attention."""
     return Qwen3Config(**_COMMON, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
+
+
+def _tiny_deepseek_v3() -> PretrainedConfig:
+    """DeepSeek-V3: MLA (transformers caches the normalized latent and the rotated rope part, one head each,
+    replicated on every TP rank) and a small routed MoE."""
+    cfg = {k: v for k, v in _COMMON.items() if k != "head_dim"}
+    return DeepseekV3Config(**cfg, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                            kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                            moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                            first_k_dense_replace=1, n_group=1, topk_group=1)
 
 
 def _tiny_gemma2() -> PretrainedConfig:
@@ -166,6 +177,7 @@ BUILTIN_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-qwen3": _tiny_qwen3,
     "tiny-gemma2": _tiny_gemma2,
     "tiny-gpt-oss": _tiny_gpt_oss,
+    "tiny-deepseek-v3": _tiny_deepseek_v3,
     "tiny-bamba": _tiny_bamba,
     "tiny-granite-hybrid": _tiny_granite_hybrid,
     "tiny-qwen3-next": _tiny_qwen3_next,
@@ -202,8 +214,8 @@ def load_model(name_or_dir: str, seed: int = 0) -> tuple[PreTrainedModel, Pretra
 
 def spec_for(config: PretrainedConfig, dtype: str | torch.dtype | None = None,
              state_dtype: str | torch.dtype | None = None) -> ModelSpec:
-    """The KV geometry as transformers caches it (MLA decompressed to heads, conv states with `kernel`
-    values per channel), in the model's dtype; `state_dtype` when the recurrent state differs."""
+    """The KV geometry as transformers caches it (MLA as the replicated latent and rope part, conv states
+    with `kernel` values per channel), in the model's dtype; `state_dtype` when the recurrent state differs."""
     if dtype is None:
         dtype = getattr(config, "dtype", None) or "float32"
     spec = ModelSpec.from_hf_config(config.to_dict(), view="transformers", dtype=normalize_dtype(str(dtype)),
@@ -249,9 +261,12 @@ def _check_layer(cache: DynamicCache, spec: ModelSpec, li: int, num_tokens: int)
     """The layer's [H, T, D] key and value tensors, after checking them against the spec."""
     lspec = spec.layers[li]
     layer = cache.layers[li]
-    if lspec.kind not in ("full", "sliding"):
-        raise ConfigError(f"layer {li} is a {lspec.kind!r} layer; the transformers bridge moves K/V attention "
-                          f"caches only (describe MLA with mla_view='heads')")
+    if lspec.kind == "mla" and not lspec.value_dim:
+        raise ConfigError(f"layer {li} describes MLA as one latent row (the engine view); transformers keeps the "
+                          f"latent and the rope part apart: build the spec with view='transformers'")
+    if lspec.kind not in ("full", "sliding", "mla"):
+        raise ConfigError(f"layer {li} is a {lspec.kind!r} layer; the transformers bridge moves attention "
+                          f"K/V (full, sliding, MLA latent) here")
     _check_layer_kind(layer, lspec, li)
     if bool(getattr(layer, "is_sliding", False)) != (lspec.kind == "sliding"):
         raise ConfigError(f"layer {li}: transformers cache layer {type(layer).__name__} "
