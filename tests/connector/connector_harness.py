@@ -178,7 +178,7 @@ class Workload:
     def mismatches(self, rids: list[str] | None = None) -> list[str]:
         """Differences between the decode caches and what exactly `rids` (default all) must produce."""
         expected = clone_caches(self.before)
-        for rid in rids or list(self.requests):
+        for rid in list(self.requests) if rids is None else rids:
             expected_destination(expected, self.requests[rid])
         return mismatch_report(self.cluster.dst, expected)
 

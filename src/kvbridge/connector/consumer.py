@@ -129,6 +129,7 @@ class Consumer:
         self._active: dict[str, _Pending] = {}
         self._unclaimed: OrderedDict[str, tuple[float, dict[int, m.RequestReady]]] = OrderedDict()
         self._cancelled: OrderedDict[str, str] = OrderedDict()
+        self._expected: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id -> (engine, expiry)
         self._finished: OrderedDict[str, RequestResult] = OrderedDict()
         self._out: list[RequestResult] = []
         self._next_heartbeat = self.clock() + self.config.heartbeat_every
@@ -231,6 +232,7 @@ class Consumer:
         budget = timeout or self.config.transfer_timeout
         eng = self._engines[engine]
         req = _Pending(request_id, engine, ids, num_tokens, int(num_cached_tokens), now, now + budget, eng.sources)
+        self._expected.pop(request_id, None)
         self._active[request_id] = req
         self.stats["requests"] += 1
         cancelled = self._cancelled.pop(request_id, None)
@@ -251,11 +253,39 @@ class Consumer:
             req.first_post = now
         self._advance(req)
 
+    def expect(self, request_id: str, *, engine_id: str | None = None, timeout: float | None = None) -> None:
+        """The engine has `request_id` queued and will `receive` it: heartbeat its lease meanwhile.
+
+        This is vLLM's heartbeat case: a decode scheduler that knows a request but has not
+        allocated its blocks yet keeps the prefill side from expiring them. The expectation
+        itself expires after `timeout` (default `transfer_timeout`) so a forgotten one cannot
+        hold remote blocks forever.
+        """
+        self._check_open()
+        engine = self._engine_for(engine_id)
+        if request_id in self._active:
+            return
+        self._expected[request_id] = (engine, self.clock() + (timeout or self.config.transfer_timeout))
+        self._expected.move_to_end(request_id)
+        while len(self._expected) > self.config.max_pending:
+            self._expected.popitem(last=False)
+
     def abort(self, request_id: str, reason: str = "aborted by the decode engine") -> bool:
-        """Cancel a request; its result (a failure) comes from `progress` once its transfers stopped."""
+        """Cancel a request; its result (a failure) comes from `progress` once its transfers stopped.
+
+        A request only `expect`ed (not received) is dropped and its prefill ranks are told to
+        release now; that returns True too but produces no result.
+        """
         req = self._active.get(request_id)
         if req is None:
-            return False
+            expected = self._expected.pop(request_id, None)
+            if expected is None:
+                return False
+            eng = self._engines.get(expected[0])
+            for s, client in (eng.clients.items() if eng else ()):
+                if s not in eng.lost:
+                    client.send(m.Abort(self.engine_id, self.rank, request_id, reason[:4000]))
+            return True
         self._fail(req, reason)
         self._advance(req)
         return True
@@ -278,7 +308,6 @@ class Consumer:
         for req in list(self._active.values()):
             self._advance(req)
         self._heartbeat()
-        self._expire_unclaimed()
         return self._drain()
 
     def wait(self, request_ids: Iterable[str], timeout: float, step: float = 0.01) -> dict[str, RequestResult]:
@@ -591,27 +620,34 @@ class Consumer:
         if now < self._next_heartbeat:
             return
         self._next_heartbeat = now + self.config.heartbeat_every
+        self._expire_unclaimed()
+        while self._expected and next(iter(self._expected.values()))[1] <= now:
+            self._expected.popitem(last=False)
+            self.stats["expectations_expired"] += 1
         for eng in self._engines.values():
+            expected = [rid for rid, (e, expiry) in self._expected.items() if e == eng.engine_id and expiry > now]
             for s, client in eng.clients.items():
                 if s in eng.lost:
                     continue
                 rids = [r.request_id for r in self._active.values()
-                        if r.engine == eng.engine_id and r.failure is None and s not in r.done]
+                        if r.engine == eng.engine_id and r.failure is None and s not in r.done] + expected
                 for i in range(0, len(rids), m.MAX_REQUESTS_PER_HEARTBEAT):
                     chunk = tuple(rids[i:i + m.MAX_REQUESTS_PER_HEARTBEAT])
                     if client.send(m.Heartbeat(self.engine_id, self.rank, chunk)):
                         self.stats["heartbeats_sent"] += 1
 
     def _expire_unclaimed(self) -> None:
+        """Forget announcements nobody claimed within their lease (an `expect`ed one is kept:
+        our heartbeats extend its lease). Runs at heartbeat cadence: it scans the buffer."""
         now = self.clock()
-        while self._unclaimed:
-            rid, (since, anns) = next(iter(self._unclaimed.items()))
+        for rid, (since, anns) in list(self._unclaimed.items()):
+            if rid in self._expected:
+                continue
             ttl = self.config.announcement_ttl or min((a.lease_seconds for a in anns.values()),
                                                       default=self.config.lease_seconds)
-            if now - since < ttl:
-                break
-            self._unclaimed.popitem(last=False)
-            self.stats["announcements_expired"] += 1
+            if now - since >= ttl:
+                del self._unclaimed[rid]
+                self.stats["announcements_expired"] += 1
 
     def _transport_notifications(self) -> None:
         try:

@@ -338,6 +338,10 @@ class Producer:
                                   f"{msg.reason}")
                 while len(self._early_aborts) > self.config.max_pending:
                     self._early_aborts.popitem(last=False)
+                self._early.pop(msg.request_id, None)  # never start those writes
+                # Acknowledge: nothing of ours is in flight for a request we do not lease yet.
+                self._send_to(msg.engine_id, msg.rank, m.Abort(self.engine_id, self.rank, msg.request_id,
+                                                               "not leased here yet; nothing in flight"))
             return
         self.stats["aborts_received"] += 1
         self._end(req, f"aborted by decode {msg.engine_id!r} rank {msg.rank}: {msg.reason}", ok=False)
