@@ -1,0 +1,1 @@
+"""kvbridge inside vLLM (placeholder; filled below)."""
