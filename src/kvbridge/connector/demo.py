@@ -362,7 +362,7 @@ class DecodeEngine:
                     p.expect("connected", 0.0)  # raises with the reason
 
     def receive(self, requests: list[tuple], timeout: float) -> None:
-        """`requests`: (id, block ids, num tokens, per-request timeout)."""
+        """`requests`: (id, block ids, num tokens, per-request timeout[, prefill engine id])."""
         for p in self.ranks:
             p.send("receive", requests)
         for p in self.ranks:

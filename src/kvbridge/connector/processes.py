@@ -197,8 +197,10 @@ def _connect(conn: Connection, consumer: Any, cache: Any, address: str, timeout:
 
 
 def _receive(conn: Connection, consumer: Any, cache: Any, requests: list[tuple]) -> None:  # pragma: no cover
-    for rid, block_ids, num_tokens, timeout in requests:
-        consumer.receive(rid, block_ids, num_tokens=num_tokens, timeout=timeout)
+    """`requests`: (id, block ids, num tokens, timeout[, prefill engine id])."""
+    for rid, block_ids, num_tokens, timeout, *engine in requests:
+        consumer.receive(rid, block_ids, num_tokens=num_tokens, timeout=timeout,
+                         engine_id=engine[0] if engine else None)
     conn.send(("receiving", [r[0] for r in requests]))
 
 
