@@ -80,7 +80,7 @@ def split_at_blocks(runs: Runs, local_stride: int, remote_stride: int) -> Runs:
     return Runs(*(np.ascontiguousarray(a, np.int64) for a in arrays))
 
 
-def bench_transport(transport: str = "nixl", model: str = "llama-3-8b", num_tokens: int = 2048,
+def bench_transport(transport: str = "nixl", model: str = "llama-3-8b", num_tokens: int = 1024,
                     prefill: EngineLayout | None = None, decode: EngineLayout | None = None, op: str = "read",
                     repeats: int = 5, seed: int = 0, check: bool = True, transport_options: dict | None = None,
                     progress=None) -> TransportBenchResult:

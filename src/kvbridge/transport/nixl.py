@@ -9,10 +9,10 @@ handles are released after completion or on abort (NIXL cancels what it can). No
 use NIXL's own: a direct transfer carries its notification (NIXL delivers it after the data),
 `send_notification` is `send_notif`, and `notifications` drains `get_new_notifs`.
 
-Small runs (a head slice per block and layer) take the staging path of `agent.py`: windows of
-`slot_bytes` gathered into a registered staging buffer and moved as `desc_bytes` descriptors,
-which the measurements behind this design found faster on UCX than one huge descriptor and far
-faster than thousands of 16 KiB ones. Staging is CPU-only; CUDA regions always go direct.
+Runs go direct by default. The staging path of `agent.py` (windows of `slot_bytes` gathered
+into a registered staging buffer, moved as `desc_bytes` descriptors, scattered on arrival) is
+available with `stage_below`/`staging_bytes`; on loopback here it measured slower than direct
+(see `__init__`). Staging is CPU-only; CUDA regions always go direct.
 
 The package: `nixl-cu12` (module `nixl_cu12`) installs on CPU hosts next to CPU torch; the
 `nixl` meta package (module `nixl`) requires both the cu12 and cu13 wheels. Either is used.
@@ -97,6 +97,12 @@ class NixlTransport(Agent):
                                  f"(plugins: {self._agent.get_plugin_list()})")
         self._reg: list[Any] = []
         self._remote_names: dict[str, str] = {}
+        # Staging is off by default: on this project's loopback hosts UCX moves DRAM with one
+        # kernel copy (CMA), so gathering and scattering (two more copies) lost to sending the
+        # 16 KiB runs direct (bench: 0.86x). Turn it on (stage_below=256 << 10,
+        # staging_bytes=64 << 20) where the wire, not memory, is the bottleneck.
+        kwargs.setdefault("stage_below", 0)
+        kwargs.setdefault("staging_bytes", 0)
         super().__init__(name, **kwargs)
 
     def _engine_register(self, info: RegionInfo) -> None:
