@@ -588,7 +588,7 @@ def run_prefill_server(listen: str = "127.0.0.1:5600", *, transport: str = "shm"
     config = config or ConnectorConfig(transfer_timeout=min(60.0, timeout), lease_seconds=min(60.0, timeout))
     _check_transport(transport)
     src_tables = _block_tables(work.spec, prefill, work.lengths, random.Random(seed))
-    pre = PrefillEngine(process_context(), transport, "prefill", work.spec, prefill, mode, listen, config)
+    pre = PrefillEngine(process_context(model=False), transport, "prefill", work.spec, prefill, mode, listen, config)
     try:
         firsts, shards = _prefill(model, seed, work, prefill, src_tables, fill_seed=1)
         address = pre.start(timeout)

@@ -41,17 +41,23 @@ from kvbridge.errors import KVBridgeError
 
 
 PRELOAD = ["torch", "numpy", "zmq", "msgspec", "kvbridge.connector.processes", "kvbridge.connector.producer",
-           "kvbridge.connector.consumer", "kvbridge.transport.shm", "kvbridge.hf", "kvbridge.connector.decode_job"]
+           "kvbridge.connector.consumer", "kvbridge.transport.shm"]
+PRELOAD_MODEL = ["kvbridge.hf", "kvbridge.connector.decode_job"]
+"""Added when a process will run a model (decode rank 0): transformers takes seconds to import."""
 
 
-def process_context() -> Any:
-    """The multiprocessing context rank processes start from (see the module docstring)."""
+def process_context(model: bool = True) -> Any:
+    """The multiprocessing context rank processes start from (see the module docstring).
+
+    `model=False` leaves transformers out of the fork server (a prefill-only host). The fork
+    server is one per process and keeps the preload of its first start.
+    """
     method = os.environ.get("KVBRIDGE_START_METHOD", "forkserver")
     if method not in mp.get_all_start_methods():
         method = "spawn"
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx.set_forkserver_preload(PRELOAD + (PRELOAD_MODEL if model else []))
     return ctx
 
 

@@ -1,0 +1,115 @@
+"""The two-host demo across two network namespaces joined by a veth pair.
+
+`run_prefill_server` runs in one namespace, `run_decode_client` in the other; they reach each
+other only over the veth link, addressed with link-local IPv4 (169.254.x.y/30) that exists
+only inside the namespaces this test creates and deletes. Needs root (skipped with the reason
+otherwise). Each side is a fresh Python process started with `ip netns exec`, in its own
+session so that a timeout can end it and everything it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from connector_harness import require
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    if __name__ == "__main__":
+        role, args = sys.argv[1], json.loads(sys.argv[2])
+        from kvbridge.connector import demo
+        from kvbridge.layout import EngineLayout
+        for key in ("prefill", "decode"):
+            if isinstance(args.get(key), dict):
+                args[key] = EngineLayout(**args[key])
+        run = demo.run_prefill_server if role == "prefill" else demo.run_decode_client
+        print("RESULT " + json.dumps(run(**args).to_dict()), flush=True)
+""")
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+
+
+@pytest.fixture
+def namespaces():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create network namespaces (ip netns add)")
+    if shutil.which("ip") is None:
+        pytest.skip("the `ip` command (iproute2) is not installed")
+    tag = f"kvb{os.getpid() % 100000}"
+    a, b = f"{tag}a", f"{tag}b"
+    subnet = 100 + os.getpid() % 100
+    addr_a, addr_b = f"169.254.{subnet}.1", f"169.254.{subnet}.2"
+    made = []
+    try:
+        for ns in (a, b):
+            r = _ip("netns", "add", ns)
+            if r.returncode:
+                pytest.skip(f"cannot create a network namespace: {r.stderr.strip()}")
+            made.append(ns)
+        steps = [("link", "add", f"{tag}va", "type", "veth", "peer", "name", f"{tag}vb"),
+                 ("link", "set", f"{tag}va", "netns", a), ("link", "set", f"{tag}vb", "netns", b),
+                 ("-n", a, "addr", "add", f"{addr_a}/30", "dev", f"{tag}va"),
+                 ("-n", b, "addr", "add", f"{addr_b}/30", "dev", f"{tag}vb"),
+                 ("-n", a, "link", "set", "lo", "up"), ("-n", b, "link", "set", "lo", "up"),
+                 ("-n", a, "link", "set", f"{tag}va", "up"), ("-n", b, "link", "set", f"{tag}vb", "up")]
+        for step in steps:
+            r = _ip(*step)
+            if r.returncode:
+                pytest.skip(f"cannot set up the veth pair (ip {' '.join(step)}): {r.stderr.strip()}")
+        yield (a, addr_a), (b, addr_b)
+    finally:
+        for ns in made:
+            _ip("netns", "del", ns)  # removes the veth pair with it
+
+
+def _start(ns: str, script: Path, role: str, args: dict) -> subprocess.Popen:
+    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(script), role, json.dumps(args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> dict:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the session this test started for it
+        out, err = proc.communicate(timeout=10)
+        raise AssertionError(f"timed out after {timeout} s; stderr tail:\n{err[-3000:]}") from None
+    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"exit {proc.returncode}; stderr tail:\n{err[-3000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("transport, mode", [("shm", "pull"), ("mooncake", "push")])
+def test_prefill_server_and_decode_client_in_two_namespaces(namespaces, tmp_path: Path, transport: str,
+                                                            mode: str) -> None:
+    require(transport)
+    (ns_a, addr_a), (ns_b, addr_b) = namespaces
+    script = tmp_path / "side.py"
+    script.write_text(SCRIPT)
+    common = {"transport": transport, "mode": mode, "model": "tiny-llama", "prompt_len": 21, "seed": 5,
+              "num_requests": 2, "timeout": 100}
+    server = _start(ns_a, script, "prefill", {**common, "listen": f"{addr_a}:5600",
+                                              "prefill": {"tp_size": 2, "num_blocks": 16}})
+    try:
+        client = _start(ns_b, script, "decode", {**common, "prefill": f"{addr_a}:5600", "new_tokens": 4,
+                                                 "decode": {"tp_size": 1, "block_size": 8, "num_blocks": 32,
+                                                            "kv_order": "NHD"}})
+        decoded = _finish(client, 150)
+    finally:
+        served = _finish(server, 150)
+    assert decoded["ok"] and decoded["match"] and decoded["cache_equal"], decoded
+    assert decoded["requests_ok"] == 2 and all(r["match"] for r in decoded["requests"])
+    assert served["ok"] and served["released_exactly_once"] and served["decode_engines"] == ["decode"], served
+    assert served["releases"] == {"0": {"done": 2}, "1": {"done": 2}}
+    assert served["listen"] == f"{addr_a}:5600" and addr_b  # the client reached the server only over the veth
