@@ -109,12 +109,12 @@ def test_mode_mismatch_refused_over_the_side_channel() -> None:
 
 
 def test_transport_mismatch_refused_over_the_side_channel() -> None:
-    require("nixl")
+    require("mooncake")
     cl = Cluster(EngineLayout(tp_size=1, num_blocks=32), EngineLayout(tp_size=1, num_blocks=32))
-    consumer = Consumer("decode-nixl", 0, cl.dst[0], make_transport("nixl", "dn/0"), config=cl.config)
+    consumer = Consumer("decode-mc", 0, cl.dst[0], make_transport("mooncake", "dm/0"), config=cl.config)
     try:
         with pumping(cl.producers), pytest.raises(
-                m.HandshakeRefused, match="transport differs: local shm, remote 'decode-nixl' rank 0 nixl"):
+                m.HandshakeRefused, match="transport differs: local shm, remote 'decode-mc' rank 0 mooncake"):
             consumer.connect(cl.address, 3)
     finally:
         consumer.close()
