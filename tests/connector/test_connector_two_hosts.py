@@ -109,6 +109,7 @@ def test_prefill_server_and_decode_client_in_two_namespaces(namespaces, tmp_path
     finally:
         served = _finish(server, 150)
     assert decoded["ok"] and decoded["match"] and decoded["cache_equal"], decoded
+    assert decoded["prefill"] == "TP=2 block 16 HND kv_first"  # learned at the handshake, over the veth
     assert decoded["requests_ok"] == 2 and all(r["match"] for r in decoded["requests"])
     assert served["ok"] and served["released_exactly_once"] and served["decode_engines"] == ["decode"], served
     assert served["releases"] == {"0": {"done": 2}, "1": {"done": 2}}

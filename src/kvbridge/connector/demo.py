@@ -262,12 +262,13 @@ class PrefillEngine:
     """The prefill engine's rank processes, seen from the orchestrating parent."""
 
     def __init__(self, ctx: Any, transport: str, engine_id: str, spec: ModelSpec, layout: EngineLayout, mode: Mode,
-                 listen: str, config: ConnectorConfig, fill_seed: int = 1):
+                 listen: str, config: ConnectorConfig, fill_seed: int = 1, max_lifetime: float = 600.0):
         host = _host_of(listen)
         self.engine_id, self.layout, self.spec = engine_id, layout, spec
         self.ranks = [RankProcess(RankArgs(role="prefill", engine_id=engine_id, rank=r, transport=transport, spec=spec,
                                            layout=layout, mode=mode, listen=listen if r == 0 else format_address(host, 0),
-                                           host=host, config=config, fill_seed=fill_seed + r), ctx)
+                                           host=host, config=config, fill_seed=fill_seed + r,
+                                           max_lifetime=max_lifetime), ctx)
                       for r in range(layout.tp_size)]
         self.address = ""
         self.releases: dict[int, list[tuple[str, str]]] = {r: [] for r in range(layout.tp_size)}
@@ -334,12 +335,13 @@ class DecodeEngine:
     """The decode engine's rank processes, seen from the orchestrating parent."""
 
     def __init__(self, ctx: Any, transport: str, engine_id: str, spec: ModelSpec, layout: EngineLayout, mode: Mode,
-                 host: str, config: ConnectorConfig, fill_seed: int = 1001):
+                 host: str, config: ConnectorConfig, fill_seed: int = 1001, max_lifetime: float = 600.0):
         self.engine_id, self.layout, self.spec = engine_id, layout, spec
         self.ranks = [RankProcess(RankArgs(role="decode", engine_id=engine_id, rank=r, transport=transport, spec=spec,
                                            layout=layout, mode=mode, host=host, config=config,
-                                           fill_seed=fill_seed + r), ctx)
+                                           fill_seed=fill_seed + r, max_lifetime=max_lifetime), ctx)
                       for r in range(layout.tp_size)]
+        self.prefill_layouts: dict[str, str] = {}
         self.results: dict[int, dict[str, dict[str, Any]]] = {r: {} for r in range(layout.tp_size)}
 
     def start(self, timeout: float) -> None:
@@ -356,7 +358,9 @@ class DecodeEngine:
                 failed = p.take("connect_failed")
                 if failed:
                     raise HandshakeRefused(f"decode rank {p.args.rank}: {failed[0][1]}")
-                if p.take("connected"):
+                connected = p.take("connected")
+                if connected:
+                    self.prefill_layouts[connected[0][1]] = connected[0][3]
                     break
                 if p.error or not p.alive() or time.monotonic() > deadline:
                     p.expect("connected", 0.0)  # raises with the reason
@@ -532,8 +536,10 @@ def run_multiprocess_demo(transport: str = "shm", model: str = "tiny-llama", pro
     pre: PrefillEngine | None = None
     dec: DecodeEngine | None = None
     try:
-        pre = PrefillEngine(ctx, transport, "prefill", work.spec, prefill, mode, "127.0.0.1:0", config)
-        dec = DecodeEngine(ctx, transport, "decode", work.spec, decode, mode, "127.0.0.1", config)
+        life = 4 * timeout + 60  # rank processes end themselves even if this parent is stuck
+        pre = PrefillEngine(ctx, transport, "prefill", work.spec, prefill, mode, "127.0.0.1:0", config,
+                            max_lifetime=life)
+        dec = DecodeEngine(ctx, transport, "decode", work.spec, decode, mode, "127.0.0.1", config, max_lifetime=life)
         firsts, shards = _prefill(model, seed, work, prefill, src_tables, fill_seed=1)
         address = pre.start(timeout)
         pre.load(shards, timeout)
@@ -588,7 +594,8 @@ def run_prefill_server(listen: str = "127.0.0.1:5600", *, transport: str = "shm"
     config = config or ConnectorConfig(transfer_timeout=min(60.0, timeout), lease_seconds=min(60.0, timeout))
     _check_transport(transport)
     src_tables = _block_tables(work.spec, prefill, work.lengths, random.Random(seed))
-    pre = PrefillEngine(process_context(model=False), transport, "prefill", work.spec, prefill, mode, listen, config)
+    pre = PrefillEngine(process_context(model=False), transport, "prefill", work.spec, prefill, mode, listen, config,
+                        max_lifetime=4 * timeout + 60)
     try:
         firsts, shards = _prefill(model, seed, work, prefill, src_tables, fill_seed=1)
         address = pre.start(timeout)
@@ -628,7 +635,8 @@ def run_decode_client(prefill: str = "127.0.0.1:5600", *, transport: str = "shm"
     _check_transport(transport)
     dst_tables = _block_tables(work.spec, decode, work.lengths, random.Random(seed + 7919))
     host = host or local_address_towards(prefill)
-    dec = DecodeEngine(process_context(), transport, "decode", work.spec, decode, mode, host, config)
+    dec = DecodeEngine(process_context(), transport, "decode", work.spec, decode, mode, host, config,
+                       max_lifetime=4 * timeout + 60)
     try:
         dec.start(timeout)
         dec.connect(prefill, timeout)
@@ -643,7 +651,7 @@ def run_decode_client(prefill: str = "127.0.0.1:5600", *, transport: str = "shm"
                              timeout) if ok_ids else {}
     finally:
         dec.stop()
-    prefill_layout = _remote_layout_description(dec, prefill)
+    prefill_layout = next(iter(dec.prefill_layouts.values()), f"remote prefill engine at {prefill}")
     result = _demo_result(work, decode, decode, new_tokens, transport, mode, dec.results, decoded, None, dst_tables,
                           firsts)
     result.prefill = prefill_layout
@@ -651,10 +659,6 @@ def run_decode_client(prefill: str = "127.0.0.1:5600", *, transport: str = "shm"
     result.receive_seconds = receive_seconds
     result.wall_seconds = time.monotonic() - t0
     return result
-
-
-def _remote_layout_description(dec: DecodeEngine, address: str) -> str:
-    return f"remote prefill engine at {address}"
 
 
 def _check_transport(transport: str) -> None:

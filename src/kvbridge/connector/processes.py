@@ -199,7 +199,8 @@ def _connect(conn: Connection, consumer: Any, cache: Any, address: str, timeout:
     except KVBridgeError as e:
         conn.send(("connect_failed", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("connected", engine, list(consumer.source_ranks(engine))))
+    conn.send(("connected", engine, list(consumer.source_ranks(engine)),
+               consumer.topology.get_engine_info(engine).layout.describe()))
 
 
 def _receive(conn: Connection, consumer: Any, cache: Any, requests: list[tuple]) -> None:  # pragma: no cover
