@@ -34,9 +34,12 @@ def test_compatible_peer_is_registered_with_different_tp_block_size_and_layout()
 
 
 @pytest.mark.parametrize("peer_kw, message", [
-    (dict(spec=ModelSpec.uniform(3, 6, 16, "bfloat16")), "layer count differs: local 'decode' 2, remote 'prefill' rank 0 3"),
-    (dict(spec=ModelSpec.uniform(2, 6, 16, "float16")), "KV dtype differs: local 'decode' bfloat16, remote 'prefill' rank 0 float16"),
-    (dict(spec=ModelSpec.uniform(2, 6, 32, "bfloat16")), "layer 0 key_dim differs: local 'decode' 16, remote 'prefill' rank 0 32"),
+    (dict(spec=ModelSpec.uniform(3, 6, 16, "bfloat16")),
+     "layer count differs: local 'decode' 2, remote 'prefill' rank 0 3"),
+    (dict(spec=ModelSpec.uniform(2, 6, 16, "float16")),
+     "KV dtype differs: local 'decode' bfloat16, remote 'prefill' rank 0 float16"),
+    (dict(spec=ModelSpec.uniform(2, 6, 32, "bfloat16")),
+     "layer 0 key_dim differs: local 'decode' 16, remote 'prefill' rank 0 32"),
     (dict(spec=ModelSpec((LayerSpec("full", 6, 16, 16), LayerSpec("sliding", 6, 16, 16, 8)), "bfloat16")),
      "layer 1 kind differs: local 'decode' full, remote 'prefill' rank 0 sliding"),
     (dict(mode="push"), "transfer mode differs: local pull, remote 'prefill' rank 0 push"),

@@ -24,7 +24,8 @@ An engine drives one `Producer` per prefill rank and one `Consumer` per decode r
 
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.consumer import Consumer, RequestResult
-from kvbridge.connector.messages import PROTOCOL_VERSION, FrameTooLarge, HandshakeRefused, ProtocolError, VersionMismatch
+from kvbridge.connector.messages import (PROTOCOL_VERSION, FrameTooLarge, HandshakeRefused, ProtocolError,
+                                        VersionMismatch)
 from kvbridge.connector.producer import Producer
 
 __all__ = ["ConnectorConfig", "Consumer", "FrameTooLarge", "HandshakeRefused", "PROTOCOL_VERSION", "Producer",

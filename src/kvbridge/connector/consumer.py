@@ -240,7 +240,7 @@ class Consumer:
             self._fail(req, cancelled)
         claimed = self._unclaimed.pop(request_id, None)
         if claimed is not None:
-            for rank, ann in claimed[1].items():
+            for ann in claimed[1].values():
                 if ann.engine_id == engine:
                     self._on_ready(req, ann)
         if self.mode == "push" and req.failure is None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import multiprocessing as mp
 import random
 import socket
 import time
@@ -266,7 +265,8 @@ class PrefillEngine:
         host = _host_of(listen)
         self.engine_id, self.layout, self.spec = engine_id, layout, spec
         self.ranks = [RankProcess(RankArgs(role="prefill", engine_id=engine_id, rank=r, transport=transport, spec=spec,
-                                           layout=layout, mode=mode, listen=listen if r == 0 else format_address(host, 0),
+                                           layout=layout, mode=mode,
+                                           listen=listen if r == 0 else format_address(host, 0),
                                            host=host, config=config, fill_seed=fill_seed + r,
                                            max_lifetime=max_lifetime), ctx)
                       for r in range(layout.tp_size)]
@@ -553,8 +553,9 @@ def run_multiprocess_demo(transport: str = "shm", model: str = "tiny-llama", pro
         receive_seconds = time.monotonic() - t_start
         pre.wait_released(work.ids, config.lease_seconds + 5)
         ok_ids = _ok_ids(dec.results, work.ids)
-        decoded = dec.decode(_decode_job(work, model, seed, new_tokens, dst_tables, _first_tokens(dec.results, work.ids),
-                                         ok_ids, dump_decode_cache), timeout) if ok_ids else {}
+        job = _decode_job(work, model, seed, new_tokens, dst_tables, _first_tokens(dec.results, work.ids), ok_ids,
+                          dump_decode_cache)
+        decoded = dec.decode(job, timeout) if ok_ids else {}
         results = dec.results
     finally:
         if dec is not None:

@@ -371,6 +371,11 @@ class Producer:
         if msg.rank in req.destinations:
             self.stats["duplicate_destinations"] += 1
             return
+        if req.readers is not None and msg.rank not in req.readers:
+            self._send_to(msg.engine_id, msg.rank, m.Error(self.engine_id, self.rank, f"decode rank {msg.rank} "
+                                                           f"does not read from prefill rank {self.rank}",
+                                                           msg.request_id))
+            return
         req.destinations[msg.rank] = msg
         self._advance(req)
 
@@ -390,7 +395,7 @@ class Producer:
             early = self._early.pop(req.request_id, None)
             if early is not None:
                 for rank, dest in early[1].items():
-                    if dest.engine_id == req.engine:
+                    if dest.engine_id == req.engine and rank in req.readers:
                         req.destinations.setdefault(rank, dest)
 
     def _advance(self, req: _Lease) -> None:
@@ -420,12 +425,6 @@ class Producer:
                 continue
             handle = req.writes.get(rank)
             if handle is None:
-                if rank not in req.readers:
-                    self._send_to(dest.engine_id, rank, m.Error(self.engine_id, self.rank,
-                                                                f"decode rank {rank} does not read from prefill "
-                                                                f"rank {self.rank}", req.request_id))
-                    req.done.add(rank)  # pragma: no cover - readers and destinations agree by construction
-                    continue
                 self._start_write(req, rank, dest)
                 continue
             try:

@@ -48,7 +48,8 @@ def make_transport(kind: str, agent_name: str, *, host: str = "127.0.0.1", timeo
     return transport_class(kind)(agent_name, host=host, timeout_s=timeout_s, **kwargs)
 
 
-def allocate_cache(kind: str, spec: ModelSpec, layout: EngineLayout, rank: int, name_prefix: str = "cache") -> RankCache:
+def allocate_cache(kind: str, spec: ModelSpec, layout: EngineLayout, rank: int,
+                   name_prefix: str = "cache") -> RankCache:
     """A zeroed rank cache in memory the `kind` transport can register."""
     if kind == "shm":
         from kvbridge.transport.shm import allocate_shared
