@@ -25,6 +25,7 @@ Every call into the agent is serialized by a lock: worker threads, the caller's 
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 import time
 from typing import Any
@@ -38,8 +39,24 @@ from kvbridge.transport.base import Op
 _MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 
 
+def _no_rdma_devices() -> bool:
+    try:
+        return not os.listdir("/sys/class/infiniband")
+    except OSError:
+        return True
+
+
 def import_nixl():
-    """The NIXL API module (`nixl_agent`, `nixl_agent_config`); raises ImportError naming each attempt."""
+    """The NIXL API module (`nixl_agent`, `nixl_agent_config`); raises ImportError naming each attempt.
+
+    On a host without RDMA devices, UCX's InfiniBand modules are not loaded (`UCX_MODULES=^ib`,
+    unless the environment already sets UCX_MODULES): they pull the system's libibverbs and
+    libnl next to the copies bundled in the wheel (present when libibverbs1 is installed, as
+    Mooncake needs), and the bundled libnl-route's destructor then segfaults at process exit
+    (`rtnl_tc_unregister` in `_dl_fini`), turning every clean exit into status 139.
+    """
+    if _no_rdma_devices():
+        os.environ.setdefault("UCX_MODULES", "^ib")
     errors = []
     for mod in _MODULES:
         try:
