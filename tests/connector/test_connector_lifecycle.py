@@ -355,11 +355,9 @@ def test_close_is_idempotent_and_releases_leases(cluster_factory) -> None:
     cl.consumers[0].close()
 
 
-@pytest.mark.parametrize("kind, mode", [("mooncake", "pull"), ("mooncake", "push")])
+@pytest.mark.parametrize("kind, mode", [("nixl", "pull"), ("mooncake", "push")])
 def test_network_transports(cluster_factory, kind: str, mode: str) -> None:
-    """The same lifecycle over a network engine. NIXL runs in the multi-process tests only: a
-    process that registered memory with NIXL segfaults at interpreter exit (rank processes
-    leave with `os._exit`, this test process would not)."""
+    """The same lifecycle over a network engine (the multi-process tests run both modes of each)."""
     require(kind)
     cl = cluster_factory(L(2), L(1, 8, 192, kv_order="NHD"), mode=mode, transport=kind)
     cl.connect()
