@@ -120,6 +120,7 @@ def demo(
     transport: Transport = typer.Option(Transport.local, help="local: one process; shm/nixl/mooncake: one process per rank."),
     mode: Mode = typer.Option(Mode.pull, help="pull: decode reads (NIXL style); push: prefill writes (Mooncake style)."),
     requests: int = typer.Option(1, min=1, help="Requests in flight at once (multi-process transports)."),
+    timeout: float = typer.Option(120.0, min=1.0, help="Deadline in seconds for every wait (multi-process)."),
     role: Role = typer.Option(Role.both, help="decode: only the decode half, against a `kvbridge prefill-server`."),
     prefill: Optional[str] = typer.Option(None, help="HOST:PORT of the prefill server (with --role decode)."),
     num_cached_tokens: int = typer.Option(0, min=0, help="Prefix the decode side already holds (a multiple of "
@@ -160,7 +161,7 @@ def demo(
             result = run_decode_client(prefill or "", transport=transport.value, model=model, prompt_ids=ids,
                                        prompt_len=None if ids else prompt_len, new_tokens=new_tokens, seed=seed,
                                        decode=decode_shape, mode=mode.value, num_requests=requests,
-                                       dump_decode_cache=dump_decode_cache)
+                                       dump_decode_cache=dump_decode_cache, timeout=timeout)
             ok = result.match
         elif transport == Transport.local:
             from kvbridge import hf
@@ -173,7 +174,8 @@ def demo(
             result = run_multiprocess_demo(transport.value, model, prompt_ids=ids,
                                            prompt_len=None if ids else prompt_len, new_tokens=new_tokens,
                                            seed=seed, prefill=prefill_shape, decode=decode_shape, mode=mode.value,
-                                           dump_decode_cache=dump_decode_cache, num_requests=requests)
+                                           dump_decode_cache=dump_decode_cache, num_requests=requests,
+                                           timeout=timeout)
             ok = result.match
     out = result.to_dict()
     out.setdefault("transport", transport.value)

@@ -59,7 +59,8 @@ class Handle(msgspec.Struct):
 class Transport(Protocol):
     """What every engine backend provides. Implementations: `shm`, `nixl`, `mooncake`."""
 
-    name: str
+    backend: str  # which engine: "shm", "nixl" or "mooncake"
+    name: str  # this agent's name, unique among the peers it talks to
 
     def register(self, regions: list[torch.Tensor]) -> None:
         """Register this agent's memory regions (flat, contiguous tensors), in region-index order."""
