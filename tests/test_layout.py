@@ -198,3 +198,27 @@ def test_write_then_read_tokens_roundtrip():
     assert torch.equal(cache.read_tokens(1, 0, ids, pos), vals)
     # token 5 of the request is logical block 1 (id 1), offset 1 -> kernel block 1*2 + 0, offset 1
     assert torch.equal(cache.logical_view(1, 0)[2, 1], vals[2])
+
+
+def test_logical_view_of_regions_sliced_from_one_buffer():
+    """Regions may be views into a larger allocation (one arena, vLLM's shared pools): views must
+    start where each region starts, not at the start of the underlying storage."""
+    import random as _random
+
+    from kvbridge.verify import expected_destination, fill_source, mismatch_report, random_request
+
+    spec = ModelSpec.uniform(3, 4, 8, "bfloat16")
+    layout = EngineLayout(tp_size=2, block_size=4, num_blocks=6)
+    sizes = layout.addressing(spec, 0).region_nbytes
+    arena = torch.zeros(sum(sizes) // 2 + 64, dtype=torch.bfloat16)
+    regions, start = [], 32  # leave a gap so no region starts at offset 0
+    for n in sizes:
+        regions.append(arena[start:start + n // 2])
+        start += n // 2
+    cache = RankCache(spec, layout, 0, regions)
+    req = random_request(spec, layout, layout, 10, 0, _random.Random(0))
+    fill_source([cache], req.src_block_ids, 10)
+    assert torch.count_nonzero(arena[:32]) == 0  # nothing written before the first region
+    separate = RankCache.allocate(spec, layout, 0)
+    fill_source([separate], req.src_block_ids, 10)
+    assert mismatch_report([cache], [separate]) == []

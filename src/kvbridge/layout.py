@@ -248,7 +248,9 @@ class RankCache:
         size = (blocks, tokens, int(a.heads[layer, comp]), int(a.row_bytes[layer, comp]) // isz)
         stride = (int(a.block_stride[layer, comp]) // isz, int(a.token_stride[layer, comp]) // isz,
                   int(a.head_stride[layer, comp]) // isz, 1)
-        return torch.as_strided(region, size, stride, int(a.base[layer, comp]) // isz)
+        # as_strided counts its offset from the start of the storage, not of the view: a region that
+        # is a slice of a larger buffer must add where it starts.
+        return torch.as_strided(region, size, stride, region.storage_offset() + int(a.base[layer, comp]) // isz)
 
     def read_state(self, layer: int, comp: int, slot: int, as_int: bool = False) -> torch.Tensor:
         """Recurrent state of one request slot: `[local_units, dim]`."""
