@@ -16,7 +16,7 @@ import torch
 
 from kvbridge.layout import EngineLayout, RankCache
 from kvbridge.plan import Request
-from kvbridge.shard import head_range, holders
+from kvbridge.shard import head_range, holders, preferred_holder
 
 _MASK = (1 << 64) - 1
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -104,6 +104,30 @@ def source_checksums(caches: list[RankCache], request: Request, dst: EngineLayou
                 d0, d1 = head_range(comp.heads, dst.tp_size, d, layer.replicated)
                 sel = mine & (row_heads >= d0) & (row_heads < d1)
                 out[d] = (out[d] + _sum(hashes[sel])) & _MASK
+    return out
+
+
+def contribution_checksums(cache: RankCache, request: Request, dst: EngineLayout) -> list[int]:
+    """One source rank's share of each destination rank's expected checksum.
+
+    Unlike `source_checksums` (designated = first holder), a row counts on the source rank that
+    *serves* it to that destination rank (`shard.preferred_holder`, the rank the transfer plan
+    reads it from), so every destination rank's expectation is the sum of the contributions of
+    exactly the source ranks it talks to, and each can be sent with that rank's announcement.
+    Only `request.src_block_ids`, `num_tokens` and `num_cached_tokens` are used.
+    """
+    spec = cache.spec
+    src_tp = cache.layout.tp_size
+    out = [0] * dst.tp_size
+    for li, ci, row_heads, hashes in _rank_rows(cache, request.src_block_ids, request):
+        layer, comp = spec.layers[li], spec.layers[li].components[ci]
+        for d in range(dst.tp_size):
+            d0, d1 = head_range(comp.heads, dst.tp_size, d, layer.replicated)
+            served = torch.zeros(comp.heads, dtype=torch.bool)
+            for h in range(d0, d1):
+                served[h] = preferred_holder(comp.heads, src_tp, dst.tp_size, d, h, layer.replicated) == cache.rank
+            sel = served[row_heads]
+            out[d] = (out[d] + _sum(hashes[sel])) & _MASK
     return out
 
 

@@ -37,6 +37,18 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     side-channel copy is always sent, and the receiver counts whichever arrives first."""
     side_channel_heartbeat: float = 1.0
     """ZMTP heartbeat interval of decode-side sockets; a silent peer is dropped after 3x."""
+    checksum: bool = False
+    """End-to-end integrity: each prefill rank sends, with a request's announcement, its share
+    of the logical checksum (`kvbridge.integrity`) of what each decode rank must receive; the
+    decode rank recomputes over what landed and fails the request on a mismatch. Covers requests
+    without a prefix-cache hit (`num_cached_tokens == 0`); others are counted as skipped."""
+    secret: bytes | None = None
+    """Shared secret authenticating the side channel: every frame carries an HMAC-SHA256 over
+    the frame, a per-connection session id, a counter and a timestamp. When set, frames without
+    a valid MAC (or replayed: counter not increasing, timestamp outside `replay_window`) are
+    refused; a peer without a secret refuses our MAC'd frames, naming the cause."""
+    replay_window: float = 300.0
+    """Seconds an authenticated frame's timestamp may differ from the receiver's clock."""
 
     def __post_init__(self) -> None:
         for name in ("handshake_timeout", "transfer_timeout", "lease_seconds", "abort_timeout",
@@ -48,6 +60,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, name)
             if value is not None and not 0 < value < 7 * 24 * 3600:
                 raise ConfigError(f"{name} must be None or a finite number of seconds > 0, got {value}")
+        if self.secret is not None and len(self.secret) < 16:
+            raise ConfigError(f"secret must be at least 16 bytes, got {len(self.secret)}")
+        if not 0 < self.replay_window < 7 * 24 * 3600:
+            raise ConfigError(f"replay_window must be a finite number of seconds > 0, got {self.replay_window}")
         if self.max_frame_bytes < 4096:
             raise ConfigError(f"max_frame_bytes must be >= 4096, got {self.max_frame_bytes}")
         if self.max_pending < 1:

@@ -46,6 +46,7 @@ from kvbridge.connector.runs import runs_for
 from kvbridge.connector.transports import agent_name, transport_kind
 from kvbridge.connector.side_channel import (Received, SideChannelClient, SideChannelError, poll_clients)
 from kvbridge.errors import InvalidRequest, KVBridgeError
+from kvbridge.integrity import destination_checksums
 from kvbridge.layout import EngineLayout, RankCache
 from kvbridge.plan import Plan, Request
 from kvbridge.topology import TransferTopology
@@ -348,7 +349,8 @@ class Consumer:
     # -- handshake helpers ------------------------------------------------------------------------
     def _client(self, address: str, opened: list[SideChannelClient]) -> SideChannelClient:
         client = SideChannelClient(address, self._identity, max_frame_bytes=self.config.max_frame_bytes,
-                                   heartbeat_seconds=self.config.side_channel_heartbeat)
+                                   heartbeat_seconds=self.config.side_channel_heartbeat,
+                                   secret=self.config.secret, replay_window=self.config.replay_window)
         opened.append(client)
         return client
 
@@ -476,6 +478,17 @@ class Consumer:
             self._poll_reads(req)
         if req.failure is None:
             if req.done >= set(req.sources):
+                if self.config.checksum:
+                    verdict = self._verify(req)
+                    if verdict is None:  # push: an announcement (with its checksum) is still on its way
+                        if self.clock() > req.deadline:
+                            self._fail(req, self._timeout_reason(req, self.clock()))
+                            self._stop(req, eng)
+                        return
+                    if verdict:
+                        self._fail(req, verdict)
+                        self._stop(req, eng)
+                        return
                 self._finish(req, ok=True, reason="")
                 return
             now = self.clock()
@@ -597,6 +610,31 @@ class Consumer:
             self._finished.popitem(last=False)
         self._out.append(res)
         self.stats["ok" if ok else "failed"] += 1
+
+    def _verify(self, req: _Pending) -> str | None:
+        """"" when what landed matches the sources' checksums, a reason when not, None to wait."""
+        if req.num_cached_tokens:
+            self.stats["checksums_skipped"] += 1  # the sources sum rows [0, n); we hold a cached prefix
+            return ""
+        if set(req.announced) < set(req.sources):
+            return None
+        missing = sorted(s for s in req.sources if req.announced[s].checksum is None)
+        if missing:
+            return (f"integrity check impossible: prefill ranks {missing} sent no checksum (checksum=True here; "
+                    f"enable ConnectorConfig(checksum=True) on the prefill engine too)")
+        expected = sum(req.announced[s].checksum or 0 for s in req.sources) & ((1 << 64) - 1)
+        ann = req.announced[req.sources[0]]
+        n = req.num_tokens if req.num_tokens is not None else ann.num_tokens
+        try:
+            actual = destination_checksums([self.cache], Request(ann.block_ids, req.block_ids, n, 0))[0]
+        except Exception as e:  # noqa: BLE001
+            return f"integrity check failed to run: {type(e).__name__}: {e}"
+        self.stats["checksums_verified"] += 1
+        if actual != expected:
+            self.stats["checksum_mismatches"] += 1
+            return (f"integrity check failed on decode rank {self.rank}: the landed bytes hash to {actual:#018x}, "
+                    f"prefill ranks {list(req.sources)} sent {expected:#018x} (corrupted or misplaced in transfer)")
+        return ""
 
     def _timeout_reason(self, req: _Pending, now: float) -> str:
         budget = req.deadline - req.started

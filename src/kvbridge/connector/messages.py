@@ -153,6 +153,9 @@ class RequestReady(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=
     num_tokens: TokenCount
     lease_seconds: Seconds
     first_token: TokenId | None = None
+    checksum: Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)] | None = None
+    """This prefill rank's share of the receiving decode rank's integrity checksum (opt-in), a
+    64-bit value sent as signed int64 (msgpack's and msgspec's bound)."""
 
 
 class DestinationReady(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="destination_ready"):

@@ -47,6 +47,7 @@ from kvbridge.connector.runs import runs_for
 from kvbridge.connector.transports import agent_name, transport_kind
 from kvbridge.connector.side_channel import Received, SideChannelServer
 from kvbridge.errors import InvalidRequest, KVBridgeError
+from kvbridge.integrity import contribution_checksums
 from kvbridge.layout import RankCache
 from kvbridge.plan import Request, plan_request
 from kvbridge.topology import TransferTopology
@@ -86,6 +87,7 @@ class _Lease:
     stop_deadline: float = 0.0
     nbytes: int = 0
     nruns: int = 0
+    checksums: list[int] | None = None  # this rank's share of each decode rank's checksum
 
 
 class Producer:
@@ -106,7 +108,8 @@ class Producer:
         self.agent_name = agent_name(transport)
         transport.register(cache.regions)
         self._metadata = transport.metadata()
-        self.server = SideChannelServer(listen, max_frame_bytes=self.config.max_frame_bytes)
+        self.server = SideChannelServer(listen, max_frame_bytes=self.config.max_frame_bytes,
+                                        secret=self.config.secret, replay_window=self.config.replay_window)
         self.address = self.server.address
         self._peer_addresses = tuple(peer_addresses)
         self._readers: dict[bytes, _Reader] = {}
@@ -410,8 +413,15 @@ class Producer:
         conns = self._engines.get(req.engine or "", {})
         for rank in sorted(req.readers - req.announced):
             if rank in conns:
+                checksum = None
+                if self.config.checksum:
+                    if req.checksums is None:
+                        req.checksums = self._checksums(req)
+                        if req.checksums is None:
+                            return
+                    checksum = req.checksums[rank] - (1 << 64) if req.checksums[rank] >> 63 else req.checksums[rank]
                 ready = m.RequestReady(self.engine_id, self.rank, req.request_id, req.block_ids, req.num_tokens,
-                                       max(0.0, req.expiry - self.clock()), req.first_token)
+                                       max(0.0, req.expiry - self.clock()), req.first_token, checksum)
                 if self.server.send(conns[rank], ready):
                     req.announced.add(rank)
         if self.mode == "push":
@@ -548,6 +558,18 @@ class Producer:
                 self.stats["refused_notifications"] += 1
                 continue
             self._on_done(msg.engine_id, msg.rank, msg.request_id, "read")
+
+    def _checksums(self, req: _Lease) -> list[int] | None:
+        """This rank's share of every decode rank's checksum, taken once, before any reader is told."""
+        try:
+            remote = self.topology.get_engine_info(req.engine or "")
+            request = Request(req.block_ids, req.block_ids, req.num_tokens, 0)
+            sums = contribution_checksums(self.cache, request, remote.layout)
+        except Exception as e:  # noqa: BLE001 - a checksum we cannot take fails the request, visibly
+            self._end(req, f"cannot compute the integrity checksum: {type(e).__name__}: {e}", ok=False)
+            return None
+        self.stats["checksums"] += 1
+        return sums
 
     def _check_blocks(self, ids: tuple[tuple[int, ...], ...], num_tokens: int, request_id: str) -> None:
         spec, layout = self.cache.spec, self.cache.layout

@@ -22,24 +22,92 @@ vanishes without closing TCP is noticed too); `SideChannelClient.lost` becomes t
 connection to its server drops after it was up, which is how a decode rank learns that a
 prefill rank died without waiting for a timeout.
 
+Authentication (optional, `ConnectorConfig.secret`): each frame travels as two ZMQ parts,
+`[frame, auth]`, where `auth` = session id (16 random bytes per socket) | counter (u64, +1 per
+frame) | timestamp (f64 wall clock) | HMAC-SHA256(secret, direction | session | counter |
+timestamp | frame). The receiver refuses a frame without a valid MAC, a counter not above the
+last one it accepted from that session (a replay or a reorder), and a timestamp outside
+`replay_window` (a replay to a receiver that forgot the session). The direction label keeps a
+server's frames from being reflected back to it as a client's. A receiver without a secret
+refuses two-part frames naming the cause (the peer has a secret, we do not).
+
 Addresses are `host:port`, `[ipv6]:port` or `tcp://...`; port 0 binds an ephemeral port.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
+import struct
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvbridge.connector.messages import MAX_FRAME_BYTES, Message, ProtocolError, decode, encode
+from kvbridge.connector.messages import MAX_FRAME_BYTES, FrameTooLarge, Message, ProtocolError, decode, encode
 from kvbridge.errors import KVBridgeError
 
 
 class SideChannelError(KVBridgeError, RuntimeError):
     """A side-channel endpoint could not be set up, or a bounded wait ran out."""
+
+
+class AuthenticationError(ProtocolError):
+    """A frame refused by side-channel authentication (no MAC, bad MAC, replay, unexpected MAC)."""
+
+
+_AUTH = struct.Struct(">16sQd")
+AUTH_BYTES = _AUTH.size + 32
+MAX_SESSIONS = 65536
+
+
+class FrameAuth:
+    """HMAC-SHA256 signing and replay checking of one socket's frames (see the module docstring)."""
+
+    def __init__(self, secret: bytes, outgoing: bytes, incoming: bytes, replay_window: float = 300.0):
+        self.secret, self.outgoing, self.incoming = secret, outgoing, incoming
+        self.replay_window = replay_window
+        self.session = os.urandom(16)
+        self.counter = 0
+        self._last: OrderedDict[bytes, int] = OrderedDict()  # peer session -> last counter accepted
+
+    def _mac(self, direction: bytes, header: bytes, frame: bytes) -> bytes:
+        return hmac.new(self.secret, direction + header + frame, hashlib.sha256).digest()
+
+    def sign(self, frame: bytes) -> bytes:
+        self.counter += 1
+        header = _AUTH.pack(self.session, self.counter, time.time())
+        return header + self._mac(self.outgoing, header, frame)
+
+    def verify(self, frame: bytes, auth: bytes) -> None:
+        """Raise `AuthenticationError` unless `auth` is a fresh, valid MAC of `frame`."""
+        if len(auth) != AUTH_BYTES:
+            raise AuthenticationError(f"malformed authentication part ({len(auth)} bytes, expected {AUTH_BYTES})")
+        header, mac = auth[:_AUTH.size], auth[_AUTH.size:]
+        if not hmac.compare_digest(mac, self._mac(self.incoming, header, frame)):
+            raise AuthenticationError("bad HMAC: the peer does not share this side channel's secret, or the frame "
+                                      "was altered")
+        session, counter, stamp = _AUTH.unpack(header)
+        skew = abs(time.time() - stamp)
+        if not skew <= self.replay_window:
+            raise AuthenticationError(f"replayed or stale frame refused: timestamp {skew:.0f} s away from this "
+                                      f"host's clock (window {self.replay_window:.0f} s)")
+        last = self._last.get(session)
+        if last is not None and counter <= last:
+            raise AuthenticationError(f"replayed frame refused: counter {counter} of session {session.hex()[:8]} "
+                                      f"is not above the last accepted ({last})")
+        self._last[session] = counter
+        self._last.move_to_end(session)
+        while len(self._last) > MAX_SESSIONS:
+            self._last.popitem(last=False)
+
+
+def _auth(secret: bytes | None, outgoing: bytes, incoming: bytes, replay_window: float) -> FrameAuth | None:
+    return FrameAuth(secret, outgoing, incoming, replay_window) if secret else None
 
 
 class Received(NamedTuple):
@@ -96,7 +164,27 @@ def _configure(sock: zmq.Socket, host: str, max_frame_bytes: int) -> None:
         sock.setsockopt(zmq.IPV6, 1)
 
 
-def _decode_parts(peer: bytes, parts: list[bytes], max_frame_bytes: int) -> Received:
+def _decode_parts(peer: bytes, parts: list[bytes], max_frame_bytes: int, auth: FrameAuth | None = None) -> Received:
+    size = sum(len(p) for p in parts)
+    if auth is not None:
+        if len(parts) == 1:
+            return Received(peer, None, AuthenticationError(
+                "unauthenticated frame refused: a shared secret is configured on this side channel and the peer "
+                "sent no HMAC (configure the same ConnectorConfig.secret on both engines)"), size)
+        if len(parts) != 2:
+            return Received(peer, None, ProtocolError(f"expected a frame and its HMAC, got {len(parts)} parts"), size)
+        if len(parts[0]) > max_frame_bytes:
+            return Received(peer, None, FrameTooLarge(f"frame of {len(parts[0])} bytes refused: the bound is "
+                                                      f"{max_frame_bytes}"), size)
+        try:
+            auth.verify(parts[0], parts[1])
+        except AuthenticationError as e:
+            return Received(peer, None, e, size)
+        parts = parts[:1]
+    elif len(parts) == 2 and len(parts[1]) == AUTH_BYTES:
+        return Received(peer, None, AuthenticationError(
+            "authenticated frame refused: the peer signs its frames with a shared secret (HMAC) but none is "
+            "configured on this side (configure the same ConnectorConfig.secret on both engines)"), size)
     if len(parts) != 1:
         return Received(peer, None, ProtocolError(f"expected one frame per message, got {len(parts)} parts"),
                         sum(len(p) for p in parts))
@@ -114,9 +202,10 @@ class SideChannelServer:
     """A prefill rank's ROUTER socket."""
 
     def __init__(self, listen: str = "127.0.0.1:0", *, max_frame_bytes: int = MAX_FRAME_BYTES,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, secret: bytes | None = None, replay_window: float = 300.0):
         host, port = parse_address(listen)
         self.max_frame_bytes = max_frame_bytes
+        self.auth = _auth(secret, b"kvbridge-sc1 s->c", b"kvbridge-sc1 c->s", replay_window)
         self.socket = (context or _context()).socket(zmq.ROUTER)
         _configure(self.socket, host, max_frame_bytes)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer fails instead of vanishing
@@ -134,8 +223,9 @@ class SideChannelServer:
         if self.closed:
             return False
         data = encode(msg, self.max_frame_bytes)
+        parts = [peer, data] if self.auth is None else [peer, data, self.auth.sign(data)]
         try:
-            self.socket.send_multipart([peer, data], flags=zmq.NOBLOCK)
+            self.socket.send_multipart(parts, flags=zmq.NOBLOCK)
             return True
         except (zmq.Again, zmq.ZMQError):
             return False
@@ -153,7 +243,7 @@ class SideChannelServer:
                 parts = self.socket.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 break
-            out.append(_decode_parts(parts[0], parts[1:], self.max_frame_bytes))
+            out.append(_decode_parts(parts[0], parts[1:], self.max_frame_bytes, self.auth))
         return out
 
     def close(self) -> None:
@@ -166,8 +256,10 @@ class SideChannelClient:
     """A decode rank's DEALER connected to one prefill rank's ROUTER."""
 
     def __init__(self, address: str, identity: bytes, *, max_frame_bytes: int = MAX_FRAME_BYTES,
-                 heartbeat_seconds: float = 1.0, context: zmq.Context | None = None):
+                 heartbeat_seconds: float = 1.0, context: zmq.Context | None = None,
+                 secret: bytes | None = None, replay_window: float = 300.0):
         host, port = parse_address(address)
+        self.auth = _auth(secret, b"kvbridge-sc1 c->s", b"kvbridge-sc1 s->c", replay_window)
         if port == 0:
             raise SideChannelError(f"cannot connect to {address!r}: port 0")
         if not identity or identity[0] == 0 or len(identity) > 255:
@@ -202,7 +294,10 @@ class SideChannelClient:
             return False
         data = encode(msg, self.max_frame_bytes)
         try:
-            self.socket.send(data, flags=zmq.NOBLOCK)
+            if self.auth is None:
+                self.socket.send(data, flags=zmq.NOBLOCK)
+            else:
+                self.socket.send_multipart([data, self.auth.sign(data)], flags=zmq.NOBLOCK)
             return True
         except (zmq.Again, zmq.ZMQError):
             return False
@@ -238,7 +333,7 @@ class SideChannelClient:
                 parts = self.socket.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 break
-            out.append(_decode_parts(b"", parts, self.max_frame_bytes))
+            out.append(_decode_parts(b"", parts, self.max_frame_bytes, self.auth))
         return out
 
     def request(self, msg: Message, timeout: float, accept: tuple[type, ...]) -> Message:
@@ -295,5 +390,5 @@ def poll_clients(clients: Sequence[SideChannelClient], timeout: float) -> list[t
     return out
 
 
-__all__ = ["Received", "SideChannelClient", "SideChannelError", "SideChannelServer", "format_address",
+__all__ = ["AUTH_BYTES", "AuthenticationError", "FrameAuth", "Received", "SideChannelClient", "SideChannelError", "SideChannelServer", "format_address",
            "parse_address", "poll_clients"]
