@@ -1,0 +1,455 @@
+"""`KVBridgeConnector`: kvbridge as a vLLM 0.32 V1 KV connector (prefill <-> decode).
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
+                           "kv_connector_module_path": "kvbridge.integrations.vllm",
+                           "kv_role": "kv_producer",            # or kv_consumer / kv_both
+                           "kv_connector_extra_config": {"side_channel_port": 5570}}'
+
+The request flow is NixlConnector's (same `kv_transfer_params`, so a NIXL proxy drives it):
+
+* prefill (P): the proxy sends the request with `{"do_remote_decode": true}` and max_tokens=1.
+  When it finishes, `request_finished` keeps its blocks (returns True) and returns the params
+  for the decode engine: P's engine id, request id, block ids, token count and side-channel
+  address. The next engine step carries the request to every P worker, whose kvbridge
+  `Producer` leases the blocks and announces them to the decode ranks that read them; the
+  lease ends (`finished_sending`, vLLM frees the blocks) when all of them read it, or at lease
+  expiry / abort.
+* decode (D): the proxy sends the request with those params. `get_num_new_matched_tokens`
+  claims the prompt's tokens as loaded asynchronously; `update_state_after_alloc` records D's
+  block ids; every D worker's kvbridge `Consumer` handshakes with P (once per P engine), plans
+  its reads with kvbridge's topology and planner (any TP pair kvbridge can shard, any block
+  sizes on either side) and pulls them through the transport; `finished_recving` (plus
+  `failed_recving` on failure) tells the scheduler. vLLM then recomputes the last prompt token
+  and decodes.
+
+Worker memory and the sidecar: `get_mem_pool_context` returns a context in which vLLM's one
+KV cache allocation (`torch.zeros(n, int8)` in `allocate_kv_cache`) lands in a /dev/shm
+segment. Each worker rank starts a kvbridge *sidecar process* (`sidecar.py`) that maps that
+segment, adopts every layer's bytes as a `RankCache` region (vLLM's own cache, no copy; layout
+`layout.VllmCpuLayout`), and runs the rank's Producer/Consumer and transport (`shm` by default;
+`nixl`/`mooncake` selectable, not exercised by the tests here). The worker only forwards
+commands and collects events over a pipe, never blocking an engine step; the sidecar is not
+starved by the engine thread's GIL (measured: a thread in the worker was, for 10 s).
+
+Limits (each refused with a message, none silently wrong): K/V attention models only (no MLA
+or Mamba state: vLLM CPU's layouts for those are not described yet), no hybrid allocator
+(vLLM CPU has none), one decode engine per prefill request (the proxy can name it with
+`"remote_decode_engine_id"` in the prefill params when several decode engines are connected).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+from torch.overrides import TorchFunctionMode
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults)
+from vllm.logger import init_logger
+
+from kvbridge.errors import ConfigError, IncompatibleEngines
+from kvbridge.integrations.vllm.layout import VllmCpuLayout, vllm_cpu_layout, vllm_cpu_spec
+from kvbridge.integrations.vllm.sidecar import (Abandon, Expect, Fatal, Init, Received, Recv, Released, Send, Settings,
+                                                SidecarClient)
+from kvbridge.layout import EngineLayout
+from kvbridge.spec import LayerSpec, ModelSpec, normalize_dtype
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(f"vllm.{__name__}")  # vLLM configures the "vllm" logger tree only
+
+BlockIds = tuple[tuple[int, ...], ...]
+
+
+# ------------------------------------------------------------------------------------------------
+# Scheduler -> worker metadata
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class RecvReq:
+    """Decode side: load `remote_request_id` of engine `remote_engine_id` into these blocks."""
+
+    request_id: str
+    remote_request_id: str
+    remote_engine_id: str
+    remote_address: str
+    block_ids: BlockIds
+    num_tokens: int
+    num_cached_tokens: int
+    report: bool = True  # False: a full local prefix hit, only release the prefill blocks
+
+
+@dataclass
+class SendReq:
+    """Prefill side: the request's KV is complete in these blocks; lease them to the reader."""
+
+    request_id: str
+    block_ids: BlockIds
+    num_tokens: int
+    to_engine: str | None = None
+
+
+@dataclass
+class KVBridgeMetadata(KVConnectorMetadata):
+    recv: list[RecvReq] = field(default_factory=list)
+    send: list[SendReq] = field(default_factory=list)
+    expect: list[tuple[str, str, str]] = field(default_factory=list)  # (remote engine, address, remote id)
+    abandon: list[tuple[str, str, str]] = field(default_factory=list)
+
+
+def _role_flags(vllm_config: VllmConfig) -> tuple[bool, bool]:
+    role = vllm_config.kv_transfer_config.kv_role
+    if role not in ("kv_producer", "kv_consumer", "kv_both"):
+        raise ConfigError(f"KVBridgeConnector kv_role must be kv_producer, kv_consumer or kv_both, got {role!r}")
+    return role in ("kv_producer", "kv_both"), role in ("kv_consumer", "kv_both")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ------------------------------------------------------------------------------------------------
+# The connector
+# ------------------------------------------------------------------------------------------------
+
+class KVBridgeConnector(KVConnectorBase_V1):
+    """kvbridge topology + planner + transport behind vLLM's KVConnectorBase_V1 (see module doc)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
+        self.settings = Settings.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        self.produces, self.consumes = _role_flags(vllm_config)
+        if vllm_config.model_config is not None and vllm_config.model_config.use_mla:
+            raise ConfigError("KVBridgeConnector in vLLM moves K/V attention caches; MLA is not supported yet")
+        self._scheduler = _Scheduler(self) if role == KVConnectorRole.SCHEDULER else None
+        self._worker = _Worker(self) if role == KVConnectorRole.WORKER else None
+
+    # -- scheduler side -----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta()
+
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler.on_new_request(request)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, (tuple(block_ids),))
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
+    # -- worker side --------------------------------------------------------------------------
+    def get_mem_pool_context(self):
+        return self._worker.mem_pool_context() if self._worker is not None else None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KVBridgeMetadata):
+            self._worker.submit(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Whole requests load asynchronously before they are scheduled; nothing per layer."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        """The decode side reads the prefill engine's own cache; nothing is saved per layer."""
+
+    def wait_for_save(self):
+        """CPU forward passes are synchronous: a finished request's KV is in its blocks."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        res = self._worker.results()
+        return res.finished_sending, res.finished_recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._worker.results()
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Scheduler side
+# ------------------------------------------------------------------------------------------------
+
+class _Scheduler:
+    def __init__(self, conn: KVBridgeConnector):
+        cfg = conn._vllm_config
+        self.conn = conn
+        self.block_size = cfg.cache_config.block_size
+        self.tp_size = cfg.parallel_config.tensor_parallel_size
+        s = conn.settings
+        self.address = (s.side_channel_host, s.side_channel_port)
+        self._meta = KVBridgeMetadata()
+
+    @staticmethod
+    def _remote_tokens(request: Request, params: dict[str, Any]) -> int:
+        n = len(request.prompt_token_ids or [])
+        remote = params.get("remote_num_tokens")
+        return min(n, int(remote)) if remote else n
+
+    @staticmethod
+    def _complete(params: dict[str, Any]) -> bool:
+        return bool(params.get("remote_block_ids")) and all(
+            params.get(k) is not None for k in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port"))
+
+    def on_new_request(self, request: Request) -> None:
+        p = request.kv_transfer_params
+        if self.conn.consumes and p and p.get("do_remote_prefill") and self._complete(p):
+            # Heartbeat the prefill lease while the request waits in our queue.
+            self._meta.expect.append((p["remote_engine_id"], _address(p), p["remote_request_id"]))
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        p = request.kv_transfer_params
+        if self.conn.consumes and p and p.get("do_remote_prefill") and self._complete(p):
+            count = self._remote_tokens(request, p) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        p = request.kv_transfer_params
+        if not (self.conn.consumes and p and p.get("do_remote_prefill")):
+            return
+        p["do_remote_prefill"] = False  # one transfer per request (a second call follows the load)
+        if not self._complete(p):
+            logger.warning("KVBridgeConnector: request %s has incomplete kv_transfer_params %s; it is computed "
+                           "locally", request.request_id, p)
+            return
+        n = self._remote_tokens(request, p)
+        ids = tuple(tuple(int(b) for b in group[: _cdiv(n, self.block_size)]) for group in blocks.get_block_ids())
+        self._meta.recv.append(RecvReq(
+            request.request_id, str(p["remote_request_id"]), str(p["remote_engine_id"]), _address(p), ids, n,
+            num_cached_tokens=n - num_external_tokens, report=num_external_tokens > 0))
+
+    def build_connector_meta(self) -> KVBridgeMetadata:
+        meta, self._meta = self._meta, KVBridgeMetadata()
+        return meta
+
+    def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        p = request.kv_transfer_params
+        if not p:
+            return False, None
+        if p.get("do_remote_prefill"):
+            # Finished (aborted) before its blocks were allocated: tell the prefill side to release.
+            p["do_remote_prefill"] = False
+            if self.conn.consumes and self._complete(p):
+                self._meta.abandon.append((p["remote_engine_id"], _address(p), p["remote_request_id"]))
+            return False, None
+        if not (self.conn.produces and p.get("do_remote_decode")):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted: nothing was announced, vLLM frees the blocks now
+        n = int(request.num_computed_tokens)
+        ids = tuple(tuple(int(b) for b in g[: _cdiv(n, self.block_size)]) for g in block_ids)
+        if n <= 0 or not any(ids):
+            return False, None
+        self._meta.send.append(SendReq(request.request_id, ids, n, p.get("remote_decode_engine_id")))
+        host, port = self.address
+        return True, dict(
+            do_remote_prefill=True, do_remote_decode=False, remote_block_ids=[list(g) for g in ids],
+            remote_engine_id=self.conn.engine_id, remote_request_id=request.request_id, remote_host=host,
+            remote_port=port, remote_num_tokens=n, tp_size=self.tp_size, transfer_mode=self.conn.settings.mode,
+            kv_connector="KVBridgeConnector")
+
+
+def _address(params: dict[str, Any]) -> str:
+    host = str(params["remote_host"])
+    return f"[{host}]:{int(params['remote_port'])}" if ":" in host else f"{host}:{int(params['remote_port'])}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker side
+# ------------------------------------------------------------------------------------------------
+
+class _ShmAllocation(TorchFunctionMode):
+    """Inside it, vLLM's KV cache buffer (`torch.zeros(n, dtype=torch.int8)` on CPU, in
+    `allocate_kv_cache`) is a /dev/shm segment (zero-filled by the kernel); every other torch
+    call passes through."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+        self.segments: list[Any] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.zeros and len(args) == 1 and isinstance(args[0], int) and args[0] > 0 \
+                and kwargs.get("dtype") == torch.int8 and torch.device(kwargs.get("device") or "cpu").type == "cpu":
+            from kvbridge.transport.shm import SharedSegment, reap_stale_segments
+            reap_stale_segments()
+            seg = SharedSegment(args[0], self.prefix)
+            self.segments.append(seg)  # keeps the mapping alive as long as this worker
+            return seg.tensor.view(torch.int8)
+        return func(*args, **kwargs)
+
+
+def spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_caches: dict[str, torch.Tensor],
+                    tp_size: int) -> tuple[ModelSpec, VllmCpuLayout, list[str]]:
+    """kvbridge's description of this rank's vLLM CPU cache, and the layer names in layer order."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    mc = vllm_config.model_config
+    layout_name = str(getattr(vllm_config.cache_config.get_resolved_kv_cache_layout(), "name", ""))
+    if layout_name and layout_name != "LBHNC":
+        raise IncompatibleEngines(f"KVBridgeConnector describes vLLM CPU's LBHNC cache; this engine uses {layout_name}")
+    names = sorted(kv_caches, key=extract_layer_index)
+    if [extract_layer_index(n) for n in names] != list(range(len(names))):
+        raise IncompatibleEngines(f"KV cache layers are not 0..n-1: {names}")
+    total_heads = mc.get_total_num_kv_heads()
+    head = mc.get_head_size()
+    first = kv_caches[names[0]]
+    layers = []
+    for name in names:
+        t = kv_caches[name]
+        if t.dim() != 4 or t.shape[3] != 2 * head or t.dtype != first.dtype or t.shape != first.shape:
+            raise IncompatibleEngines(
+                f"layer {name}: expected vLLM CPU cache [blocks, kv heads, block tokens, 2 x {head}] like the first "
+                f"layer {tuple(first.shape)} {first.dtype}, got {tuple(t.shape)} {t.dtype}")
+        layers.append(LayerSpec("full", total_heads, head, head))
+    spec = vllm_cpu_spec(ModelSpec(tuple(layers), normalize_dtype(str(first.dtype)), str(mc.model)))
+    num_blocks = int(kv_cache_config.num_blocks)
+    block_size = int(vllm_config.cache_config.block_size)
+    nkb, local_heads, kbs, _ = first.shape
+    if nkb * kbs != num_blocks * block_size:
+        raise IncompatibleEngines(f"cache holds {nkb} kernel blocks of {kbs} tokens, the manager {num_blocks} blocks "
+                                  f"of {block_size}")
+    if local_heads != max(1, total_heads // tp_size):
+        raise IncompatibleEngines(f"cache has {local_heads} KV heads per rank; {total_heads} over TP {tp_size} "
+                                  f"gives {max(1, total_heads // tp_size)}")
+    return spec, vllm_cpu_layout(tp_size, block_size, num_blocks, kbs), names
+
+
+def check_cpu_kv_layout(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto") -> str:
+    """Run vLLM's own CPU cache-write kernel on a scratch block and check that it stores K
+    transposed and V by rows, as `VllmCpuLayerSpec` describes; returns the ISA name. Refuses
+    (naming the ISA and what it found) a kernel that places the bytes otherwise."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
+    n, d = block_size, head_size
+    kv = torch.zeros(1, 1, n, 2 * d, dtype=dtype)
+    key_cache, value_cache = kv.view(1, 1, 2 * n, d).chunk(2, dim=2)
+    key = (torch.arange(n * d, dtype=torch.float32) % 251 + 1).to(dtype).view(n, 1, d)
+    value = -(torch.arange(n * d, dtype=torch.float32) % 241 + 1).to(dtype).view(n, 1, d)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n, dtype=torch.int64), isa,
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
+    raw = kv.view(2 * n, d)
+    k_ok = torch.equal(raw[:n].reshape(d, n), key[:, 0, :].t())
+    v_ok = torch.equal(raw[n:], value[:, 0, :])
+    if not (k_ok and v_ok):
+        rows = torch.equal(raw[:n], key[:, 0, :])
+        raise IncompatibleEngines(
+            f"vLLM CPU attention ISA {isa!r} ({dtype}, block {block_size}, head {head_size}) stores K "
+            f"{'by rows' if rows else 'in an unknown order'} and V {'by rows' if v_ok else 'in an unknown order'}; "
+            f"kvbridge describes K transposed, V by rows (the 'vec' kernels)")
+    return isa
+
+
+class _Worker:
+    """One engine rank: a thin handle on its kvbridge sidecar process (see sidecar.py)."""
+
+    def __init__(self, conn: KVBridgeConnector):
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        cfg = conn._vllm_config
+        self.conn = conn
+        self.settings = conn.settings
+        self.tp_size = cfg.parallel_config.tensor_parallel_size
+        self.rank = get_tensor_model_parallel_rank()
+        self.sidecar: SidecarClient | None = None
+        self._alloc: _ShmAllocation | None = None
+        self._keep: list[torch.Tensor] = []
+        self._res = KVConnectorTransferResults()
+
+    def mem_pool_context(self) -> _ShmAllocation:
+        # Every transport gets shared memory: the sidecar process must map the cache.
+        self._alloc = _ShmAllocation(f"vllm-{self.conn.engine_id[:24]}-r{self.rank}")
+        return self._alloc
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        spec, layout, names = spec_and_layout(self.conn._vllm_config, self.conn._kv_cache_config, kv_caches,
+                                              self.tp_size)
+        first = kv_caches[names[0]]
+        isa = check_cpu_kv_layout(first.dtype, layout.kernel_size, spec.layers[0].key_dim,
+                                  self.conn._vllm_config.cache_config.cache_dtype)
+        if self._alloc is None or len(self._alloc.segments) != 1:
+            raise IncompatibleEngines(
+                "KVBridgeConnector: vLLM did not allocate its KV cache (one buffer) through the connector's "
+                "get_mem_pool_context, so it is not in shared memory")
+        seg = self._alloc.segments[0]
+        offsets = []
+        for n in names:
+            t = kv_caches[n]
+            if not t.is_contiguous():
+                raise IncompatibleEngines(f"vLLM KV cache tensor {n} {tuple(t.shape)} is not contiguous")
+            offsets.append(t.data_ptr() - seg.addr)
+        self._keep = [kv_caches[n] for n in names]
+        init = Init(self.conn.engine_id, self.rank, self.conn.produces, self.conn.consumes, spec,
+                    EngineLayout(**msgspec.structs.asdict(layout)), seg.path, seg.nbytes, offsets, self.settings)
+        self.sidecar = SidecarClient(init)
+        logger.info("KVBridgeConnector %s rank %d: %s%s; %s; %s (ISA %s) over %s (sidecar pid %d%s)",
+                    self.conn.engine_id, self.rank, "producer" if self.conn.produces else "",
+                    "consumer" if self.conn.consumes else "", spec.describe(), layout.describe(), isa,
+                    self.settings.transport, self.sidecar.ready.pid,
+                    f", side channel {self.sidecar.ready.address}" if self.sidecar.ready.address else "")
+
+    def submit(self, meta: KVBridgeMetadata) -> None:
+        if self.sidecar is None:
+            return
+        for r in meta.send:
+            self.sidecar.send(Send(r.request_id, r.block_ids, r.num_tokens, r.to_engine))
+        for engine, address, rid in meta.expect:
+            self.sidecar.send(Expect(engine, address, rid))
+        for engine, _address, rid in meta.abandon:
+            self.sidecar.send(Abandon(engine, rid))
+        for r in meta.recv:
+            self.sidecar.send(Recv(r.request_id, r.remote_request_id, r.remote_engine_id, r.remote_address,
+                                   r.block_ids, r.num_tokens, r.num_cached_tokens, r.report))
+
+    def results(self) -> KVConnectorTransferResults:
+        res = KVConnectorTransferResults()
+        if self.sidecar is None:
+            return res
+        for ev in self.sidecar.events():
+            if isinstance(ev, Released):
+                res.finished_sending.add(ev.request_id)
+            elif isinstance(ev, Received):
+                res.finished_recving.add(ev.request_id)
+                if not ev.ok:
+                    res.failed_recving.add(ev.request_id)
+            elif isinstance(ev, Fatal):
+                logger.error("KVBridgeConnector rank %d: sidecar failed: %s", self.rank, ev.error)
+        return res
+
+    def close(self) -> None:
+        if self.sidecar is not None:
+            self.sidecar.close()
+
+
+__all__ = ["KVBridgeConnector", "KVBridgeMetadata", "RecvReq", "SendReq", "Settings", "spec_and_layout"]

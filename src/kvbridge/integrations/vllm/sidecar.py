@@ -1,0 +1,486 @@
+"""The kvbridge side of one vLLM worker rank, in a process of its own (no vLLM import here).
+
+Why a process and not a thread in the vLLM worker: the kvbridge `Producer`/`Consumer` must
+answer handshakes, announce leases and run transfers while the engine works. In a vLLM CPU
+worker the engine thread holds the GIL through its steps (and busy-loops empty steps while a
+prefill lease is outstanding), and on a loaded two-core host a thread of ours there was
+starved for over 10 s, past the 5 s handshake deadline (measured: "sleep 0.0005 s took
+10.4 s"). A sidecar process has its own interpreter: only the OS schedules it.
+
+Memory: the worker's KV cache lives in one POSIX shared-memory segment (the connector's
+allocation context puts it there); the sidecar maps the same segment and adopts each layer's
+bytes as a `RankCache` region, so the transport reads and writes vLLM's own cache, no copy.
+
+Protocol: length-prefixed msgpack frames, commands on the sidecar's stdin, events on its stdout
+(the sidecar's own prints and logs go to stderr, which is the worker's log):
+
+    worker -> sidecar   Init, then any of Send / Recv / Expect / Abandon, then Close (or EOF)
+    sidecar -> worker   Ready(address), then Released / Received per request, Fatal(error)
+
+The sidecar exits on Close, on EOF of its stdin (the worker died) or when its parent changes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import struct
+import subprocess
+import sys
+import time
+from typing import Any, Union
+
+import msgspec
+
+from kvbridge.connector.config import ConnectorConfig
+from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.layout import EngineLayout
+from kvbridge.spec import ModelSpec
+
+log = logging.getLogger("kvbridge.vllm.sidecar")
+
+SETTLE_S = 0.25
+"""A prefill lease is announced only once its decode engine has been connected this long.
+
+`SideChannelClient.request` (the decode side's handshake) drops every frame it reads in the same
+batch as the `Hello` reply; a lease that exists when the decode engine connects is announced
+right behind that reply and would be lost. Waiting keeps the two apart."""
+
+
+class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`kv_connector_extra_config` of KVBridgeConnector; an unknown key is refused (named)."""
+
+    transport: str = "shm"  # shm | nixl | mooncake
+    mode: str = "pull"  # pull (decode reads) | push (prefill writes)
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 5570  # prefill rank r listens on port + r
+    lease_seconds: float = 30.0
+    transfer_timeout: float = 30.0
+    handshake_timeout: float = 30.0  # generous: a loaded CPU host can stall a peer for seconds
+    stats_path: str = ""  # append one JSON line per transfer event (demos and benchmarks)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("pull", "push"):
+            raise ConfigError(f"KVBridgeConnector mode must be 'pull' or 'push', got {self.mode!r}")
+        if not 0 < self.side_channel_port < 65536:
+            raise ConfigError(f"KVBridgeConnector side_channel_port must be in 1..65535, got {self.side_channel_port}")
+
+    def connector_config(self) -> ConnectorConfig:
+        return ConnectorConfig(lease_seconds=self.lease_seconds, transfer_timeout=self.transfer_timeout,
+                               handshake_timeout=self.handshake_timeout)
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
+        try:
+            return msgspec.convert(dict(extra or {}), cls)
+        except msgspec.ValidationError as e:
+            raise ConfigError(f"KVBridgeConnector kv_connector_extra_config: {e}") from None
+
+
+# -- frames ---------------------------------------------------------------------------------------
+class Init(msgspec.Struct, tag="init"):
+    engine_id: str
+    rank: int
+    produce: bool
+    consume: bool
+    spec: ModelSpec
+    layout: EngineLayout  # the fields of a VllmCpuLayout
+    segment_path: str
+    segment_nbytes: int
+    region_offsets: list[int]
+    settings: Settings
+
+
+class Send(msgspec.Struct, tag="send"):
+    request_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int
+    to_engine: str | None = None
+
+
+class Recv(msgspec.Struct, tag="recv"):
+    request_id: str  # the decode engine's id (reported back)
+    remote_request_id: str
+    remote_engine_id: str
+    remote_address: str
+    block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int
+    num_cached_tokens: int
+    report: bool = True
+
+
+class Expect(msgspec.Struct, tag="expect"):
+    remote_engine_id: str
+    remote_address: str
+    remote_request_id: str
+
+
+class Abandon(msgspec.Struct, tag="abandon"):
+    remote_engine_id: str
+    remote_request_id: str
+
+
+class Close(msgspec.Struct, tag="close"):
+    pass
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    address: str
+    pid: int
+
+
+class Released(msgspec.Struct, tag="released"):
+    request_id: str
+    reason: str
+
+
+class Received(msgspec.Struct, tag="received"):
+    request_id: str
+    ok: bool
+    reason: str = ""
+
+
+class Fatal(msgspec.Struct, tag="fatal"):
+    error: str
+
+
+Command = Union[Init, Send, Recv, Expect, Abandon, Close]
+Event = Union[Ready, Released, Received, Fatal]
+_encoder = msgspec.msgpack.Encoder()
+_commands = msgspec.msgpack.Decoder(Command)
+_events = msgspec.msgpack.Decoder(Event)
+_HEADER = struct.Struct("<I")
+
+
+def frame(msg: Any) -> bytes:
+    data = _encoder.encode(msg)
+    return _HEADER.pack(len(data)) + data
+
+
+class FrameReader:
+    """Frames from a non-blocking file descriptor, as far as they have arrived."""
+
+    def __init__(self, fd: int, decoder: msgspec.msgpack.Decoder):
+        self.fd, self.decoder, self.buf, self.eof = fd, decoder, b"", False
+        os.set_blocking(fd, False)
+
+    def read(self, timeout: float = 0.0) -> list[Any]:
+        if not self.eof and (timeout <= 0 or select.select([self.fd], [], [], timeout)[0]):
+            while True:
+                try:
+                    chunk = os.read(self.fd, 1 << 16)
+                except BlockingIOError:
+                    break
+                if not chunk:
+                    self.eof = True
+                    break
+                self.buf += chunk
+        out = []
+        while len(self.buf) >= 4:
+            (n,) = _HEADER.unpack_from(self.buf)
+            if len(self.buf) < 4 + n:
+                break
+            out.append(self.decoder.decode(self.buf[4:4 + n]))
+            self.buf = self.buf[4 + n:]
+        return out
+
+
+# -- the sidecar (child side) -----------------------------------------------------------------------
+class Sidecar:
+    """Producer and/or Consumer of one rank over the worker's shared-memory cache; step-driven."""
+
+    def __init__(self, init: Init, emit):
+        from kvbridge.connector.consumer import Consumer
+        from kvbridge.connector.producer import Producer
+        from kvbridge.connector.transports import make_transport
+        from kvbridge.integrations.vllm.layout import VllmTopology, as_vllm_cpu, vllm_cpu_spec
+        from kvbridge.layout import RankCache
+        from kvbridge.transport import shm
+
+        self.init, self.emit, s = init, emit, init.settings
+        self.settings = s
+        seg = shm.SharedSegment(init.segment_nbytes, path=init.segment_path)
+        with shm._SEG_LOCK:  # the shm transport registers only segments it knows in this process
+            shm._SEGMENTS[seg.path] = seg
+        self.segment = seg
+        layout = as_vllm_cpu(init.layout)
+        spec = vllm_cpu_spec(init.spec)  # the wire carries plain LayerSpecs
+        nbytes = layout.addressing(spec, init.rank).region_nbytes
+        if len(nbytes) != len(init.region_offsets):
+            raise KVBridgeError(f"{len(init.region_offsets)} regions given, the layout has {len(nbytes)}")
+        for off, n in zip(init.region_offsets, nbytes):
+            if off < 0 or off + n > seg.nbytes:
+                raise KVBridgeError(f"region [{off}, {off + n}) outside the {seg.nbytes}-byte segment")
+        self.cache = RankCache(spec, layout, init.rank, [seg.view(o, n) for o, n in zip(init.region_offsets, nbytes)])
+        cfg = s.connector_config()
+        eid, r = init.engine_id, init.rank
+        self.producer = self.consumer = None
+        self.address = ""
+        if init.produce:
+            addresses = [f"{s.side_channel_host}:{s.side_channel_port + q}" for q in range(layout.tp_size)]
+            self.producer = Producer(eid, r, self.cache, make_transport(s.transport, f"{eid}/p{r}", host=s.side_channel_host,
+                                                                        timeout_s=s.transfer_timeout),
+                                     listen=addresses[r], mode=s.mode, config=cfg, on_release=self._released,
+                                     peer_addresses=addresses)
+            self.producer.topology = VllmTopology.of(self.producer)
+            self.address = self.producer.address
+        if init.consume:
+            self.consumer = Consumer(eid, r, self.cache, make_transport(s.transport, f"{eid}/d{r}", host=s.side_channel_host,
+                                                                       timeout_s=s.transfer_timeout),
+                                     mode=s.mode, config=cfg)
+            self.consumer.topology = VllmTopology.of(self.consumer)
+        self._held: dict[str, tuple[Send, float]] = {}
+        self._seen: dict[str, float] = {}
+        self._pending: list[Recv] = []
+        self._recv: dict[str, Recv] = {}  # remote request id -> request
+        self._warm()
+
+    @staticmethod
+    def _warm() -> None:
+        """Load the compiled run copier now, so that the first transfer's time is the transfer."""
+        import numpy as np
+
+        from kvbridge.transport.local import copy_runs
+        buf = np.zeros(16, np.uint8)
+        base = np.array([buf.ctypes.data], np.int64)
+        one = np.zeros(1, np.int64)
+        copy_runs(base, base, one, one, one, np.full(1, 8, np.int64), np.full(1, 8, np.int64))
+
+    # commands
+    def handle(self, cmd: Any) -> None:
+        if isinstance(cmd, Send) and self.producer is not None:
+            self._held[cmd.request_id] = (cmd, time.monotonic() + self.settings.lease_seconds)
+        elif isinstance(cmd, Recv) and self.consumer is not None:
+            self._pending.append(cmd)
+        elif isinstance(cmd, Expect) and self.consumer is not None:
+            if self._connect(cmd.remote_engine_id, cmd.remote_address):
+                try:
+                    self.consumer.expect(cmd.remote_request_id, engine_id=cmd.remote_engine_id)
+                except KVBridgeError as e:
+                    log.warning("expect %s: %s", cmd.remote_request_id, e)
+        elif isinstance(cmd, Abandon) and self.consumer is not None:
+            if cmd.remote_engine_id in self.consumer.prefill_engines:
+                self.consumer.abort(cmd.remote_request_id, "the decode engine dropped the request before loading it")
+
+    def step(self, timeout: float = 0.0) -> bool:
+        """One round of work; True while something is in flight."""
+        busy = False
+        if self.producer is not None:
+            self.producer.progress(timeout if self.consumer is None else 0.0)
+            self._lease_held()
+            busy |= bool(self.producer.active or self._held)
+        if self.consumer is not None:
+            self._start_pending()
+            for res in self.consumer.progress(timeout):
+                self._result(res)
+            busy |= bool(self.consumer.active or self._pending)
+        return busy
+
+    def close(self) -> None:
+        for side in (self.consumer, self.producer):
+            if side is not None:
+                try:
+                    side.close()
+                finally:
+                    side.transport.close()
+
+    # prefill
+    def _lease_held(self) -> None:
+        now = time.monotonic()
+        engines = self.producer.decode_engines
+        for e in engines:
+            self._seen.setdefault(e, now)
+        for rid, (req, deadline) in list(self._held.items()):
+            named = req.to_engine
+            target = named if named in engines else (engines[0] if named is None and len(engines) == 1 else None)
+            if target is None or now - self._seen[target] < SETTLE_S:
+                if now > deadline:
+                    del self._held[rid]
+                    self._released(rid, f"no decode engine {named or ''} connected within the lease".replace("  ", " "))
+                continue
+            del self._held[rid]
+            try:
+                self.producer.add_request(rid, req.block_ids, req.num_tokens, to_engine=target,
+                                          lease_seconds=max(1.0, deadline - now))
+            except KVBridgeError as e:
+                log.error("prefill rank %d cannot lease %s: %s", self.init.rank, rid, e)
+                self._released(rid, f"refused: {e}")
+
+    def _released(self, request_id: str, reason: str) -> None:
+        self._stat("release", request_id=request_id, reason=reason,
+                   producer=dict(self.producer.stats) if self.producer is not None else None)
+        self.emit(Released(request_id, reason))
+
+    # decode
+    def _connect(self, engine: str, address: str) -> bool:
+        if engine in self.consumer.prefill_engines:
+            return True
+        try:
+            got = self.consumer.connect(address)
+        except Exception as e:  # noqa: BLE001 - refusals and unreachable peers alike
+            log.error("decode rank %d: handshake with %s at %s failed: %s", self.init.rank, engine, address, e)
+            return False
+        if got != engine:
+            log.error("decode rank %d: %s answered as engine %s, expected %s", self.init.rank, address, got, engine)
+            return False
+        return True
+
+    def _start_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for req in pending:
+            if not self._connect(req.remote_engine_id, req.remote_address):
+                self._fail(req, f"no handshake with prefill engine {req.remote_engine_id} at {req.remote_address}")
+                continue
+            try:
+                self.consumer.receive(req.remote_request_id, req.block_ids, num_tokens=req.num_tokens,
+                                      num_cached_tokens=req.num_cached_tokens, engine_id=req.remote_engine_id)
+            except KVBridgeError as e:
+                self._fail(req, str(e))
+                continue
+            self._recv[req.remote_request_id] = req
+
+    def _fail(self, req: Recv, reason: str) -> None:
+        log.error("decode rank %d: request %s failed: %s", self.init.rank, req.request_id, reason)
+        self._stat("recv", request_id=req.request_id, remote_request_id=req.remote_request_id, ok=False,
+                   reason=reason, consumer=dict(self.consumer.stats))
+        if req.report:
+            self.emit(Received(req.request_id, False, reason))
+
+    def _result(self, res: Any) -> None:
+        req = self._recv.pop(res.request_id, None)
+        if req is None:
+            return
+        if not res.ok:
+            self._fail(req, res.reason)
+            return
+        self._stat("recv", request_id=req.request_id, remote_request_id=req.remote_request_id, ok=True,
+                   nbytes=res.nbytes, nruns=res.nruns, transfer_seconds=res.transfer_seconds, seconds=res.seconds,
+                   num_tokens=res.num_tokens, num_cached_tokens=req.num_cached_tokens,
+                   local_layout=self.cache.layout.describe())
+        if req.report:
+            self.emit(Received(req.request_id, True))
+
+    def _stat(self, event: str, **fields: Any) -> None:
+        path = self.settings.stats_path
+        if not path:
+            return
+        line = json.dumps({"event": event, "engine_id": self.init.engine_id, "rank": self.init.rank,
+                           "tp_size": self.cache.layout.tp_size, "time": time.time(), **fields})
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+def main() -> None:  # pragma: no cover - runs as the sidecar process
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # stray prints go to the worker's log, never into the event stream
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="(kvbridge sidecar pid=%(process)d) %(levelname)s %(message)s")
+    parent = os.getppid()
+    reader = FrameReader(0, _commands)
+
+    def emit(msg: Any) -> None:
+        out.write(frame(msg))
+
+    sidecar = None
+    try:
+        init = None
+        deadline = time.monotonic() + 60
+        while init is None:
+            msgs = reader.read(1.0)
+            if msgs:
+                init = msgs[0]
+            elif reader.eof or time.monotonic() > deadline:
+                return
+        sidecar = Sidecar(init, emit)
+        emit(Ready(sidecar.address, os.getpid()))
+        busy = False
+        while True:
+            for cmd in reader.read(0.0 if busy else 0.002):
+                if isinstance(cmd, Close):
+                    return
+                sidecar.handle(cmd)
+            if reader.eof or os.getppid() != parent:
+                return
+            busy = sidecar.step(0.0005 if busy else 0.002)
+    except BaseException as e:  # noqa: BLE001 - the worker reports it
+        import traceback
+        log.error("sidecar failed: %s", traceback.format_exc())
+        try:
+            emit(Fatal(f"{type(e).__name__}: {e}"))
+        except Exception:  # noqa: BLE001
+            pass
+    finally:
+        if sidecar is not None:
+            sidecar.close()
+
+
+# -- the worker's handle (parent side) ------------------------------------------------------------
+class SidecarError(KVBridgeError, RuntimeError):
+    pass
+
+
+class SidecarClient:
+    """Start the sidecar for one rank and talk to it without ever blocking the engine step."""
+
+    def __init__(self, init: Init, python: str | None = None, start_timeout: float = 180.0):
+        self.proc = subprocess.Popen([python or sys.executable, "-m", "kvbridge.integrations.vllm.sidecar"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._reader = FrameReader(self.proc.stdout.fileno(), _events)
+        self._events: list[Any] = []
+        self.send(init)
+        deadline = time.monotonic() + start_timeout
+        while True:
+            for ev in self._reader.read(0.5):
+                if isinstance(ev, Ready):
+                    self.ready = ev
+                    return
+                if isinstance(ev, Fatal):
+                    raise SidecarError(f"kvbridge sidecar of rank {init.rank} failed: {ev.error}")
+                self._events.append(ev)
+            if self.proc.poll() is not None or self._reader.eof:
+                raise SidecarError(f"kvbridge sidecar of rank {init.rank} exited (rc {self.proc.poll()})")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise SidecarError(f"kvbridge sidecar of rank {init.rank} not ready within {start_timeout:.0f} s")
+
+    def send(self, msg: Any) -> None:
+        try:
+            self.proc.stdin.write(frame(msg))
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            raise SidecarError(f"kvbridge sidecar is gone (rc {self.proc.poll()}): {e}") from None
+
+    def events(self) -> list[Any]:
+        out, self._events = self._events + self._reader.read(0.0), []
+        return out
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self.alive:
+            try:
+                self.send(Close())
+                self.proc.wait(timeout)
+            except (SidecarError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+__all__ = ["Abandon", "Close", "Expect", "Fatal", "Init", "Ready", "Received", "Recv", "Released", "Send", "Settings",
+           "Sidecar", "SidecarClient", "SidecarError", "frame", "main"]
+
+
+if __name__ == "__main__":
+    main()
