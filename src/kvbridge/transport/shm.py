@@ -130,6 +130,17 @@ def allocate_shared(spec: ModelSpec, layout: EngineLayout, rank: int, name_prefi
     return cache
 
 
+def free_shared(cache: RankCache) -> None:
+    """Forget a cache from `allocate_shared`: unlink its segment and drop this module's reference,
+    so the mapping (and its descriptor) goes away with the last tensor that views it. Idempotent."""
+    seg = getattr(cache, "shm_segment", None)
+    if seg is None:
+        return
+    seg.unlink()
+    with _SEG_LOCK:
+        _SEGMENTS.pop(seg.path, None)
+
+
 def shared_bytes(nbytes: int, name_prefix: str = "buf") -> torch.Tensor:
     """A flat uint8 tensor of `nbytes` in shared memory (registrable with `ShmTransport`)."""
     reap_stale_segments()

@@ -1,0 +1,237 @@
+"""Reliability scenarios shared by the CI tests and `scripts/reliability_report.py`.
+
+Each scenario is a bounded function (count and wall-clock) over real producers, consumers,
+transports and ZMQ side channels in this process, returning a plain dict of figures; the tests
+assert on them and the report prints them, so the figure sheet shows what CI ran.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from kvbridge.connector import messages as m
+from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector.consumer import Consumer
+from kvbridge.connector.producer import Producer
+from kvbridge.connector.transports import allocate_cache, make_transport
+from kvbridge.layout import EngineLayout
+from kvbridge.spec import ModelSpec
+from kvbridge.verify import random_bytes
+
+SOAK_SPEC = ModelSpec.uniform(2, 2, 16, "bfloat16", name="soak-tiny")
+"""Tiny on purpose: the soak measures the lifecycle (leases, sockets, handles), not bandwidth."""
+
+
+def process_figures(shm_prefix: str = "") -> dict[str, int]:
+    """RSS (bytes), open descriptors of this process, /dev/shm segments whose name holds `shm_prefix`."""
+    rss = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+    shm = len([n for n in os.listdir("/dev/shm") if shm_prefix in n]) if os.path.isdir("/dev/shm") else 0
+    return {"rss": rss, "fds": len(os.listdir("/proc/self/fd")), "shm": shm}
+
+
+@contextmanager
+def _pumping(producers: list[Producer]) -> Iterator[None]:
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            for p in producers:
+                p.progress(0.002)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(5)
+
+
+class Pair:
+    """Prefill TP `ptp` and decode TP `dtp` ranks of one engine pair, in this process."""
+
+    def __init__(self, transport: str, ptp: int, dtp: int, blocks: int, config: ConnectorConfig,
+                 mode: str = "pull", spec: ModelSpec = SOAK_SPEC, tag: str = "soak"):
+        self.spec, self.config = spec, config
+        self.pre = EngineLayout(tp_size=ptp, block_size=16, num_blocks=blocks)
+        self.dec = EngineLayout(tp_size=dtp, block_size=16, num_blocks=blocks, kv_order="NHD")
+        self.src = [allocate_cache(transport, spec, self.pre, r, f"{tag}-p") for r in range(ptp)]
+        self.dst = [allocate_cache(transport, spec, self.dec, r, f"{tag}-d") for r in range(dtp)]
+        random_bytes(self.src, 1)
+        self.released: list[tuple[int, str, str]] = []
+        self.producers: list[Producer] = []
+        self.consumers: list[Consumer] = []
+        try:
+            for r in range(ptp):
+                t = make_transport(transport, f"{tag}-prefill/{r}", timeout_s=config.transfer_timeout)
+                self.producers.append(Producer("prefill", r, self.src[r], t, mode=mode, config=config,
+                                               on_release=lambda rid, why, r=r: self.released.append((r, rid, why))))
+            self.producers[0].set_peer_addresses([p.address for p in self.producers])
+            for r in range(dtp):
+                t = make_transport(transport, f"{tag}-decode/{r}", timeout_s=config.transfer_timeout)
+                self.consumers.append(Consumer("decode", r, self.dst[r], t, mode=mode, config=config))
+            with _pumping(self.producers):
+                for c in self.consumers:
+                    c.connect(self.producers[0].address, config.handshake_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def step(self, timeout: float = 0.0005) -> list:
+        for p in self.producers:
+            p.progress(timeout)
+        out = []
+        for c in self.consumers:
+            out.extend(c.progress(timeout))
+        return out
+
+    def close(self) -> None:
+        for c in self.consumers:
+            c.close()
+            c.transport.close()
+        for p in self.producers:
+            p.close()
+            p.transport.close()
+        from kvbridge.transport.shm import free_shared
+        for c in self.src + self.dst:
+            free_shared(c)
+        self.producers, self.consumers, self.src, self.dst = [], [], [], []
+
+
+def soak(transport: str = "shm", requests: int = 2000, in_flight: int = 64, seed: int = 0,
+         time_limit: float = 300.0) -> dict:
+    """See `_soak`; adds this process's descriptors and shm segments before and after (closed).
+
+    A short warm-up pair first creates what a process sets up once (the ZMQ context's I/O
+    thread, the transport library's globals), so before/after compare per-pair resources only.
+    """
+    _soak(transport, in_flight, in_flight, seed + 1000, time_limit)
+    gc.collect()
+    before = process_figures(f"soak{seed}")
+    out = _soak(transport, requests, in_flight, seed, time_limit)
+    gc.collect()
+    return out | {"before": before, "after": process_figures(f"soak{seed}")}
+
+
+def _soak(transport: str, requests: int, in_flight: int, seed: int, time_limit: float) -> dict:
+    """`requests` requests, `in_flight` at a time, prefill TP 2 -> decode TP 1, checksums on.
+
+    Every request's landed bytes are verified by the connector's integrity check (a mismatch
+    would fail it). RSS, descriptors and /dev/shm segments are sampled at the end of each
+    quarter. Bounded by `time_limit` seconds (the result says if it ran out).
+    """
+    cfg = ConnectorConfig(lease_seconds=20, transfer_timeout=20, abort_timeout=2, checksum=True)
+    slot_blocks = 2  # up to 32 tokens of 16
+    rng = random.Random(seed)
+    t0 = time.monotonic()
+    pair = Pair(transport, 2, 1, in_flight * slot_blocks, cfg, tag=f"soak{seed}")
+    try:
+        free = list(range(in_flight))
+        active: dict[str, int] = {}
+        submitted = done = ok = nbytes = 0
+        failures: list[str] = []
+        samples: list[dict] = []
+        quarter = max(1, requests // 4)
+        while (done < requests) and time.monotonic() - t0 < time_limit:
+            while free and submitted < requests:
+                slot = free.pop()
+                n = rng.randint(1, 16 * slot_blocks)
+                ids = ((tuple(range(slot * slot_blocks, slot * slot_blocks + -(-n // 16))),))
+                rid = f"soak-{seed}-{submitted}"
+                for p in pair.producers:
+                    p.add_request(rid, ids, n)
+                pair.consumers[0].receive(rid, ids, num_tokens=n)
+                active[rid] = slot
+                submitted += 1
+            for res in pair.step():
+                free.append(active.pop(res.request_id))
+                done += 1
+                nbytes += res.nbytes
+                if res.ok:
+                    ok += 1
+                else:
+                    failures.append(f"{res.request_id}: {res.reason}")
+                if done % quarter == 0 and len(samples) < 4:
+                    gc.collect()
+                    samples.append(process_figures(f"soak{seed}") | {"done": done, "t": time.monotonic() - t0})
+        end = time.monotonic() + 5
+        while len(pair.released) < 2 * submitted and time.monotonic() < end:
+            pair.step()
+        stats = pair.consumers[0].stats
+        released = {}
+        for _, rid, _ in pair.released:
+            released[rid] = released.get(rid, 0) + 1
+        return {
+            "transport": transport, "requests": requests, "in_flight": in_flight, "submitted": submitted,
+            "completed": done, "ok": ok, "failed": len(failures), "failures": failures[:10], "bytes": nbytes,
+            "checksums_verified": stats["checksums_verified"], "checksum_mismatches": stats["checksum_mismatches"],
+            "releases": len(pair.released), "released_twice": sum(1 for v in released.values() if v != 2),
+            "samples": samples, "seconds": time.monotonic() - t0, "timed_out": done < requests,
+        }
+    finally:
+        pair.close()
+
+
+def garbage_frames(count: int = 500, seed: int = 0) -> dict:
+    """Random, truncated and mis-shaped frames into a live prefill rank, then a real request."""
+    import zmq
+    cfg = ConnectorConfig(lease_seconds=5, transfer_timeout=5, abort_timeout=1, checksum=True)
+    pair = Pair("shm", 1, 1, 8, cfg, tag=f"garbage{seed}")
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    try:
+        raw.connect(f"tcp://{pair.producers[0].address}")
+        rng = random.Random(seed)
+        valid = [m.encode(m.Heartbeat("decode", 0, ("x",))), m.encode(m.ReadDone("decode", 0, "x")),
+                 m.encode(m.Abort("decode", 0, "x", "hostile"))]
+        sent = 0
+        kinds = {"random": 0, "truncated": 0, "bit-flipped": 0, "unauthenticated-valid": 0}
+        for i in range(count):
+            k = i % 4
+            if k == 0:
+                frame = rng.randbytes(rng.randint(1, 300))
+                kinds["random"] += 1
+            elif k == 1:
+                v = rng.choice(valid)
+                frame = v[:rng.randint(1, len(v) - 1)]
+                kinds["truncated"] += 1
+            elif k == 2:
+                v = bytearray(rng.choice(valid))
+                v[rng.randrange(len(v))] ^= 1 << rng.randrange(8)
+                frame = bytes(v)
+                kinds["bit-flipped"] += 1
+            else:  # well-formed, but from a peer that never handshook
+                frame = rng.choice(valid)
+                kinds["unauthenticated-valid"] += 1
+            raw.send(frame)
+            sent += 1
+        deadline = time.monotonic() + 10
+        p = pair.producers[0]
+        while p.stats["refused_frames"] + p.stats["unexpected_messages"] < sent and time.monotonic() < deadline:
+            pair.step(0.01)
+        n = 20
+        p.add_request("after-garbage", ((0, 1),), n)
+        pair.consumers[0].receive("after-garbage", ((0, 1),), num_tokens=n)
+        res = None
+        while res is None and time.monotonic() < deadline:
+            for r in pair.step(0.01):
+                res = r
+        return {"sent": sent, "kinds": kinds, "refused": p.stats["refused_frames"],
+                "aborts_counted": p.stats["aborts_received"], "released_before": len(pair.released) - (1 if res else 0),
+                "after_ok": bool(res and res.ok), "after_reason": res.reason if res else "no result"}
+    finally:
+        raw.close(0)
+        pair.close()
+
+
+__all__ = ["Pair", "SOAK_SPEC", "garbage_frames", "process_figures", "soak"]
