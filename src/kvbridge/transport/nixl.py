@@ -25,7 +25,9 @@ Every call into the agent is serialized by a lock: worker threads, the caller's 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -57,10 +59,17 @@ def import_nixl():
     """
     if _no_rdma_devices():
         os.environ.setdefault("UCX_MODULES", "^ib")
+    # NIXL's Python logger prints INFO lines to stdout, which would corrupt `--json` output;
+    # keep its warnings and errors, on stderr (NIXL_LOG_LEVEL still overrides the level).
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     errors = []
     for mod in _MODULES:
         try:
-            return importlib.import_module(mod)
+            module = importlib.import_module(mod)
+            for handler in logging.getLogger("nixl").handlers:
+                if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+                    handler.setStream(sys.stderr)
+            return module
         except Exception as e:  # ImportError, or a broken native library
             errors.append(f"{mod}: {type(e).__name__}: {e}")
     raise ImportError("NIXL is not importable (pip install 'kvbridge[nixl]'): " + "; ".join(errors))
