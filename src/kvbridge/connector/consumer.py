@@ -688,18 +688,8 @@ class Consumer:
                 self.stats["announcements_expired"] += 1
 
     def _transport_notifications(self) -> None:
-        try:
-            notes = self.transport.notifications()
-        except Exception as e:  # noqa: BLE001
-            log.error("decode rank %d: transport notifications failed: %s", self.rank, e)
-            return
-        for sender, payload in notes:
-            try:
-                msg = m.decode(payload, self.config.max_frame_bytes)
-            except m.ProtocolError as e:
-                self.stats["refused_notifications"] += 1
-                log.warning("decode rank %d refused a transport notification from %s: %s", self.rank, sender, e)
-                continue
+        for sender, msg in m.decoded_notifications(self.transport, self.config.max_frame_bytes, self.stats,
+                                                   f"decode rank {self.rank}"):
             eng = self._engines.get(getattr(msg, "engine_id", ""))
             if not isinstance(msg, m.WriteDone) or eng is None or eng.agents.get(msg.rank) != sender:
                 self.stats["refused_notifications"] += 1

@@ -31,7 +31,8 @@ one decoder serves both paths and a duplicate arriving on both is recognised as 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+import logging
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 from msgspec import Meta
@@ -65,6 +66,8 @@ BlockIds = Annotated[tuple[Annotated[tuple[BlockId, ...], Meta(max_length=MAX_BL
                      Meta(max_length=MAX_GROUPS)]
 Mode = Literal["pull", "push"]
 Role = Literal["prefill", "decode"]
+
+_log = logging.getLogger(__name__)
 
 
 class ProtocolError(KVBridgeError, ValueError):
@@ -275,3 +278,22 @@ __all__ = [
     "Heartbeat", "Hello", "MAX_FRAME_BYTES", "Message", "PROTOCOL_VERSION", "ProtocolError", "ReadDone",
     "RequestReady", "VersionMismatch", "WriteDone", "decode", "encode", "layout_name",
 ]
+
+
+def decoded_notifications(transport: Any, max_frame_bytes: int, stats: dict[str, int],
+                          who: str) -> list[tuple[str, Message]]:
+    """The transport's pending notifications, decoded; undecodable ones are counted in
+    `stats["refused_notifications"]` and logged, and a failing transport yields none (logged)."""
+    try:
+        notes = transport.notifications()
+    except Exception as e:  # noqa: BLE001 - a broken channel must not stop the engine's loop
+        _log.error("%s: transport notifications failed: %s", who, e)
+        return []
+    out = []
+    for sender, payload in notes:
+        try:
+            out.append((sender, decode(payload, max_frame_bytes)))
+        except ProtocolError as e:
+            stats["refused_notifications"] += 1
+            _log.warning("%s refused a transport notification from %s: %s", who, sender, e)
+    return out

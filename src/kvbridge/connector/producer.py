@@ -537,18 +537,8 @@ class Producer:
 
     # -- helpers ----------------------------------------------------------------------------------
     def _transport_notifications(self) -> None:
-        try:
-            notes = self.transport.notifications()
-        except Exception as e:  # noqa: BLE001
-            log.error("prefill rank %d: transport notifications failed: %s", self.rank, e)
-            return
-        for sender, payload in notes:
-            try:
-                msg = m.decode(payload, self.config.max_frame_bytes)
-            except m.ProtocolError as e:
-                self.stats["refused_notifications"] += 1
-                log.warning("prefill rank %d refused a transport notification from %s: %s", self.rank, sender, e)
-                continue
+        for sender, msg in m.decoded_notifications(self.transport, self.config.max_frame_bytes, self.stats,
+                                                   f"prefill rank {self.rank}"):
             if not isinstance(msg, m.ReadDone):
                 self.stats["unexpected_notifications"] += 1
                 continue
