@@ -3,8 +3,8 @@
 Each logical row — (layer, component, token, head) for attention, (layer, component, unit) for
 recurrent state — contributes `hash(row bytes, coordinates)`; contributions are added modulo
 2^64, so any partition of the rows sums to the same value. The source computes, for each destination
-rank, the sum over the rows that rank must hold, each source rank adding only rows it is the
-*designated* (first) holder of, so replicated source heads count once. Each destination rank
+rank, the sum over the rows that rank must hold, each source rank adding only the rows it serves
+to that rank (the rank the plan reads them from), so replicated source heads count once. Each destination rank
 sums every row it holds, replicas included. Equal sums mean every row arrived intact and in its
 place (a row in the wrong place changes its coordinates' weights); a mismatch names the rank.
 """
@@ -16,7 +16,7 @@ import torch
 
 from kvbridge.layout import EngineLayout, RankCache
 from kvbridge.plan import Request
-from kvbridge.shard import head_range, holders, preferred_holder
+from kvbridge.shard import head_range, preferred_holder
 
 _MASK = (1 << 64) - 1
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -89,29 +89,19 @@ def destination_checksums(caches: list[RankCache], request: Request) -> list[int
 def source_checksums(caches: list[RankCache], request: Request, dst: EngineLayout) -> list[int]:
     """What each rank of a destination engine shaped `dst` must hold, computed from the source.
 
-    Each source rank counts the rows it is the designated (first) holder of, so replicated source
-    heads count once; each destination rank's expectation includes every head it holds.
+    The sum over source ranks of their `contribution_checksums`: every row a destination rank
+    holds counts once, on the source rank that serves it, replicated source heads included.
     """
-    spec = caches[0].spec
     out = [0] * dst.tp_size
     for cache in caches:
-        for li, ci, row_heads, hashes in _rank_rows(cache, request.src_block_ids, request):
-            layer, comp = spec.layers[li], spec.layers[li].components[ci]
-            first = torch.tensor([holders(comp.heads, cache.layout.tp_size, int(h), layer.replicated)[0]
-                                  for h in range(comp.heads)])
-            mine = first[row_heads] == cache.rank
-            for d in range(dst.tp_size):
-                d0, d1 = head_range(comp.heads, dst.tp_size, d, layer.replicated)
-                sel = mine & (row_heads >= d0) & (row_heads < d1)
-                out[d] = (out[d] + _sum(hashes[sel])) & _MASK
+        out = [(a + b) & _MASK for a, b in zip(out, contribution_checksums(cache, request, dst))]
     return out
 
 
 def contribution_checksums(cache: RankCache, request: Request, dst: EngineLayout) -> list[int]:
     """One source rank's share of each destination rank's expected checksum.
 
-    Unlike `source_checksums` (designated = first holder), a row counts on the source rank that
-    *serves* it to that destination rank (`shard.preferred_holder`, the rank the transfer plan
+    A row counts on the source rank that *serves* it to that destination rank (`shard.preferred_holder`, the rank the transfer plan
     reads it from), so every destination rank's expectation is the sum of the contributions of
     exactly the source ranks it talks to, and each can be sent with that rank's announcement.
     Only `request.src_block_ids`, `num_tokens` and `num_cached_tokens` are used.
