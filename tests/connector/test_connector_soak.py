@@ -15,7 +15,11 @@ from kvbridge.connector.transports import unavailable_reason
 
 REQUESTS = int(os.environ.get("KVBRIDGE_SOAK_REQUESTS", "2000"))
 RSS_TOLERANCE = 16 << 20  # bytes the RSS may grow from the first to the last quarter
-FD_TOLERANCE = 2
+FD_TOLERANCE = 2  # descriptors after the soak vs before it (everything closed): the leak check
+IN_RUN_FD_TOLERANCE = 8
+"""Open descriptors may differ this much between the first and the last quarter while requests are in
+flight: engines open connections lazily (Mooncake: 88 -> 92 seen). A leak of one descriptor per 200
+requests would add >= 7 over the three quarters between the samples, plus the same again by the end."""
 
 
 def real_engine() -> str:
@@ -30,7 +34,7 @@ def check_soak(r: dict, requests: int) -> None:
     first, last = r["samples"][0], r["samples"][-1]
     assert len(r["samples"]) == 4
     assert last["rss"] - first["rss"] < RSS_TOLERANCE, r["samples"]
-    assert abs(last["fds"] - first["fds"]) <= FD_TOLERANCE, r["samples"]
+    assert abs(last["fds"] - first["fds"]) <= IN_RUN_FD_TOLERANCE, r["samples"]
     assert last["shm"] == first["shm"], r["samples"]
     assert r["after"]["fds"] <= r["before"]["fds"] + FD_TOLERANCE, (r["before"], r["after"])
     assert r["after"]["shm"] == r["before"]["shm"] == 0, (r["before"], r["after"])
