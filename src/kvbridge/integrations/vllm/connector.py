@@ -41,6 +41,8 @@ or Mamba state: vLLM CPU's layouts for those are not described yet), no hybrid a
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +73,7 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")  # vLLM configures the "vllm" logger tree only
 
 BlockIds = tuple[tuple[int, ...], ...]
+IDLE_STEP_SLEEP_S = float(os.environ.get("KVBRIDGE_VLLM_IDLE_SLEEP_S", "0.002"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -145,6 +148,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if not scheduler_output.total_num_scheduled_tokens:
+            # An idle step: the engine loops only because a transfer is pending (a request waits
+            # for its KV, or finished blocks wait for their release). Pace it, so that the loop
+            # does not take the CPU that the transfer and the peer engine need (2-core hosts).
+            time.sleep(IDLE_STEP_SLEEP_S)
         return self._scheduler.build_connector_meta()
 
     def on_new_request(self, request: Request) -> None:

@@ -90,6 +90,7 @@ class Instance:
         self._fd = r
         self._buf = b""
         self.ready: dict[str, Any] = {}
+        self.closed = False
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -138,6 +139,9 @@ class Instance:
                             kv_transfer_params=kv_transfer_params)
 
     def close(self, timeout: float = 10.0) -> None:
+        if self.closed:
+            return
+        self.closed = True
         if self.proc.poll() is None:
             try:
                 self.command(timeout, op="exit")
@@ -176,6 +180,17 @@ def _read_stats(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _wait_released(stats: Path, engine_id: str, request_ids: list[str], tp: int, timeout: float = 20.0) -> None:
+    """Give the prefill ranks a moment to record their releases (they follow the decode reads)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = {(e["request_id"], e["rank"]) for e in _read_stats(stats)
+                if e["event"] == "release" and e["engine_id"] == engine_id}
+        if all((rid, r) in done for rid in request_ids for r in range(tp)):
+            return
+        time.sleep(0.1)
 
 
 def _model(model_dir: str | os.PathLike | None, python: str, workdir: Path) -> str:
@@ -275,10 +290,6 @@ def run_vllm_demo(model_dir: str | os.PathLike | None = None, prefill_tp: int = 
             kvbridge_transfer_config("kv_consumer", d_id, d_port, transport=transport, mode=mode,
                                      stats_path=str(stats))), python, work)
         instances.append(decode)
-        ref = prefill
-        if reference == "separate":
-            ref = Instance("reference", _instance_config(model, 1, None, None), python, work)
-            instances.append(ref)
         _start(instances, min(timeout_s, START_TIMEOUT_S * 1.5))
 
         runs = []
@@ -290,6 +301,15 @@ def run_vllm_demo(model_dir: str | os.PathLike | None = None, prefill_tp: int = 
                 raise VllmDemoError(f"prefill returned no kv_transfer_params for decode: {p_out}")
             d_out = decode.generate(prompt, new_tokens, params)
             runs.append({"prefill": p_out, "decode": d_out, "params": params})
+        _wait_released(stats, p_id, [r["params"]["remote_request_id"] for r in runs], prefill_tp)
+        if reference == "separate":  # after the pair is gone: three instances at once overload a 2-core host
+            pair = list(instances)
+            _close_all(pair)
+            ref = Instance("reference", _instance_config(model, 1, None, None), python, work)
+            instances.append(ref)
+            _start([ref], min(timeout_s, START_TIMEOUT_S))
+        else:
+            ref = prefill
         r_out = ref.generate(prompt, new_tokens)
 
         events = _read_stats(stats)
@@ -346,12 +366,125 @@ def _median(values: Sequence[float | None]) -> float | None:
     return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
 
 
+def _nixl_totals(metrics: dict[str, Any]) -> tuple[float, float, float]:
+    """(seconds, transfers, bytes) so far from vLLM's NIXL Prometheus histograms."""
+    def hist(name: str) -> tuple[float, float]:
+        h = metrics.get(name) or {}
+        return float(h.get("sum", 0.0)), float(h.get("count", 0.0))
+    secs, count = hist("vllm:nixl_xfer_time_seconds")
+    nbytes, _ = hist("vllm:nixl_bytes_transferred")
+    return secs, count, nbytes
+
+
+def _run_pair(kind: str, model: str, prefill_tp: int, decode_tp: int, block_size: int, prompts: list[list[int]],
+              new_tokens: int, python: str, work: Path, timeout_s: float) -> dict[str, Any]:
+    tag = uuid.uuid4().hex[:8]
+    p_id, d_id = f"{kind}-prefill-{tag}", f"{kind}-decode-{tag}"
+    stats = work / f"{kind}-stats.jsonl"
+    if kind == "kvbridge":
+        port = free_ports(prefill_tp)
+        p_kv = kvbridge_transfer_config("kv_producer", p_id, port, stats_path=str(stats))
+        d_kv = kvbridge_transfer_config("kv_consumer", d_id, free_ports(1), stats_path=str(stats))
+        p_env: dict[str, Any] = {}
+    else:
+        p_kv, d_kv = nixl_transfer_config("kv_producer", p_id), nixl_transfer_config("kv_consumer", d_id)
+        p_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": free_ports(prefill_tp)}
+    instances: list[Instance] = []
+    try:
+        prefill = Instance(f"{kind}-prefill", _instance_config(model, prefill_tp, block_size, p_kv, p_env), python, work)
+        instances.append(prefill)
+        decode = Instance(f"{kind}-decode", _instance_config(model, decode_tp, block_size, d_kv, log_stats=True),
+                          python, work)
+        instances.append(decode)
+        _start(instances, min(timeout_s, START_TIMEOUT_S * 1.5))
+        reference = [prefill.generate(p, new_tokens)["token_ids"] for p in prompts] if kind == "kvbridge" else []
+        rows = []
+        for prompt in prompts:
+            before = _nixl_totals(decode.command(op="metrics")["metrics"]) if kind == "nixl" else None
+            p_out = prefill.generate(prompt, 1, {"do_remote_decode": True, "do_remote_prefill": False})
+            params = p_out.get("kv_transfer_params")
+            if not params:
+                raise VllmDemoError(f"{kind} prefill returned no kv_transfer_params: {p_out}")
+            d_out = decode.generate(prompt, new_tokens, params)
+            row = {"tokens": d_out["token_ids"], "decode_seconds": d_out["seconds"],
+                   "prefill_seconds": p_out["seconds"], "remote_request_id": params.get("remote_request_id")}
+            if kind == "nixl":
+                # vLLM publishes connector stats with the engine's periodic stats; give them a moment.
+                deadline = time.monotonic() + 10
+                while True:
+                    after = _nixl_totals(decode.command(op="metrics")["metrics"])
+                    if after[1] > before[1] or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.5)
+                n = after[1] - before[1]
+                row.update(transfer_seconds=(after[0] - before[0]) / n if n else None,
+                           bytes_moved=int(after[2] - before[2]) if n else None, transfers=int(n))
+            rows.append(row)
+        if kind == "kvbridge":
+            events = [e for e in _read_stats(stats) if e["event"] == "recv" and e["engine_id"] == d_id]
+            for row in rows:
+                ranks = [e for e in events if e["remote_request_id"] == row["remote_request_id"]]
+                row.update(transfer_seconds=max((e.get("transfer_seconds") or 0.0 for e in ranks), default=None),
+                           bytes_moved=sum(e.get("nbytes", 0) for e in ranks),
+                           num_runs=sum(e.get("nruns", 0) for e in ranks), ok=all(e["ok"] for e in ranks))
+        return {"rows": rows, "reference": reference,
+                "startup_seconds": {i.name: i.ready.get("startup_seconds") for i in instances}}
+    finally:
+        _close_all(instances)
+
+
 def bench_vllm(model_dir: str | os.PathLike | None = None, prefill_tp: int = 1, decode_tp: int = 1,
                prompt_len: int = 256, new_tokens: int = 4, requests: int = 4, *, block_size: int = 32,
                seed: int = 0, python: str | None = None, timeout_s: float = 2400.0,
                workdir: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Placeholder, replaced below when the NIXL side runs."""
-    raise NotImplementedError
+    """The same P/D requests through KVBridgeConnector and through vLLM's NixlConnector (CPU).
+
+    Runs a kvbridge prefill/decode pair, then a NIXL pair (`kv_buffer_device: cpu`), on the same
+    model, shapes and prompts (`requests` prompts of `prompt_len` tokens), one pair at a time so
+    they do not compete for the CPU. Reports per request and connector the decoded tokens (both
+    must equal the prefill instance's plain greedy output), the transfer time as each connector
+    measures it (kvbridge: first read posted to last read done on the decode ranks; NIXL: vLLM's
+    `nixl_xfer_time_seconds` histogram, transfer start to completion), the bytes moved, and the
+    decode request's wall time; medians skip the first request (handshakes, first-use costs).
+    """
+    t_start = time.monotonic()
+    python = vllm_python(python)
+    own_dir = workdir is None
+    work = Path(tempfile.mkdtemp(prefix="kvbridge-vllm-bench-")) if own_dir else Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    model = _model(model_dir, python, work)
+    prompts = [_prompt(None, prompt_len, seed + i) for i in range(max(1, requests))]
+    ok = False
+    try:
+        kvb = _run_pair("kvbridge", model, prefill_tp, decode_tp, block_size, prompts, new_tokens, python, work,
+                        timeout_s)
+        nixl = _run_pair("nixl", model, prefill_tp, decode_tp, block_size, prompts, new_tokens, python, work,
+                         timeout_s)
+        reference = kvb["reference"]
+
+        def summary(res: dict[str, Any]) -> dict[str, Any]:
+            rows = res["rows"]
+            steady = rows[1:] or rows
+            return {"match_reference": [r["tokens"] == ref for r, ref in zip(rows, reference)],
+                    "transfer_seconds": [r.get("transfer_seconds") for r in rows],
+                    "transfer_seconds_median": _median([r.get("transfer_seconds") for r in steady]),
+                    "decode_seconds": [r["decode_seconds"] for r in rows],
+                    "decode_seconds_median": _median([r["decode_seconds"] for r in steady]),
+                    "bytes_moved": [r.get("bytes_moved") for r in rows],
+                    "num_runs": [r.get("num_runs") for r in rows] if "num_runs" in rows[0] else None,
+                    "startup_seconds": res["startup_seconds"]}
+
+        out = {"engine": "vllm", "model": model, "prefill_tp": prefill_tp, "decode_tp": decode_tp,
+               "block_size": block_size, "prompt_len": prompt_len, "new_tokens": new_tokens, "requests": len(prompts),
+               "tokens_reference": reference, "kvbridge": summary(kvb), "nixl": summary(nixl),
+               "tokens_kvbridge": [r["tokens"] for r in kvb["rows"]], "tokens_nixl": [r["tokens"] for r in nixl["rows"]]}
+        out["same_tokens"] = out["tokens_kvbridge"] == out["tokens_nixl"] == reference
+        out["wall_seconds"] = time.monotonic() - t_start
+        ok = True
+        return out
+    finally:
+        if own_dir and ok:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 __all__ = ["Instance", "VllmDemoError", "bench_vllm", "free_ports", "kvbridge_transfer_config", "nixl_transfer_config",

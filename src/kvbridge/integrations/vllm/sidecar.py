@@ -42,11 +42,14 @@ from kvbridge.spec import ModelSpec
 log = logging.getLogger("kvbridge.vllm.sidecar")
 
 SETTLE_S = 0.25
-"""A prefill lease is announced only once its decode engine has been connected this long.
+"""A prefill lease is announced only once every decode rank that reads it has been connected
+this long.
 
 `SideChannelClient.request` (the decode side's handshake) drops every frame it reads in the same
-batch as the `Hello` reply; a lease that exists when the decode engine connects is announced
-right behind that reply and would be lost. Waiting keeps the two apart."""
+batch as the `Hello` reply, and `Producer` announces a lease to a reader right behind that reply
+when the lease exists before the reader connects: the announcement is lost and the decode rank
+times out (seen with a TP=2 decode engine whose second rank connected 0.3 s after the first).
+Holding the lease until the readers are connected keeps the two apart."""
 
 
 class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -56,9 +59,14 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     mode: str = "pull"  # pull (decode reads) | push (prefill writes)
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 5570  # prefill rank r listens on port + r
-    lease_seconds: float = 30.0
-    transfer_timeout: float = 30.0
-    handshake_timeout: float = 30.0  # generous: a loaded CPU host can stall a peer for seconds
+    # Generous deadlines: on a loaded 2-core host (load average 10-27 while this was measured) a
+    # vLLM CPU engine stalls its peers for tens of seconds, and a side channel with 1 s heartbeats
+    # (3 s timeout) was dropped; vLLM's own NixlConnector took 114 s for its first transfer in the
+    # same conditions.
+    lease_seconds: float = 300.0
+    transfer_timeout: float = 300.0
+    handshake_timeout: float = 120.0
+    heartbeat_seconds: float = 10.0  # ZMQ heartbeats of the side channel; a peer silent 3x this long is lost
     stats_path: str = ""  # append one JSON line per transfer event (demos and benchmarks)
 
     def __post_init__(self) -> None:
@@ -69,7 +77,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def connector_config(self) -> ConnectorConfig:
         return ConnectorConfig(lease_seconds=self.lease_seconds, transfer_timeout=self.transfer_timeout,
-                               handshake_timeout=self.handshake_timeout)
+                               handshake_timeout=self.handshake_timeout, side_channel_heartbeat=self.heartbeat_seconds)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
@@ -232,7 +240,7 @@ class Sidecar:
                                      mode=s.mode, config=cfg)
             self.consumer.topology = VllmTopology.of(self.consumer)
         self._held: dict[str, tuple[Send, float]] = {}
-        self._seen: dict[str, float] = {}
+        self._seen: dict[tuple[str, int], float] = {}  # (decode engine, rank) -> first seen connected
         self._pending: list[Recv] = []
         self._recv: dict[str, Recv] = {}  # remote request id -> request
         self._warm()
@@ -251,6 +259,8 @@ class Sidecar:
     # commands
     def handle(self, cmd: Any) -> None:
         if isinstance(cmd, Send) and self.producer is not None:
+            log.info("prefill rank %d: %s complete (%d tokens), waiting for its decode ranks", self.init.rank,
+                     cmd.request_id, cmd.num_tokens)
             self._held[cmd.request_id] = (cmd, time.monotonic() + self.settings.lease_seconds)
         elif isinstance(cmd, Recv) and self.consumer is not None:
             self._pending.append(cmd)
@@ -288,25 +298,40 @@ class Sidecar:
 
     # prefill
     def _lease_held(self) -> None:
+        """Lease a held request once every decode rank that reads it has been connected for
+        `SETTLE_S` (see there); release it (vLLM frees the blocks) if that does not happen
+        within the lease."""
         now = time.monotonic()
         engines = self.producer.decode_engines
         for e in engines:
-            self._seen.setdefault(e, now)
+            for r in self._connected_ranks(e):
+                self._seen.setdefault((e, r), now)
         for rid, (req, deadline) in list(self._held.items()):
             named = req.to_engine
             target = named if named in engines else (engines[0] if named is None and len(engines) == 1 else None)
-            if target is None or now - self._seen[target] < SETTLE_S:
+            settled = target is not None and all(
+                now - self._seen.get((target, r), now) >= SETTLE_S and (target, r) in self._seen
+                for r in self.producer.topology.reader_ranks(target))
+            if not settled:
                 if now > deadline:
                     del self._held[rid]
-                    self._released(rid, f"no decode engine {named or ''} connected within the lease".replace("  ", " "))
+                    self._released(rid, f"decode engine {named or '(any)'} did not connect all its reading ranks "
+                                        f"within the lease")
                 continue
             del self._held[rid]
+            log.info("prefill rank %d: leasing %s to %s", self.init.rank, rid, target)
             try:
                 self.producer.add_request(rid, req.block_ids, req.num_tokens, to_engine=target,
                                           lease_seconds=max(1.0, deadline - now))
             except KVBridgeError as e:
                 log.error("prefill rank %d cannot lease %s: %s", self.init.rank, rid, e)
                 self._released(rid, f"refused: {e}")
+
+    def _connected_ranks(self, engine: str) -> list[int]:
+        """Decode ranks of `engine` that completed the handshake with this prefill rank.
+
+        (`Producer` exposes engines but not their ranks; this reads its routing table.)"""
+        return list(getattr(self.producer, "_engines", {}).get(engine, {}))
 
     def _released(self, request_id: str, reason: str) -> None:
         self._stat("release", request_id=request_id, reason=reason,
@@ -317,6 +342,7 @@ class Sidecar:
     def _connect(self, engine: str, address: str) -> bool:
         if engine in self.consumer.prefill_engines:
             return True
+        log.info("decode rank %d: handshake with %s at %s", self.init.rank, engine, address)
         try:
             got = self.consumer.connect(address)
         except Exception as e:  # noqa: BLE001 - refusals and unreachable peers alike
@@ -376,7 +402,8 @@ def main() -> None:  # pragma: no cover - runs as the sidecar process
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # stray prints go to the worker's log, never into the event stream
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="(kvbridge sidecar pid=%(process)d) %(levelname)s %(message)s")
+                        format="(kvbridge sidecar pid=%(process)d) %(levelname)s %(asctime)s %(message)s",
+                        datefmt="%m-%d %H:%M:%S")
     parent = os.getppid()
     reader = FrameReader(0, _commands)
 

@@ -1,0 +1,109 @@
+"""The connector's sidecar processes without vLLM: two "engine ranks" whose caches are shared
+memory segments laid out like vLLM CPU's, one sidecar each, a request moved prefill -> decode.
+
+This is what runs inside vLLM minus vLLM: the worker's cache is a /dev/shm segment, the sidecar
+maps it by path, leases / receives over kvbridge's side channel and shm transport, and reports
+`Released` / `Received` over its pipe. Every byte the decode rank's kernels would read is
+checked against the prefill rank's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvbridge.integrations.vllm.demo import free_ports
+from kvbridge.integrations.vllm.layout import vllm_cpu_layout, vllm_cpu_spec
+from kvbridge.integrations.vllm.sidecar import (Init, Received, Recv, Released, Send, Settings, SidecarClient,
+                                                SidecarError)
+from kvbridge.layout import EngineLayout, RankCache
+from kvbridge.spec import ModelSpec
+from kvbridge.transport.shm import SharedSegment
+
+SPEC = vllm_cpu_spec(ModelSpec.uniform(2, 2, 32, "float32", name="tiny"))
+
+
+class Engine:
+    """One rank's cache in one shared segment, as the connector's allocation context makes it."""
+
+    def __init__(self, layout, rank: int, fill: int | None = None):
+        self.layout, self.rank = layout, rank
+        nbytes = layout.addressing(SPEC, rank).region_nbytes
+        self.offsets = [int(o) for o in np.cumsum([0, *nbytes[:-1]])]
+        self.seg = SharedSegment(sum(nbytes), f"test-sidecar-r{rank}")
+        if fill is not None:
+            gen = torch.Generator().manual_seed(fill)
+            self.seg.tensor.copy_(torch.randint(0, 256, (self.seg.nbytes,), dtype=torch.uint8, generator=gen))
+        self.cache = RankCache(SPEC, layout, rank, [self.seg.view(o, n) for o, n in zip(self.offsets, nbytes)])
+
+    def init(self, engine_id: str, produce: bool, port: int, **settings) -> Init:
+        import msgspec
+        return Init(engine_id, self.rank, produce, not produce, SPEC, EngineLayout(**msgspec.structs.asdict(self.layout)),
+                    self.seg.path, self.seg.nbytes, self.offsets,
+                    Settings(side_channel_port=port, lease_seconds=20, transfer_timeout=20, handshake_timeout=10,
+                             **settings))
+
+
+def wait(clients, want, timeout=60.0):
+    got = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for c in clients:
+            got.extend(c.events())
+        if want(got):
+            return got
+        time.sleep(0.01)
+    raise AssertionError(f"events so far: {got}")
+
+
+def kv(engine: Engine, ids, n: int) -> torch.Tensor:
+    comps = len(SPEC.layers[0].components)
+    return torch.cat([engine.cache.read_tokens(li, c, np.asarray(ids), np.arange(n), as_int=True).flatten(1)
+                      for li in range(2) for c in range(comps)], dim=1)
+
+
+@pytest.mark.parametrize("p_block,d_block,transport,mode", [
+    (32, 32, "shm", "pull"), (64, 32, "shm", "pull"), (32, 64, "shm", "push"),
+    (32, 32, "nixl", "pull"), (32, 32, "mooncake", "pull")])
+def test_prefill_sidecar_to_decode_sidecar(p_block, d_block, transport, mode):
+    from kvbridge.connector.transports import unavailable_reason
+    if unavailable_reason(transport):
+        pytest.skip(f"{transport}: {unavailable_reason(transport)}")
+    p = Engine(vllm_cpu_layout(1, p_block, 8), 0, fill=1)
+    d = Engine(vllm_cpu_layout(1, d_block, 8), 0)
+    port = free_ports(1)
+    n, p_ids, d_ids = 70, (5, 2, 7)[: -(-70 // p_block)], (6, 1, 3)[: -(-70 // d_block)]
+    prod = SidecarClient(p.init("P", True, port, transport=transport, mode=mode))
+    cons = SidecarClient(d.init("D", False, free_ports(1), transport=transport, mode=mode))
+    try:
+        assert prod.ready.address == f"127.0.0.1:{port}" and cons.ready.address == ""
+        prod.send(Send("req-1", (p_ids,), n))
+        cons.send(Recv("dec-1", "req-1", "P", prod.ready.address, (d_ids,), n, 0))
+        events = wait([prod, cons], lambda ev: any(isinstance(e, Released) for e in ev)
+                      and any(isinstance(e, Received) for e in ev))
+        assert Received("dec-1", True) in events and Released("req-1", "done") in events
+        assert torch.equal(kv(d, d_ids, n), kv(p, p_ids, n))
+    finally:
+        prod.close()
+        cons.close()
+    assert not prod.alive and not cons.alive
+
+
+def test_sidecar_refuses_bad_init_and_reports_it():
+    p = Engine(vllm_cpu_layout(1, 32, 8), 0)
+    init = p.init("P", True, free_ports(1))
+    init.region_offsets = [0, p.seg.nbytes]  # the second region would lie past the segment
+    with pytest.raises(SidecarError, match="outside the .*segment"):
+        SidecarClient(init)
+
+
+def test_settings_name_unknown_and_bad_fields():
+    from kvbridge.errors import ConfigError
+    with pytest.raises(ConfigError, match="side_chanel_port"):
+        Settings.from_extra({"side_chanel_port": 1})
+    with pytest.raises(ConfigError, match="mode"):
+        Settings.from_extra({"mode": "teleport"})
+    assert Settings.from_extra({"side_channel_port": 6000}).side_channel_port == 6000
