@@ -108,7 +108,9 @@ def test_prefill_server_and_decode_client_in_two_namespaces(namespaces, tmp_path
         decoded = _finish(client, 150)
     finally:
         served = _finish(server, 150)
-    assert decoded["ok"] and decoded["match"] and decoded["cache_equal"], decoded
+    if not (decoded["ok"] and decoded["match"] and decoded["cache_equal"]):
+        why = {k: decoded.get(k) for k in ("ok", "match", "cache_equal", "requests_ok", "requests")}
+        pytest.fail("decode side failed: " + json.dumps({"decode": why, "prefill": served}, default=str)[:6000])
     assert decoded["prefill"] == "TP=2 block 16 HND kv_first"  # learned at the handshake, over the veth
     assert decoded["requests_ok"] == 2 and all(r["match"] for r in decoded["requests"])
     assert served["ok"] and served["released_exactly_once"] and served["decode_engines"] == ["decode"], served
