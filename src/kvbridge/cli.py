@@ -49,6 +49,11 @@ class Mode(str, Enum):
     push = "push"
 
 
+class Engine(str, Enum):
+    kvbridge = "kvbridge"
+    vllm = "vllm"
+
+
 class Role(str, Enum):
     both = "both"
     decode = "decode"
@@ -126,11 +131,29 @@ def demo(
     num_cached_tokens: int = typer.Option(0, min=0, help="Prefix the decode side already holds (a multiple of "
                                           "its block size); only the rest moves (local transport)."),
     offload: bool = typer.Option(False, help="Offload scenario: store a prefix to CPU, evict, load it back, decode."),
+    engine: Engine = typer.Option(Engine.kvbridge, help="vllm: two real vLLM CPU instances with KVBridgeConnector "
+                                  "(needs `make vllm-env`); --model is then a save_pretrained DIR or omitted."),
     dump_decode_cache: Optional[Path] = typer.Option(None, help="Write the reassembled decode cache (.safetensors)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Prefill on one engine shape, move the KV cache, decode on another; compare with `generate`."""
     ids = _parse_ids(prompt_ids) if prompt_ids else None
+    if engine == Engine.vllm:
+        from kvbridge.integrations.vllm.demo import run_vllm_demo
+        model_dir = model if Path(model).is_dir() else None
+        with console.status("starting vLLM instances ...", spinner="dots") if not as_json else _nullcontext():
+            out = run_vllm_demo(model_dir, prefill_tp, decode_tp, ids, new_tokens,
+                                prefill_block_size=prefill_block_size, decode_block_size=decode_block_size,
+                                prompt_len=prompt_len, seed=seed,
+                                transport="shm" if transport == Transport.local else transport.value, mode=mode.value)
+        if as_json:
+            _print_json(out)
+        else:
+            _show(out, "kvbridge demo --engine vllm")
+            console.print("[bold green]MATCH[/]" if out.get("match") else "[bold red]MISMATCH[/]")
+        if not out.get("match"):
+            raise typer.Exit(1)
+        return
     n = (len(ids) if ids else prompt_len) + new_tokens
 
     def layout(tp: int, bs: int, kbs: Optional[int], order: Order) -> EngineLayout:
@@ -373,9 +396,15 @@ def bench(
     transport: Transport = typer.Option(Transport.local, help="local executor, or a real engine between processes."),
     op: Mode = typer.Option(Mode.pull, help="pull (READ) or push (WRITE), for --transport shm/nixl/mooncake."),
     offload: bool = typer.Option(False, help="GPU<->CPU offload store and load instead of a P/D transfer."),
+    engine: Engine = typer.Option(Engine.kvbridge, help="vllm: KVBridgeConnector vs vLLM's NixlConnector per request."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Our copies vs a plain contiguous copy of the same bytes, side by side in one run."""
+    if engine == Engine.vllm:
+        from kvbridge.integrations.vllm.demo import bench_vllm
+        out = bench_vllm(None, prefill_tp, decode_tp)
+        _print_json(out) if as_json else console.print(out)
+        return
     from kvbridge.presets import PRESETS
     if model not in PRESETS:
         from kvbridge.errors import ConfigError
