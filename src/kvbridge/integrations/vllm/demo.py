@@ -53,10 +53,17 @@ def vllm_python(python: str | os.PathLike | None = None) -> str:
 
 
 def free_ports(count: int = 1) -> int:
-    """A base port such that `count` consecutive ports are free on 127.0.0.1."""
+    """A base port such that `count` consecutive ports are free on 127.0.0.1, below the kernel's
+    ephemeral range (an ephemeral port that is free now may be taken by any outgoing connection
+    before the side channel binds it: seen as "Address already in use")."""
     rng = random.Random()
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    top = max(20000 + 1000, min(low, 60000))
     for _ in range(200):
-        base = rng.randrange(20000, 60000 - count)
+        base = rng.randrange(20000, top - count)
         socks = []
         try:
             for p in range(base, base + count):
