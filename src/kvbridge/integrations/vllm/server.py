@@ -63,12 +63,6 @@ def main() -> None:
                       tensor_parallel_size=int(cfg.get("tp", 1)), seed=int(cfg.get("seed", 0)),
                       enable_prefix_caching=bool(cfg.get("prefix_caching", False)),
                       disable_log_stats=not cfg.get("log_stats", False))
-        if int(cfg.get("tp", 1)) == 1 and cfg.get("executor", "uni") == "uni":
-            # One process for scheduler and worker: no shared-memory message queue between them,
-            # whose readers spin (sched_yield) for a second after every step; with an engine that
-            # steps while it waits for a KV transfer, two such spinners per engine starve everything
-            # else on a 2-core host for tens of seconds (measured).
-            kwargs["distributed_executor_backend"] = "uni"
         if cfg.get("block_size"):
             kwargs["block_size"] = int(cfg["block_size"])
         if cfg.get("kv_transfer_config"):
