@@ -180,6 +180,33 @@ def _add(conn: Connection, producer: Any, cache: Any, requests: list[tuple]) -> 
     conn.send(("added", [r[0] for r in requests]))
 
 
+def fill_rows(cache: Any, block_ids: Any, num_tokens: int, seed: int) -> None:
+    """Fresh random bytes in rows [0, num_tokens) of the request's blocks, in every attention
+    layer and component this rank holds: what a prefill forward pass writes. A decode rank
+    writes them too (poison) before it receives, so bytes left from an earlier request in the
+    same blocks cannot pass an integrity check."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    pos = np.arange(num_tokens, dtype=np.int64)
+    for li, layer in enumerate(cache.spec.layers):
+        if layer.is_recurrent or not num_tokens:
+            continue
+        ids = np.asarray(block_ids[cache.spec.layer_group[li]], dtype=np.int64)
+        for ci in range(len(layer.components)):
+            rows = cache.read_tokens(li, ci, ids, pos, as_int=True)  # [tokens, heads, dim] integers
+            raw = torch.randint(0, 256, (*rows.shape[:-1], rows.shape[-1] * rows.element_size()),
+                                dtype=torch.uint8, generator=gen)
+            cache.write_tokens(li, ci, ids, pos, raw.view(rows.dtype))
+
+
+def _fill_add(conn: Connection, producer: Any, cache: Any, requests: list[tuple]) -> None:  # pragma: no cover
+    """`requests`: (id, block ids, num tokens, first token, lease seconds or None, fill seed)."""
+    for rid, block_ids, num_tokens, first_token, lease, seed in requests:
+        fill_rows(cache, block_ids, num_tokens, seed)
+        producer.add_request(rid, block_ids, num_tokens, first_token, lease_seconds=lease)
+    conn.send(("added", [r[0] for r in requests]))
+
+
 def _directory(conn: Connection, producer: Any, cache: Any, addresses: list[str]) -> None:  # pragma: no cover
     producer.set_peer_addresses(addresses)
     conn.send(("directory_set",))
@@ -211,6 +238,14 @@ def _receive(conn: Connection, consumer: Any, cache: Any, requests: list[tuple])
     conn.send(("receiving", [r[0] for r in requests]))
 
 
+def _scrub_receive(conn: Connection, consumer: Any, cache: Any, requests: list[tuple]) -> None:  # pragma: no cover
+    """`requests`: (id, block ids, num tokens, timeout, poison seed): poison the destination rows, then receive."""
+    for rid, block_ids, num_tokens, timeout, seed in requests:
+        fill_rows(cache, block_ids, num_tokens, seed)
+        consumer.receive(rid, block_ids, num_tokens=num_tokens, timeout=timeout)
+    conn.send(("receiving", [r[0] for r in requests]))
+
+
 def _regions(conn: Connection, consumer: Any, cache: Any) -> None:  # pragma: no cover
     conn.send(("regions", _regions_bytes(cache)))
 
@@ -220,9 +255,10 @@ def _decode(conn: Connection, consumer: Any, cache: Any, job: dict) -> None:  # 
     conn.send(("decoded", run_decode_job(cache, job)))
 
 
-_PREFILL = {"load": _load, "add": _add, "directory": _directory, "abort": _abort, "stats": _stats}
-_DECODE = {"connect": _connect, "receive": _receive, "abort": _abort, "stats": _stats, "regions": _regions,
-           "decode": _decode}
+_PREFILL = {"load": _load, "add": _add, "fill_add": _fill_add, "directory": _directory, "abort": _abort,
+            "stats": _stats}
+_DECODE = {"connect": _connect, "receive": _receive, "scrub_receive": _scrub_receive, "abort": _abort,
+           "stats": _stats, "regions": _regions, "decode": _decode}
 
 
 # -- the parent's handle ---------------------------------------------------------------------------
@@ -337,4 +373,4 @@ def stop_all(processes: list[RankProcess], timeout: float = 5.0) -> None:
         p.stop(0.5)
 
 
-__all__ = ["RankArgs", "RankProcess", "RankProcessError", "stop_all"]
+__all__ = ["RankArgs", "RankProcess", "RankProcessError", "fill_rows", "stop_all"]

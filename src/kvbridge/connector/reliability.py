@@ -28,15 +28,16 @@ SOAK_SPEC = ModelSpec.uniform(2, 2, 16, "bfloat16", name="soak-tiny")
 """Tiny on purpose: the soak measures the lifecycle (leases, sockets, handles), not bandwidth."""
 
 
-def process_figures(shm_prefix: str = "") -> dict[str, int]:
-    """RSS (bytes), open descriptors of this process, /dev/shm segments whose name holds `shm_prefix`."""
+def process_figures(shm_prefix: str = "", pid: int | str = "self") -> dict[str, int]:
+    """RSS (bytes), open descriptors of process `pid` (default: this one), /dev/shm segments whose
+    name holds `shm_prefix`."""
     rss = 0
-    with open("/proc/self/status") as f:
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
                 rss = int(line.split()[1]) * 1024
     shm = len([n for n in os.listdir("/dev/shm") if shm_prefix in n]) if os.path.isdir("/dev/shm") else 0
-    return {"rss": rss, "fds": len(os.listdir("/proc/self/fd")), "shm": shm}
+    return {"rss": rss, "fds": len(os.listdir(f"/proc/{pid}/fd")), "shm": shm}
 
 
 @contextmanager
@@ -234,4 +235,152 @@ def garbage_frames(count: int = 500, seed: int = 0) -> dict:
         pair.close()
 
 
-__all__ = ["Pair", "SOAK_SPEC", "garbage_frames", "process_figures", "soak"]
+def multiprocess_soak(transport: str = "shm", requests: int = 2000, in_flight: int = 64, seed: int = 0,
+                      prefill_tp: int = 2, decode_tp: int = 1, mode: str = "pull",
+                      time_limit: float = 600.0) -> dict:
+    """`requests` requests, `in_flight` at a time, through prefill and decode ranks that are each
+    their own OS process (`kvbridge.connector.processes`, as the multi-process demo runs them),
+    over `transport` and real ZMQ side channels; checksums on.
+
+    This process only orchestrates, the way a scheduler would: it asks each prefill rank to write
+    fresh random bytes into a request's source blocks and lease them (`fill_add`), and each decode
+    rank to poison its destination blocks and receive the request (`scrub_receive`). A slot's
+    blocks are reused only after every decode rank reported the request and every prefill rank
+    released it. Every request's landed bytes are verified by the consumer's end-to-end checksum
+    against the sources' fresh content, so a transfer that moved nothing, or the wrong rows,
+    fails. RSS and open descriptors of every rank process (and of this one) and the engines'
+    /dev/shm segments are sampled at the end of each quarter of the requests; the segments are
+    counted again after the processes stopped. Bounded by `time_limit` seconds.
+    """
+    from kvbridge.connector.demo import DecodeEngine, PrefillEngine
+    from kvbridge.connector.processes import process_context, stop_all
+    cfg = ConnectorConfig(lease_seconds=120, transfer_timeout=120, abort_timeout=5, handshake_timeout=30,
+                          checksum=True)
+    slot_blocks = 2  # up to 32 tokens of 16
+    rng = random.Random(seed)
+    tag = f"soakmp{seed}{transport}"
+    startup = 120.0  # rank processes start from the fork server; a loaded 2-core host takes a while
+    t0 = time.monotonic()
+    ctx = process_context(model=False)
+    pre = EngineLayout(tp_size=prefill_tp, block_size=16, num_blocks=in_flight * slot_blocks)
+    dec = EngineLayout(tp_size=decode_tp, block_size=16, num_blocks=in_flight * slot_blocks, kv_order="NHD")
+    lifetime = time_limit + 2 * startup
+    prefill = PrefillEngine(ctx, transport, f"{tag}-prefill", SOAK_SPEC, pre, mode, "127.0.0.1:0", cfg,
+                            max_lifetime=lifetime)
+    decode = DecodeEngine(ctx, transport, f"{tag}-decode", SOAK_SPEC, dec, mode, "127.0.0.1", cfg,
+                          max_lifetime=lifetime)
+    ranks = {f"prefill {p.args.rank}": p for p in prefill.ranks} | {f"decode {p.args.rank}": p for p in decode.ranks}
+    try:
+        prefill.start(startup)
+        decode.start(startup)
+        decode.connect(prefill.address, startup)
+        prefill.wait_handshake(startup)
+        started = time.monotonic()
+        free = list(range(in_flight))
+        slot_of: dict[str, int] = {}  # requests in flight -> their slot
+        landed: dict[str, list[dict]] = {}  # in flight: each decode rank's result
+        releases: dict[str, set[int]] = {}  # in flight: prefill ranks that released it
+        counts = {"submitted": 0, "done": 0, "ok": 0, "bytes": 0, "releases": 0, "released_twice": 0}
+        failures: list[str] = []
+        not_done: list[str] = []
+        samples: dict[str, list[dict]] = {name: [] for name in [*ranks, "parent"]}
+        shm_samples: list[int] = []
+        quarter = max(1, requests // 4)
+
+        def settle(rid: str) -> None:
+            """Free the slot once every decode rank reported and every prefill rank released; the
+            parent keeps no per-request record after that (its own RSS is sampled too)."""
+            if len(landed.get(rid, ())) == decode_tp and len(releases.get(rid, ())) == prefill_tp:
+                free.append(slot_of.pop(rid))
+                del landed[rid], releases[rid]
+
+        def collect() -> None:
+            for rank, evs in prefill.releases.items():
+                for rid, why in evs:
+                    counts["releases"] += 1
+                    if not why.startswith("done"):
+                        not_done.append(f"{rid}: {why}")
+                    if rid not in slot_of or rank in releases.get(rid, ()):
+                        counts["released_twice"] += 1
+                        continue
+                    releases.setdefault(rid, set()).add(rank)
+                    settle(rid)
+                evs.clear()
+            for by_id in decode.results.values():
+                for rid, res in by_id.items():
+                    if rid not in slot_of:
+                        failures.append(f"{rid}: a second result: {res}")
+                        continue
+                    landed.setdefault(rid, []).append(res)
+                    counts["bytes"] += res["nbytes"]
+                    if len(landed[rid]) < decode_tp:
+                        continue
+                    counts["done"] += 1
+                    bad = [f"decode rank {x['rank']}: {x['reason']}" for x in landed[rid] if not x["ok"]]
+                    if bad:
+                        failures.append(f"{rid}: {'; '.join(bad)}")
+                    else:
+                        counts["ok"] += 1
+                    if counts["done"] % quarter == 0 and len(shm_samples) < 4:
+                        now = time.monotonic() - started
+                        for name, p in ranks.items():
+                            samples[name].append(process_figures(tag, p.pid) | {"done": counts["done"], "t": now})
+                        gc.collect()
+                        samples["parent"].append(process_figures(tag) | {"done": counts["done"], "t": now})
+                        shm_samples.append(samples["parent"][-1]["shm"])
+                    settle(rid)
+                by_id.clear()
+
+        while counts["done"] < requests and time.monotonic() - t0 < time_limit:
+            batch = []
+            while free and counts["submitted"] < requests:
+                slot, i = free.pop(), counts["submitted"]
+                n = rng.randint(1, 16 * slot_blocks)
+                ids = (tuple(range(slot * slot_blocks, slot * slot_blocks + -(-n // 16))),)
+                rid = f"{tag}-{i}"
+                slot_of[rid] = slot
+                batch.append((rid, ids, n, i))
+                counts["submitted"] += 1
+            if batch:  # distinct fill seeds per request and rank; odd for sources, even for poison
+                for p in prefill.ranks:
+                    p.send("fill_add", [(rid, ids, n, None, None, (i * 64 + p.args.rank) * 2 + 1)
+                                        for rid, ids, n, i in batch])
+                for p in decode.ranks:
+                    p.send("scrub_receive", [(rid, ids, n, cfg.transfer_timeout, (i * 64 + p.args.rank) * 2)
+                                             for rid, ids, n, i in batch])
+            prefill.pump(0.005)
+            decode.pump(0.005)
+            for p in ranks.values():
+                p.take("added")
+                p.take("receiving")
+            collect()
+        end = time.monotonic() + 30
+        while slot_of and time.monotonic() < end:
+            prefill.pump(0.02)
+            collect()
+        seconds = time.monotonic() - started
+        stats: dict[str, dict] = {}
+        for p in ranks.values():
+            p.send("stats")
+        for name, p in ranks.items():
+            stats[name] = p.expect("stats", startup)[1]
+    finally:
+        stop_all(decode.ranks)  # readers first: a prefill rank that goes first is a lost side channel to them
+        stop_all(prefill.ranks)
+    never_released = sum(prefill_tp - len(releases.get(rid, ())) for rid in slot_of)
+    return {
+        "transport": transport, "mode": mode, "requests": requests, "in_flight": in_flight,
+        "prefill_tp": prefill_tp, "decode_tp": decode_tp, "processes": len(ranks),
+        "submitted": counts["submitted"], "completed": counts["done"], "ok": counts["ok"], "failed": len(failures),
+        "failures": failures[:10], "bytes": counts["bytes"],
+        "checksums_verified": sum(stats[f"decode {r}"].get("checksums_verified", 0) for r in range(decode_tp)),
+        "checksum_mismatches": sum(stats[f"decode {r}"].get("checksum_mismatches", 0) for r in range(decode_tp)),
+        "releases": counts["releases"], "released_twice": counts["released_twice"],
+        "never_released": never_released, "releases_not_done": not_done[:10],
+        "samples": samples, "shm_samples": shm_samples, "shm_after": process_figures(tag)["shm"],
+        "exit_codes": {name: p.proc.exitcode for name, p in ranks.items()}, "seconds": seconds,
+        "wall_seconds": time.monotonic() - t0, "timed_out": counts["done"] < requests,
+    }
+
+
+__all__ = ["Pair", "SOAK_SPEC", "garbage_frames", "multiprocess_soak", "process_figures", "soak"]
