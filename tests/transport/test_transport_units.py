@@ -75,4 +75,5 @@ def test_bench_transport_smoke(backend):
     assert d["verified"] and d["bytes"] == 32 * 32 * 2 * 8 * 128 * 2 // 1  # llama-3-8b: all of it to 2 ranks
     assert d["per_block_runs"] >= d["num_runs"] > 0
     assert d["ours_gbps"] > 0 and d["contiguous_gbps"] > 0 and d["per_block_gbps"] > 0
+    assert d["contiguous_per_rank_gbps"] > 0 and d["ratio_vs_contiguous_per_rank"] > 0
     assert d["staged"] == (backend == "mooncake")

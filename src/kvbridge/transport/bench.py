@@ -1,18 +1,23 @@
-"""Transport benchmark: one request moved between two processes by a real engine.
+"""Transport benchmark: one request moved between processes by a real engine.
 
-The prefill rank lives in a spawned child process, the decode ranks in this one (for `read`,
-the decode ranks post; for `write`, the prefill rank posts from the child). Three ways to move
-the same bytes are timed, interleaved repetition by repetition (the order rotates) so machine
-noise hits all alike, and the medians compared:
+The prefill rank and every decode rank live in their own spawned process, as in a deployment
+(for `read`, each decode rank posts its reads; for `write`, the prefill rank posts its writes).
+The ways to move the same bytes are timed, interleaved repetition by repetition (the order
+rotates) so machine noise hits all alike, and the medians compared. A measurement starts every
+poster at one instant on the host's monotonic clock and ends at the last completion.
 
 - **ours**: the planner's coalesced runs, one submission per (decode rank, prefill rank) pair,
   all in flight together; the transport picks its path (direct, or staged for small runs);
 - **contiguous**: the raw engine moving the same number of bytes as ONE descriptor between two
-  contiguous registered buffers (staging cannot apply: one run is never small);
+  contiguous registered buffers, posted by one process (staging cannot apply);
+- **contiguous per rank**: each decode rank's share as one descriptor, all posted at once from
+  the same processes as ours: the same concurrency, only the descriptors differ;
 - **per-block**: one descriptor per block per layer per K/V (every run split at both sides'
   block boundaries), as vLLM's NIXL and Mooncake connectors issue them, posted directly.
 
-Before timing, one transfer of `ours` is checked byte-exactly (`verify`). Absolute GB/s on
+The baselines run on agents of their own (same processes, same memory sizes) in the engine's
+default configuration, so options that tune our path (staging, engine threads) never change
+them. Before timing, one transfer of `ours` is checked byte-exactly (`verify`). Absolute GB/s on
 shared machines are noise; the ratios from one run are the result.
 """
 
@@ -31,7 +36,7 @@ from kvbridge.plan import Request, plan_request
 from kvbridge.presets import PRESETS
 from kvbridge.spec import ModelSpec
 from kvbridge.transport.base import Runs
-from kvbridge.transport.peer import AgentHost, PeerProcess, runs_between
+from kvbridge.transport.peer import PeerProcess, runs_between
 
 
 @dataclass
@@ -50,11 +55,14 @@ class TransportBenchResult:
     repeats: int
     ours_gbps: float
     contiguous_gbps: float
+    contiguous_per_rank_gbps: float
     per_block_gbps: float
     ratio_vs_contiguous: float
+    ratio_vs_contiguous_per_rank: float
     ratio_vs_per_block: float
     ours_seconds: float
     contiguous_seconds: float
+    contiguous_per_rank_seconds: float
     per_block_seconds: float
     verified: bool
     setup_seconds: float
@@ -84,7 +92,7 @@ def bench_transport(transport: str = "nixl", model: str = "llama-3-8b", num_toke
                     prefill: EngineLayout | None = None, decode: EngineLayout | None = None, op: str = "read",
                     repeats: int = 5, seed: int = 0, check: bool = True, transport_options: dict | None = None,
                     progress=None) -> TransportBenchResult:
-    """Median of `repeats` interleaved runs of ours vs one contiguous descriptor vs per-block descriptors.
+    """Median of `repeats` interleaved runs of ours vs the contiguous and per-block baselines.
 
     `prefill` defaults to TP=1 HND block 16 and `decode` to TP=2 HND block 16 (the core bench's
     shapes); the prefill engine must have TP=1 (one source process). `transport_options` go to
@@ -114,95 +122,114 @@ def bench_transport(transport: str = "nixl", model: str = "llama-3-8b", num_toke
     nbytes = plan.nbytes
     opts = dict(transport_options or {})
     opts.setdefault("timeout_s", 120.0)
-    d_names = [f"bench-D{d}" for d in range(decode.tp_size)]
-    child = PeerProcess()
-    here = AgentHost()
+    # The baselines run on their own agents in the engine's default configuration, posted
+    # directly: options that tune our path (staging, threads) never touch the baselines.
+    raw_opts = {"timeout_s": opts["timeout_s"], "stage_below": 0, "staging_bytes": 0}
+    share = [int(plan.length[plan.dst_rank == d].sum()) for d in range(decode.tp_size)]
+    p_proc: PeerProcess | None = None
+    d_procs: list[PeerProcess] = []
     try:
-        child.create(transport, "bench-P0", **opts)
-        child.alloc("bench-P0", spec, prefill, 0, "pattern" if check else "const", request.src_block_ids,
-                    num_tokens, seed=3)
-        p_flat = child.alloc_bytes("bench-P0", nbytes, 7 if op == "read" else 0)
-        for d, name in enumerate(d_names):
-            here.create(transport, name, **opts)
-            here.alloc(name, spec, decode, d, "const", seed=0)
-        d_flat = here.alloc_bytes(d_names[0], nbytes, 0 if op == "read" else 7)
-        p_meta = child.metadata("bench-P0")
-        for name in d_names:
-            here.connect(name, "bench-P0", p_meta)
-            child.connect("bench-P0", name, here.metadata(name))
+        p_proc = PeerProcess()
+        d_procs = [PeerProcess() for _ in range(decode.tp_size)]
+        owner: dict[str, PeerProcess] = {}
+        p_flat = d_flat = None
+        for tag, options in (("", opts), ("-raw", raw_opts)):
+            p_name = f"bench-P0{tag}"
+            p_proc.create(transport, p_name, **options)
+            p_proc.alloc(p_name, spec, prefill, 0, "pattern" if check else "const", request.src_block_ids,
+                         num_tokens, seed=3)
+            owner[p_name] = p_proc
+            if tag:
+                p_flat = p_proc.alloc_bytes(p_name, nbytes, 7 if op == "read" else 0)
+                d_flat = []
+            for d, proc in enumerate(d_procs):
+                name = f"bench-D{d}{tag}"
+                proc.create(transport, name, **options)
+                proc.alloc(name, spec, decode, d, "const", seed=0)
+                owner[name] = proc
+                if tag:  # D0's flat buffer takes all the bytes (the one-descriptor baseline)
+                    d_flat.append(proc.alloc_bytes(name, nbytes if d == 0 else share[d], 0 if op == "read" else 7))
+            p_meta = p_proc.metadata(p_name)
+            for proc, d in zip(d_procs, range(decode.tp_size)):
+                proc.connect(f"bench-D{d}{tag}", p_name, p_meta)
+                p_proc.connect(p_name, f"bench-D{d}{tag}", proc.metadata(f"bench-D{d}{tag}"))
 
-        # Who posts: the decode ranks here (read), or the prefill rank in the child (write).
-        poster, who = (here, "D") if op == "read" else (child, "P")
+        # Who posts: each decode rank in its own process (read), or the prefill rank (write).
         p_stride = int(prefill.addressing(spec, 0).block_stride[0, 0])
-        ours, per_block = [], []
-        for d, name in enumerate(d_names):
+        one = np.array([0], np.int64)
+        p_start = np.concatenate([[0], np.cumsum(share)[:-1]]).astype(np.int64)
+
+        def pair(d: int, tag: str = "") -> tuple[str, str]:
+            return (f"bench-D{d}{tag}", f"bench-P0{tag}") if op == "read" else (f"bench-P0{tag}", f"bench-D{d}{tag}")
+
+        def flat(d_region: int, d_offset: int, p_offset: int, length: int) -> Runs:
+            d_side = (np.array([d_region]), np.array([d_offset]))
+            p_side = (np.array([p_flat]), np.array([p_offset]))
+            local, remote = (d_side, p_side) if op == "read" else (p_side, d_side)
+            return Runs(*local, *remote, np.array([length]))
+
+        ours, per_block, per_rank = [], [], []
+        for d in range(decode.tp_size):
             runs = runs_between(plan, 0, d, op)
             d_stride = int(decode.addressing(spec, d).block_stride[0, 0])
             ls, rs = (d_stride, p_stride) if op == "read" else (p_stride, d_stride)
-            pair = (name, "bench-P0") if op == "read" else ("bench-P0", name)
-            ours.append((*pair, op, runs))
-            per_block.append((*pair, op, split_at_blocks(runs, ls, rs)))
-        one = np.array([0], np.int64)
-        if op == "read":
-            contiguous = [(d_names[0], "bench-P0", op, Runs(np.array([d_flat]), one, np.array([p_flat]), one,
-                                                            np.array([nbytes])))]
-        else:
-            contiguous = [("bench-P0", d_names[0], op, Runs(np.array([p_flat]), one, np.array([d_flat]), one,
-                                                            np.array([nbytes])))]
-        agent0 = ours[0][0]
-        stage_below = _attr(poster, agent0, "stage_below")
+            ours.append((*pair(d), op, runs))
+            per_block.append((*pair(d, "-raw"), op, split_at_blocks(runs, ls, rs)))
+            per_rank.append((*pair(d, "-raw"), op, flat(d_flat[d], 0, int(p_start[d]), share[d])))
+        contiguous = [(*pair(0, "-raw"), op, flat(d_flat[0], 0, 0, nbytes))]
+        stage_below = owner[ours[0][0]].get(ours[0][0], "stage_below")
         staged = stage_below > 0 and nbytes < stage_below * len(plan)
 
-        def run(batch, direct: bool = False) -> float:
-            names = sorted({b[0] for b in batch})
-            if direct:
-                for n in names:
-                    poster.set(n, stage_below=0)
-            try:
-                return poster.run_timed(batch)
-            finally:
-                if direct:
-                    for n in names:
-                        poster.set(n, stage_below=stage_below)
+        def run(batch) -> float:
+            """Each poster's share submitted in its own process at one instant; first submit to last done."""
+            by_proc: dict[int, tuple[PeerProcess, list]] = {}
+            for b in batch:
+                proc = owner[b[0]]
+                by_proc.setdefault(id(proc), (proc, []))[1].append(b)
+            start_at = time.monotonic() + 0.05
+            for proc, part in by_proc.values():
+                proc.begin("run_at", part, start_at)
+            spans = [proc.finish(600.0) for proc, _ in by_proc.values()]
+            return max(e for _, e in spans) - min(s for s, _ in spans)
 
         # Warm up every path (connections, registrations, page faults, compiled copies), then verify.
         verified = False
+        d_names = [f"bench-D{d}" for d in range(decode.tp_size)]
         if check:
-            for name in d_names:
-                here.snapshot(name)
+            for proc, name in zip(d_procs, d_names):
+                proc.snapshot(name)
         run(ours)
         if check:
-            bad = [m for name in d_names for m in here.verify(name, request)]
+            bad = [m for proc, name in zip(d_procs, d_names) for m in proc.verify(name, request)]
             if bad:
                 raise RuntimeError(f"{transport} moved wrong bytes: {bad[:3]}")
             verified = True
         run(contiguous)
-        run(per_block, direct=True)
-        if op == "read" and not here.check_bytes(d_names[0], 0, 7):
+        if op == "read" and not d_procs[0].check_bytes("bench-D0-raw", 0, 7):
             raise RuntimeError(f"{transport}: the contiguous transfer did not land")
-        times: dict[str, list[float]] = {"ours": [], "contiguous": [], "per_block": []}
-        order = ["ours", "contiguous", "per_block"]
+        run(per_rank)
+        run(per_block)
+        batches = {"ours": ours, "contiguous": contiguous, "per_rank": per_rank, "per_block": per_block}
+        times: dict[str, list[float]] = {k: [] for k in batches}
+        order = list(batches)
         for i in range(repeats):
-            for k in order[i % 3:] + order[: i % 3]:
-                times[k].append(run({"ours": ours, "contiguous": contiguous, "per_block": per_block}[k],
-                                    direct=k == "per_block"))
+            for k in order[i % len(order):] + order[: i % len(order)]:
+                times[k].append(run(batches[k]))
             if progress:
                 progress(i + 1, repeats)
         med = {k: statistics.median(v) for k, v in times.items()}
         setup = time.perf_counter() - t_setup - sum(sum(v) for v in times.values())
     finally:
-        here.close_all()
-        child.close()
+        for proc in [*d_procs, *([p_proc] if p_proc else [])]:
+            proc.close()
     return TransportBenchResult(
         transport=transport, model=model, prefill=prefill.describe(), decode=decode.describe(), op=op,
         num_tokens=num_tokens, bytes=nbytes, num_runs=len(plan), mean_run_bytes=nbytes / max(1, len(plan)),
         per_block_runs=sum(len(b[3]) for b in per_block), staged=staged, repeats=repeats,
         ours_gbps=nbytes / med["ours"] / 1e9, contiguous_gbps=nbytes / med["contiguous"] / 1e9,
+        contiguous_per_rank_gbps=nbytes / med["per_rank"] / 1e9,
         per_block_gbps=nbytes / med["per_block"] / 1e9, ratio_vs_contiguous=med["contiguous"] / med["ours"],
+        ratio_vs_contiguous_per_rank=med["per_rank"] / med["ours"],
         ratio_vs_per_block=med["per_block"] / med["ours"], ours_seconds=med["ours"],
-        contiguous_seconds=med["contiguous"], per_block_seconds=med["per_block"], verified=verified,
-        setup_seconds=setup)
-
-
-def _attr(host, name: str, attr: str):
-    return host.get(name, attr)
+        contiguous_seconds=med["contiguous"], contiguous_per_rank_seconds=med["per_rank"],
+        per_block_seconds=med["per_block"], verified=verified, setup_seconds=setup)

@@ -122,6 +122,20 @@ class AgentHost:
             raise RuntimeError(f"transfer failed: {failed[0]}")
         return elapsed
 
+    def run_at(self, batch: list[tuple[str, str, str, Runs]], start_at: float,
+               timeout: float = 300.0) -> tuple[float, float]:
+        """`run_timed` starting at `start_at` (CLOCK_MONOTONIC, shared by every process on the host).
+
+        Returns (first submit, last done) on that clock, so a caller can time transfers posted by
+        several processes at once as max(end) - min(start).
+        """
+        delay = start_at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        t0 = time.monotonic()
+        self.run_timed(batch, timeout)
+        return t0, time.monotonic()
+
     def submit(self, name: str, peer: str, op: str, runs: Runs, notify: bytes | None = None) -> int:
         h = self.agents[name].submit(peer, op, runs, notify)
         self.handles[(name, h.id)] = h
@@ -221,9 +235,19 @@ class PeerProcess:
         self.pid = self.call("pid", timeout=start_timeout)
 
     def call(self, method: str, *args: Any, timeout: float = 120.0, **kwargs: Any) -> Any:
+        self.begin(method, *args, **kwargs)
+        try:
+            return self.finish(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"peer process {self.process.pid}: {method} took more than {timeout} s") from None
+
+    def begin(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Start `method` in the child without waiting; `finish` collects its result."""
         self._conn.send((method, args, kwargs))
+
+    def finish(self, timeout: float = 120.0) -> Any:
         if not self._conn.poll(timeout):
-            raise TimeoutError(f"peer process {self.process.pid}: {method} took more than {timeout} s")
+            raise TimeoutError(f"peer process {self.process.pid}: no answer within {timeout} s")
         status, value = self._conn.recv()
         if status == "err":
             raise PeerError(value)

@@ -184,7 +184,8 @@ class ShmTransport(Agent):
 
     def __init__(self, name: str, **kwargs: Any):
         kwargs.setdefault("workers", 2)
-        super().__init__(name, staging_bytes=0, **kwargs)
+        kwargs["staging_bytes"] = 0  # copies go between mapped segments: nothing to stage
+        super().__init__(name, **kwargs)
         self._own: list[SharedSegment] = []
         self._region_seg: list[tuple[int, int]] = []  # (index into _own, offset)
         self._maps: dict[str, SharedSegment] = {}  # peers' segments mapped here, by path
