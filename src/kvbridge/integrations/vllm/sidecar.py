@@ -41,15 +41,17 @@ from kvbridge.spec import ModelSpec
 
 log = logging.getLogger("kvbridge.vllm.sidecar")
 
-SETTLE_S = 0.25
-"""A prefill lease is announced only once every decode rank that reads it has been connected
-this long.
-
-`SideChannelClient.request` (the decode side's handshake) drops every frame it reads in the same
-batch as the `Hello` reply, and `Producer` announces a lease to a reader right behind that reply
-when the lease exists before the reader connects: the announcement is lost and the decode rank
-times out (seen with a TP=2 decode engine whose second rank connected 0.3 s after the first).
-Holding the lease until the readers are connected keeps the two apart."""
+POLL_ACTIVE_S = 0.001
+"""How long one loop round waits for side-channel traffic while this rank's own transfers are
+in flight (their completion is polled, not signalled)."""
+POLL_IDLE_S = 0.01
+"""How long one loop round waits otherwise: everything else this rank waits for (a handshake, a
+ReadDone, a heartbeat) arrives on a socket and ends the wait at once; worker commands wait at
+most this long. (The loop used to wait 0.5 ms while any request was held, which ZMQ's
+millisecond poll rounds to 0: the sidecar spun a whole core at nice -10 for as long as a
+prefill request waited for its reader, starving the vLLM processes of both engines on a 2-core
+host; measured: a prefill sidecar at 89 % CPU, the decode engine's worker at 4 %, its engine
+core waiting 60 s for a step.)"""
 
 
 class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -201,12 +203,48 @@ class FrameReader:
 
 
 # -- the sidecar (child side) -----------------------------------------------------------------------
+def _confirming_producer(*args: Any, **kwargs: Any):
+    """A kvbridge `Producer` that also records which decode ranks have *finished* their handshake.
+
+    Why: a decode rank's handshake (`SideChannelClient.request`, called by `Consumer.connect`)
+    returns the Hello reply and drops every frame it drained in the same batch, so a lease
+    announced to a reader right behind our reply can be lost, and that reader then waits out the
+    whole lease. A wait of 0.25 s after the reply (this sidecar's former rule) lost that race on a
+    loaded 2-core host (decode rank 0 of a TP2 engine never got its RequestReady; the lease
+    expired after 300 s). The rule now is causal, not timed: a reader is *confirmed* once a frame
+    of its own arrives after its Hello, on the connection it handshook on (the decode sidecar
+    sends an empty Heartbeat as soon as `connect` returned, see `Sidecar._connect`); anything we
+    send after that reaches a reader that is past its handshake. A new Hello from the same rank
+    unconfirms it until it speaks again (its regular heartbeats do)."""
+    from kvbridge.connector import messages as m
+    from kvbridge.connector.producer import Producer
+
+    class ConfirmingProducer(Producer):
+        def __init__(self, *a: Any, **kw: Any):
+            self.confirmed: set[tuple[str, int]] = set()
+            super().__init__(*a, **kw)
+
+        def _on_frame(self, rec: Any) -> None:
+            msg = rec.msg
+            if isinstance(msg, m.Hello):
+                self.confirmed.discard((msg.engine_id, msg.rank))
+                super()._on_frame(rec)
+                return
+            super()._on_frame(rec)
+            reader = self._readers.get(rec.peer)
+            if (rec.error is None and reader is not None
+                    and (msg.engine_id, msg.rank) == (reader.engine_id, reader.rank)
+                    and self._engines.get(reader.engine_id, {}).get(reader.rank) == rec.peer):
+                self.confirmed.add((reader.engine_id, reader.rank))
+
+    return ConfirmingProducer(*args, **kwargs)
+
+
 class Sidecar:
     """Producer and/or Consumer of one rank over the worker's shared-memory cache; step-driven."""
 
     def __init__(self, init: Init, emit):
         from kvbridge.connector.consumer import Consumer
-        from kvbridge.connector.producer import Producer
         from kvbridge.connector.transports import make_transport
         from kvbridge.integrations.vllm.layout import VllmTopology, as_vllm_cpu, vllm_cpu_spec
         from kvbridge.layout import RankCache
@@ -233,10 +271,10 @@ class Sidecar:
         self.address = ""
         if init.produce:
             addresses = [f"{s.side_channel_host}:{s.side_channel_port + q}" for q in range(layout.tp_size)]
-            self.producer = Producer(eid, r, self.cache, make_transport(s.transport, f"{eid}/p{r}", host=s.side_channel_host,
-                                                                        timeout_s=s.transfer_timeout),
-                                     listen=addresses[r], mode=s.mode, config=cfg, on_release=self._released,
-                                     peer_addresses=addresses)
+            transport = make_transport(s.transport, f"{eid}/p{r}", host=s.side_channel_host,
+                                       timeout_s=s.transfer_timeout)
+            self.producer = _confirming_producer(eid, r, self.cache, transport, listen=addresses[r], mode=s.mode,
+                                                 config=cfg, on_release=self._released, peer_addresses=addresses)
             self.producer.topology = VllmTopology.of(self.producer)
             self.address = self.producer.address
         if init.consume:
@@ -245,7 +283,6 @@ class Sidecar:
                                      mode=s.mode, config=cfg)
             self.consumer.topology = VllmTopology.of(self.consumer)
         self._held: dict[str, tuple[Send, float]] = {}
-        self._seen: dict[tuple[str, int], float] = {}  # (decode engine, rank) -> first seen connected
         self._pending: list[Recv] = []
         self._recv: dict[str, Recv] = {}  # remote request id -> request
         self._warm()
@@ -279,19 +316,21 @@ class Sidecar:
             if cmd.remote_engine_id in self.consumer.prefill_engines:
                 self.consumer.abort(cmd.remote_request_id, "the decode engine dropped the request before loading it")
 
-    def step(self, timeout: float = 0.0) -> bool:
-        """One round of work; True while something is in flight."""
-        busy = False
+    def step(self, timeout: float = 0.0) -> None:
+        """One round of work, waiting at most `timeout` s for side-channel traffic."""
         if self.producer is not None:
             self.producer.progress(timeout if self.consumer is None else 0.0)
             self._lease_held()
-            busy |= bool(self.producer.active or self._held)
         if self.consumer is not None:
             self._start_pending()
             for res in self.consumer.progress(timeout):
                 self._result(res)
-            busy |= bool(self.consumer.active or self._pending)
-        return busy
+
+    @property
+    def transferring(self) -> bool:
+        """True while this rank's own transfers are in flight (their completion is polled)."""
+        return bool((self.consumer is not None and (self.consumer.active or self._pending))
+                    or (self.producer is not None and self.settings.mode == "push" and self.producer.active))
 
     def close(self) -> None:
         for side in (self.consumer, self.producer):
@@ -303,25 +342,24 @@ class Sidecar:
 
     # prefill
     def _lease_held(self) -> None:
-        """Lease a held request once every decode rank that reads it has been connected for
-        `SETTLE_S` (see there); release it (vLLM frees the blocks) if that does not happen
+        """Lease a held request once every decode rank that reads it has confirmed its handshake
+        (see `_confirming_producer`); release it (vLLM frees the blocks) if that does not happen
         within the lease."""
         now = time.monotonic()
         engines = self.producer.decode_engines
-        for e in engines:
-            for r in self._connected_ranks(e):
-                self._seen.setdefault((e, r), now)
         for rid, (req, deadline) in list(self._held.items()):
             named = req.to_engine
             target = named if named in engines else (engines[0] if named is None and len(engines) == 1 else None)
-            settled = target is not None and all(
-                now - self._seen.get((target, r), now) >= SETTLE_S and (target, r) in self._seen
-                for r in self.producer.topology.reader_ranks(target))
-            if not settled:
+            waiting = (None if target is None else [r for r in self.producer.topology.reader_ranks(target)
+                                                    if (target, r) not in self.producer.confirmed])
+            if waiting is None or waiting:
                 if now > deadline:
                     del self._held[rid]
-                    self._released(rid, f"decode engine {named or '(any)'} did not connect all its reading ranks "
-                                        f"within the lease")
+                    self._released(rid, f"decode engine {named or '(any)'} did not connect within the lease"
+                                   if waiting is None else
+                                   f"decode engine {target} rank(s) {waiting} did not finish their handshake with "
+                                   f"prefill rank {self.init.rank} within the lease (connected: "
+                                   f"{sorted(self._connected_ranks(target))})")
                 continue
             del self._held[rid]
             log.info("prefill rank %d: leasing %s to %s", self.init.rank, rid, target)
@@ -356,6 +394,13 @@ class Sidecar:
         if got != engine:
             log.error("decode rank %d: %s answered as engine %s, expected %s", self.init.rank, address, got, engine)
             return False
+        # Our handshake is over on every source's connection: say so (an empty Heartbeat), so that
+        # each prefill rank announces leases only now (see `_confirming_producer`).
+        from kvbridge.connector import messages as m
+        for s, client in self.consumer._engines[got].clients.items():  # the handshake's connections
+            if not client.send(m.Heartbeat(self.init.engine_id, self.init.rank, ())):
+                log.error("decode rank %d: cannot confirm the handshake to %s rank %d (side channel full or closed)",
+                          self.init.rank, got, s)
         return True
 
     def _start_pending(self) -> None:
@@ -445,15 +490,14 @@ def main() -> None:  # pragma: no cover - runs as the sidecar process
                 return
         sidecar = Sidecar(init, emit)
         emit(Ready(sidecar.address, os.getpid()))
-        busy = False
         while True:
-            for cmd in reader.read(0.0 if busy else 0.002):
+            for cmd in reader.read(0.0):
                 if isinstance(cmd, Close):
                     return
                 sidecar.handle(cmd)
             if reader.eof or os.getppid() != parent:
                 return
-            busy = sidecar.step(0.0005 if busy else 0.002)
+            sidecar.step(POLL_ACTIVE_S if sidecar.transferring else POLL_IDLE_S)
     except BaseException as e:  # noqa: BLE001 - the worker reports it
         import traceback
         log.error("sidecar failed: %s", traceback.format_exc())
