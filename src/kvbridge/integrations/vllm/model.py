@@ -1,13 +1,21 @@
-"""A tiny random-weight Llama that vLLM CPU runs, saved with `save_pretrained` (no download).
+"""A tiny random-weight Llama that vLLM CPU runs, written as a Hugging Face model directory (no download).
 
 vLLM's CPU attention takes head sizes 32, 64, 80, ... (not kvbridge's built-in 16), so this
 model has its own geometry: GQA with 4 query heads and 2 KV heads of 32 (TP 1 and 2 shard the
-KV heads, TP 4 replicates them). Weights are drawn from `seed` with a large initializer range so
-that greedy tokens depend on the whole context (a broken cache shows up as different tokens).
+KV heads, TP 4 replicates them). Weights are drawn from `seed` with a large standard deviation
+(0.2) so that greedy tokens depend on the whole context (a broken cache shows up as different
+tokens).
+
+The directory is what `LlamaForCausalLM.save_pretrained` writes (config.json,
+generation_config.json, model.safetensors with the same tensor names), written with torch and
+safetensors only: importing transformers to build it cost 20-90 s of a loaded 2-core host's
+time per test run (a subprocess of the vLLM environment), this takes well under a second in
+any environment that has kvbridge.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -15,22 +23,48 @@ def make_tiny_llama(path: str | Path, *, num_kv_heads: int = 2, num_heads: int =
                     num_layers: int = 2, vocab_size: int = 256, seed: int = 0) -> Path:
     """Write the model to `path` (config.json + model.safetensors) and return the path."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from safetensors.torch import save_file
 
-    cfg = LlamaConfig(hidden_size=num_heads * head_dim, intermediate_size=4 * num_heads * head_dim,
-                      vocab_size=vocab_size, max_position_embeddings=1024, head_dim=head_dim, initializer_range=0.2,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
-                      num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                      dtype="float32")
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    hidden, inter, std = num_heads * head_dim, 4 * num_heads * head_dim, 0.2
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+        "dtype": "float32", "head_dim": head_dim, "hidden_act": "silu", "hidden_size": hidden,
+        "initializer_range": std, "intermediate_size": inter, "max_position_embeddings": 1024, "mlp_bias": False,
+        "num_attention_heads": num_heads, "num_hidden_layers": num_layers, "num_key_value_heads": num_kv_heads,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "tie_word_embeddings": False, "use_cache": True, "vocab_size": vocab_size,
+    }
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float32) * std
+
+    weights = {"model.embed_tokens.weight": normal(vocab_size, hidden)}
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        weights.update({
+            p + "self_attn.q_proj.weight": normal(num_heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": normal(num_kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": normal(num_kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": normal(hidden, num_heads * head_dim),
+            p + "mlp.gate_proj.weight": normal(inter, hidden),
+            p + "mlp.up_proj.weight": normal(inter, hidden),
+            p + "mlp.down_proj.weight": normal(hidden, inter),
+            p + "input_layernorm.weight": torch.ones(hidden),
+            p + "post_attention_layernorm.weight": torch.ones(hidden),
+        })
+    weights["model.norm.weight"] = torch.ones(hidden)
+    weights["lm_head.weight"] = normal(vocab_size, hidden)
     path = Path(path)
-    model.save_pretrained(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (path / "generation_config.json").write_text(json.dumps({"_from_model_config": True, "use_cache": True}) + "\n")
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
 
 if __name__ == "__main__":
-    import json
     import sys
 
     args = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
