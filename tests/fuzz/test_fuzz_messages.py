@@ -54,8 +54,8 @@ def test_hypothesis_mutated_valid_frames(seed: bytes, rnd: int, edits: int) -> N
     rng = random.Random(rnd)
     data = bytearray(seed)
     for _ in range(edits):
-        op = rng.randrange(5)
-        i = rng.randrange(1, len(data)) if len(data) > 1 else 0
+        op = rng.randrange(5) if len(data) > 1 else 2  # (a byte or none left: insert)
+        i = rng.randrange(1, len(data)) if len(data) > 1 else len(data)
         if op == 0:
             data[i] ^= 1 << rng.randrange(8)
         elif op == 1:
