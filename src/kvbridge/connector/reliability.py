@@ -235,8 +235,12 @@ def garbage_frames(count: int = 500, seed: int = 0) -> dict:
         while res is None and time.monotonic() < deadline:
             for r in pair.step(0.01):
                 res = r
+        while res is not None and not any(rid == "after-garbage" for _, rid, _ in pair.released) \
+                and time.monotonic() < deadline:  # its ReadDone may reach the producer after the result
+            pair.step(0.01)
         return {"sent": sent, "kinds": kinds, "refused": p.stats["refused_frames"],
-                "aborts_counted": p.stats["aborts_received"], "released_before": len(pair.released) - (1 if res else 0),
+                "aborts_counted": p.stats["aborts_received"],
+                "released_before": sum(1 for _, rid, _ in pair.released if rid != "after-garbage"),
                 "after_ok": bool(res and res.ok), "after_reason": res.reason if res else "no result"}
     finally:
         raw.close(0)
