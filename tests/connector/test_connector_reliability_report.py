@@ -7,6 +7,7 @@ import logging
 import pathlib
 
 import test_connector_soak
+import test_connector_soak_multiprocess
 
 from kvbridge.connector import reliability
 
@@ -24,7 +25,14 @@ def test_report_uses_the_ci_scenarios() -> None:
     mod = _script()
     assert mod.SCENARIOS["soak"] is reliability.soak is test_connector_soak.soak
     assert mod.SCENARIOS["garbage_frames"] is reliability.garbage_frames
-    assert (ROOT / "docs" / "reliability.md").exists()
+    assert (mod.SCENARIOS["multiprocess_soak"] is reliability.multiprocess_soak
+            is test_connector_soak_multiprocess.multiprocess_soak)
+    # the atheris runner tests/fuzz/test_fuzz_messages.py calls (that directory is not importable from here)
+    fuzz = mod.SCENARIOS["atheris"]
+    assert fuzz.__name__ == "run_atheris"
+    assert pathlib.Path(fuzz.__code__.co_filename).resolve() == ROOT / "tests" / "fuzz" / "fuzz_messages.py"
+    sheet = (ROOT / "docs" / "reliability.md").read_text()
+    assert "## Load held through multi-process engines" in sheet and "atheris" in sheet
 
 
 def test_garbage_frames_refused_and_service_continues() -> None:
