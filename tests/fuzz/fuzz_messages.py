@@ -247,15 +247,16 @@ def run_atheris(runs: int, max_seconds: int, workdir: str, wall_timeout: float |
 
 
 def main(argv: list[str]) -> None:
-    import atheris
-    with atheris.instrument_imports(include=["kvbridge"]):
-        _setup()
     corpus = [a for a in argv[1:] if not a.startswith("-")]
-    if not corpus:  # a fresh corpus of valid frames; libFuzzer adds what it finds here
-        tmp = tempfile.mkdtemp(prefix="kvbridge-fuzz-corpus-")
-        write_seeds(tmp)
-        argv = [*argv, tmp]
-    elif not any(os.listdir(d) for d in corpus if os.path.isdir(d)):
+    if not corpus:  # a fresh corpus of valid frames in a temporary directory, removed afterwards
+        import subprocess  # (libFuzzer ends the process without running Python's exit handlers)
+        with tempfile.TemporaryDirectory(prefix="kvbridge-fuzz-corpus-") as tmp:
+            write_seeds(tmp)
+            sys.exit(subprocess.call([sys.executable, os.path.abspath(__file__), *argv[1:], tmp]))
+    import atheris
+    with atheris.instrument_imports(include=["kvbridge"]):  # before anything imports kvbridge
+        _setup()
+    if not any(os.listdir(d) for d in corpus if os.path.isdir(d)):
         write_seeds(corpus[0])
     atheris.instrument_func(feedback)
     atheris.Setup(argv, check_one_input)
