@@ -52,10 +52,11 @@ def vllm_python(python: str | os.PathLike | None = None) -> str:
     raise ConfigError("no vLLM environment: run `make vllm-env` (creates .venv-vllm) or set KVBRIDGE_VLLM_PYTHON")
 
 
-def free_ports(count: int = 1) -> int:
+def free_ports(count: int = 1, exclude: set[int] | None = None) -> int:
     """A base port such that `count` consecutive ports are free on 127.0.0.1, below the kernel's
     ephemeral range (an ephemeral port that is free now may be taken by any outgoing connection
-    before the side channel binds it: seen as "Address already in use")."""
+    before the side channel binds it: seen as "Address already in use"), none of them in
+    `exclude` (ports promised to instances that have not bound them yet)."""
     rng = random.Random()
     try:
         low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
@@ -64,6 +65,8 @@ def free_ports(count: int = 1) -> int:
     top = max(20000 + 1000, min(low, 60000))
     for _ in range(200):
         base = rng.randrange(20000, top - count)
+        if exclude and exclude.intersection(range(base, base + count)):
+            continue
         socks = []
         try:
             for p in range(base, base + count):
@@ -98,6 +101,9 @@ class Instance:
         self._buf = b""
         self.ready: dict[str, Any] = {}
         self.closed = False
+        self.engine_id: str | None = None  # set by `Cluster`: its kv_transfer_config engine id
+        self.tp = int(config.get("tp") or 1)
+        self.attempt = 0  # restarts after a lost port bind race (`Cluster.wait_ready`)
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -145,23 +151,32 @@ class Instance:
         return self.command(timeout, op="generate", prompt_ids=list(prompt_ids), max_tokens=max_tokens,
                             kv_transfer_params=kv_transfer_params)
 
+    def kill(self) -> None:
+        """SIGKILL the process group this instance started (server, engine core, workers, sidecars)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def close(self, timeout: float = 10.0) -> None:
+        """Kill the instance and wait (at most `timeout` s) until all its processes are gone.
+        (No graceful shutdown: vLLM's waits for its workers for tens of seconds, and nothing of an
+        instance outlives it but its shared-memory segments, which `Cluster.close` reaps.)"""
         if self.closed:
             return
         self.closed = True
-        if self.proc.poll() is None:
-            try:
-                self.command(timeout, op="exit")
-            except VllmDemoError:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the group this instance started: engine core, workers
-        except (ProcessLookupError, PermissionError):
-            pass
+        self.kill()
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             pass
+        deadline = time.monotonic() + timeout  # until the whole group is gone (then its shm segments can be reaped)
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.05)
         try:
             os.close(self._fd)
         except OSError:
@@ -205,12 +220,8 @@ def _model(model_dir: str | os.PathLike | None, python: str, workdir: Path) -> s
         if not (Path(model_dir) / "config.json").is_file():
             raise ConfigError(f"{model_dir} is not a model directory (no config.json)")
         return str(model_dir)
-    path = workdir / "tiny-llama"
-    res = subprocess.run([python, "-m", "kvbridge.integrations.vllm.model", str(path)], capture_output=True,
-                         text=True, timeout=300, cwd=str(workdir))
-    if res.returncode:
-        raise VllmDemoError(f"making the tiny model failed: {res.stderr[-3000:]}")
-    return str(path)
+    from kvbridge.integrations.vllm.model import make_tiny_llama
+    return str(make_tiny_llama(workdir / "tiny-llama"))
 
 
 def _prompt(prompt_ids: Sequence[int] | None, prompt_len: int, seed: int, vocab: int = 256) -> list[int]:
@@ -221,39 +232,175 @@ def _prompt(prompt_ids: Sequence[int] | None, prompt_len: int, seed: int, vocab:
 
 
 def cpu_binding(tp: int) -> str:
-    """`VLLM_CPU_OMP_THREADS_BIND` for `tp` CPU workers on this host's CPUs, round robin.
+    """`VLLM_CPU_OMP_THREADS_BIND` that pins `tp` CPU workers to this host's CPUs, round robin.
 
     vLLM's automatic binding ("auto") wants one NUMA node per TP rank and refuses TP > 1 on a
     single-node host: "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers.
     Allowed NUMA nodes are [0]. Please try to bind threads manually or decrease DP/TP/PP."
+    (The demo does not pin by default, see `_instance_config`; set the variable to pin.)
     """
     cpus = sorted(os.sched_getaffinity(0))
     return "|".join(str(cpus[i % len(cpus)]) for i in range(tp))
 
 
+def check_block_size(block_size: int | None) -> None:
+    """Refuse a block size vLLM 0.32 CPU cannot run, at once: it fails it only at the worker's
+    start, a minute later, with "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"."""
+    if block_size is not None and (block_size <= 0 or block_size % 32):
+        raise ConfigError(f"vLLM CPU attention takes block sizes that are multiples of 32, got {block_size} "
+                          f"(e.g. --prefill-block-size 64 --decode-block-size 32)")
+
+
 def _instance_config(model: str, tp: int, block_size: int | None, kv: dict | None, env: dict | None = None,
                      log_stats: bool = False) -> dict[str, Any]:
+    """One instance's server config. Its CPU workers are not pinned and run one OpenMP thread
+    each (`VLLM_CPU_OMP_THREADS_BIND=nobind`, `OMP_NUM_THREADS=1`) unless the caller's environment
+    sets `VLLM_CPU_OMP_THREADS_BIND`: "auto" refuses TP > 1 here (see `cpu_binding`), and a worker
+    pinned to one CPU of a shared 2-core host stalled for 60 s while another process held that
+    CPU (measured: TP 2 decode, its rank-0 worker pinned to CPU 0; the engine core logged "No
+    available shared memory broadcast block found in 60 seconds"), where an unpinned one moves."""
+    check_block_size(block_size)
     env = dict(env or {})
-    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tp))
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env.setdefault("OMP_NUM_THREADS", "1")
     return {"model": model, "tp": tp, "block_size": block_size, "kv_transfer_config": kv, "env": env,
             "prefix_caching": False, "log_stats": log_stats}
 
 
-def _start(instances: list[Instance], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for inst in instances:
-        inst.wait_ready(max(1.0, deadline - time.monotonic()))
+class Cluster:
+    """The vLLM instances of one setup, started together, and the proxy between them.
 
+    `start` launches an instance and returns at once (a vLLM CPU instance spends most of its
+    start importing torch and vLLM in three processes, one after the other: starting several
+    together keeps both cores of a small host busy), `wait_ready` waits for them, `pd` sends
+    one request through a prefill instance and a decode instance (NixlConnector's proxy
+    protocol) and collects what the connector recorded about it, `close` stops instances.
+    Every KVBridgeConnector instance of a cluster appends its transfer events to one stats file.
+    """
 
-def _close_all(instances: list[Instance]) -> None:
-    for inst in instances:
-        inst.close()
-    try:
-        from kvbridge.transport.shm import reap_stale_segments
-        reap_stale_segments()  # segments of the killed vLLM workers
-    except Exception:  # noqa: BLE001
-        pass
+    PORT_RETRIES = 2
+
+    def __init__(self, model: str, python: str, workdir: Path, *, transport: str = "shm", mode: str = "pull"):
+        self.model, self.python, self.work = model, python, Path(workdir)
+        self.transport, self.mode = transport, mode
+        self.stats = self.work / "kvbridge-stats.jsonl"
+        self.instances: dict[str, Instance] = {}
+        self._specs: dict[str, tuple[int, int | None, str | None, str, bool]] = {}
+        self._tag = uuid.uuid4().hex[:8]
+        self._promised: set[int] = set()
+
+    def engine_id(self, name: str) -> str:
+        return f"{name}-{self._tag}"
+
+    def start(self, name: str, tp: int = 1, block_size: int | None = None, role: str | None = None, *,
+              connector: str = "kvbridge", log_stats: bool = False) -> Instance:
+        """Launch instance `name` without waiting: `role` kv_producer / kv_consumer / kv_both with
+        `connector` "kvbridge" (KVBridgeConnector) or "nixl" (vLLM's NixlConnector); None: plain."""
+        if name in self.instances and not self.instances[name].closed:
+            raise ConfigError(f"instance {name!r} is already running")
+        self._specs[name] = (tp, block_size, role, connector, log_stats)
+        return self._launch(name, attempt=0)
+
+    def _launch(self, name: str, attempt: int) -> Instance:
+        tp, block_size, role, connector, log_stats = self._specs[name]
+        kv, env = None, {}
+        eid = self.engine_id(name)
+        if role is not None and connector == "kvbridge":
+            # Ports below the ephemeral range, free now; a bind race with another process is retried (`wait_ready`).
+            port = self._ports(tp) if role != "kv_consumer" else 5570
+            kv = kvbridge_transfer_config(role, eid, port, transport=self.transport, mode=self.mode,
+                                          stats_path=str(self.stats))
+        elif role is not None:
+            kv = nixl_transfer_config(role, eid)
+            if role != "kv_consumer":
+                env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": self._ports(tp)}
+        log_name = name if attempt == 0 else f"{name}.retry{attempt}"
+        inst = Instance(log_name, _instance_config(self.model, tp, block_size, kv, env, log_stats=log_stats),
+                        self.python, self.work)
+        inst.name, inst.engine_id, inst.attempt = name, eid, attempt
+        self.instances[name] = inst
+        return inst
+
+    def _ports(self, count: int) -> int:
+        base = free_ports(count, self._promised)
+        self._promised.update(range(base, base + count))
+        return base
+
+    def wait_ready(self, names: Sequence[str] | None = None, timeout: float = START_TIMEOUT_S) -> None:
+        """Wait until the instances are ready; the deadline covers them all.
+
+        An instance whose side channel lost a port bind race ("Address already in use": the port
+        was free when we chose it, then another process took it during the instance's start) is
+        started again on fresh ports, at most `PORT_RETRIES` times; any other failure raises."""
+        deadline = time.monotonic() + timeout
+        for name in names if names is not None else list(self.instances):
+            inst = self.instances[name]
+            while True:
+                try:
+                    inst.wait_ready(max(1.0, deadline - time.monotonic()))
+                    break
+                except VllmDemoError as e:
+                    if "Address already in use" not in str(e) or inst.attempt >= self.PORT_RETRIES:
+                        raise
+                    sys.stderr.write(f"[kvbridge] vLLM instance {name}: a side-channel port was taken during its "
+                                     f"start; starting it again on other ports\n")
+                    inst.close()
+                    inst = self._launch(name, inst.attempt + 1)
+
+    def close(self, names: Sequence[str] | None = None) -> None:
+        names = list(names if names is not None else self.instances)
+        for name in names:  # all at once, then wait for each
+            self.instances[name].kill()
+        for name in names:
+            self.instances[name].close()
+        try:
+            from kvbridge.transport.shm import reap_stale_segments
+            reap_stale_segments()  # segments of the killed vLLM workers
+        except Exception:  # noqa: BLE001
+            pass
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def pd(self, prefill: str, decode: str, prompt: Sequence[int], new_tokens: int,
+           timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+        """One request, proxied as NixlConnector's proxy does: the prompt to `prefill` with
+        max_tokens=1 and do_remote_decode, then to `decode` with the kv_transfer_params it returned.
+
+        Returns the decoded tokens and log-probs, and (KVBridgeConnector) what each decode rank
+        recorded (`per_rank`: ok, reason, bytes, runs, transfer seconds) and how each prefill rank
+        released its blocks (`prefill_released`)."""
+        p, d = self.instances[prefill], self.instances[decode]
+        p_out = p.generate(prompt, 1, {"do_remote_decode": True, "do_remote_prefill": False,
+                                       "remote_decode_engine_id": d.engine_id}, timeout=timeout)
+        params = p_out.get("kv_transfer_params")
+        if not params or not params.get("do_remote_prefill"):
+            raise VllmDemoError(f"prefill instance {prefill} returned no kv_transfer_params for decode: {p_out}")
+        d_out = d.generate(prompt, new_tokens, params, timeout=timeout)
+        rid = params["remote_request_id"]
+        out = {"prefill_instance": prefill, "decode_instance": decode, "remote_request_id": rid,
+               "tokens": d_out["token_ids"], "logprobs": d_out["logprobs"], "params": params,
+               "prefill_first_token": p_out["token_ids"][:1], "prefill_seconds": p_out["seconds"],
+               "decode_seconds": d_out["seconds"]}
+        if params.get("kv_connector") == "KVBridgeConnector":
+            _wait_released(self.stats, p.engine_id, [rid], p.tp)
+            events = _read_stats(self.stats)
+            ranks = sorted((e for e in events if e["event"] == "recv" and e["engine_id"] == d.engine_id
+                            and e["remote_request_id"] == rid), key=lambda e: e["rank"])
+            out.update(
+                ok=len(ranks) == d.tp and all(e["ok"] for e in ranks),
+                bytes_moved=sum(e.get("nbytes") or 0 for e in ranks),
+                num_runs=sum(e.get("nruns") or 0 for e in ranks),
+                transfer_seconds=max((e.get("transfer_seconds") or 0.0 for e in ranks), default=None),
+                per_rank=[{k: e.get(k) for k in ("rank", "ok", "reason", "nbytes", "nruns", "transfer_seconds",
+                                                  "seconds")} for e in ranks],
+                prefill_released=sorted({e["reason"] for e in events if e["event"] == "release"
+                                         and e["engine_id"] == p.engine_id and e["request_id"] == rid}))
+        return out
 
 
 def run_vllm_demo(model_dir: str | os.PathLike | None = None, prefill_tp: int = 1, decode_tp: int = 1,
@@ -263,106 +410,73 @@ def run_vllm_demo(model_dir: str | os.PathLike | None = None, prefill_tp: int = 
                   timeout_s: float = 1800.0, workdir: str | os.PathLike | None = None) -> dict[str, Any]:
     """Prefill on one vLLM instance, move the KV with KVBridgeConnector, decode on another.
 
-    `reference="separate"` runs the reference on a third, plain instance (no connector);
-    `"prefill"` asks the prefill instance itself (a plain request there touches no connector
-    path; it saves one instance start). `requests` > 1 repeats the P/D request (fresh request
-    ids, same prompt) to time steady-state transfers. Returns a JSON-able dict: tokens_reference,
-    tokens_disaggregated, match, logprobs_max_abs_diff, transfer figures (bytes_moved, num_runs,
-    transfer_seconds per decode rank and request), start-up and request seconds.
+    `reference="separate"` computes the reference on a third, plain instance (no connector),
+    started together with the pair and closed before the first P/D request; `"prefill"` asks
+    the prefill instance itself after the P/D requests (a plain request there touches no
+    connector path; it saves one instance start). `requests` > 1 repeats the P/D request (fresh
+    request ids, same prompt) to time steady-state transfers. Returns a JSON-able dict:
+    tokens_reference, tokens_disaggregated, match, logprobs_max_abs_diff, transfer figures
+    (bytes_moved, num_runs, transfer_seconds per decode rank and request), start-up and request
+    seconds.
     """
     if reference not in ("separate", "prefill"):
         raise ConfigError(f"reference must be 'separate' or 'prefill', got {reference!r}")
+    check_block_size(prefill_block_size)
+    check_block_size(decode_block_size)
     t_start = time.monotonic()
     python = vllm_python(python)
     own_dir = workdir is None
     work = Path(tempfile.mkdtemp(prefix="kvbridge-vllm-")) if own_dir else Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
-    stats = work / "kvbridge-stats.jsonl"
     model = _model(model_dir, python, work)
     prompt = _prompt(prompt_ids, prompt_len, seed)
-    tag = uuid.uuid4().hex[:8]
-    p_id, d_id = f"prefill-{tag}", f"decode-{tag}"
-    port = free_ports(prefill_tp)
-    d_port = free_ports(max(1, decode_tp))
-    instances: list[Instance] = []
     ok = False
-    try:
-        prefill = Instance("prefill", _instance_config(
-            model, prefill_tp, prefill_block_size,
-            kvbridge_transfer_config("kv_producer", p_id, port, transport=transport, mode=mode,
-                                     stats_path=str(stats))), python, work)
-        instances.append(prefill)
-        decode = Instance("decode", _instance_config(
-            model, decode_tp, decode_block_size,
-            kvbridge_transfer_config("kv_consumer", d_id, d_port, transport=transport, mode=mode,
-                                     stats_path=str(stats))), python, work)
-        instances.append(decode)
-        _start(instances, min(timeout_s, START_TIMEOUT_S * 1.5))
-
-        runs = []
-        for i in range(max(1, requests)):
-            p_out = prefill.generate(prompt, 1, {"do_remote_decode": True, "do_remote_prefill": False,
-                                                 "remote_decode_engine_id": d_id})
-            params = p_out.get("kv_transfer_params")
-            if not params or not params.get("do_remote_prefill"):
-                raise VllmDemoError(f"prefill returned no kv_transfer_params for decode: {p_out}")
-            d_out = decode.generate(prompt, new_tokens, params)
-            runs.append({"prefill": p_out, "decode": d_out, "params": params})
-        _wait_released(stats, p_id, [r["params"]["remote_request_id"] for r in runs], prefill_tp)
-        if reference == "separate":  # after the pair is gone: three instances at once overload a 2-core host
-            pair = list(instances)
-            _close_all(pair)
-            ref = Instance("reference", _instance_config(model, 1, None, None), python, work)
-            instances.append(ref)
-            _start([ref], min(timeout_s, START_TIMEOUT_S))
-        else:
-            ref = prefill
-        r_out = ref.generate(prompt, new_tokens)
-
-        events = _read_stats(stats)
-        recv = [e for e in events if e["event"] == "recv" and e["engine_id"] == d_id]
-        release = [e for e in events if e["event"] == "release" and e["engine_id"] == p_id]
+    with Cluster(model, python, work, transport=transport, mode=mode) as cluster:
+        if reference == "separate":
+            cluster.start("reference", 1, decode_block_size)
+        cluster.start("prefill", prefill_tp, prefill_block_size, "kv_producer")
+        cluster.start("decode", decode_tp, decode_block_size, "kv_consumer")
+        start_timeout = min(timeout_s, START_TIMEOUT_S * 1.5)
+        r_out = None
+        if reference == "separate":  # first, alone with its engine: then it is closed
+            cluster.wait_ready(["reference"], start_timeout)
+            r_out = cluster.instances["reference"].generate(prompt, new_tokens)
+            cluster.close(["reference"])
+        cluster.wait_ready(["prefill", "decode"], start_timeout)
+        runs = [cluster.pd("prefill", "decode", prompt, new_tokens) for _ in range(max(1, requests))]
+        if r_out is None:
+            r_out = cluster.instances["prefill"].generate(prompt, new_tokens)
         last = runs[-1]
-        tokens_d = last["decode"]["token_ids"]
         tokens_r = r_out["token_ids"]
-        lp_d, lp_r = last["decode"]["logprobs"], r_out["logprobs"]
+        lp_d, lp_r = last["logprobs"], r_out["logprobs"]
         diff = max((abs(a - b) for a, b in zip(lp_d, lp_r)), default=0.0) if len(lp_d) == len(lp_r) else None
-        all_match = all(r["decode"]["token_ids"] == tokens_r for r in runs)
-        per_request = []
-        for r in runs:
-            rid = r["params"]["remote_request_id"]
-            ranks = sorted((e for e in recv if e["remote_request_id"] == rid), key=lambda e: e["rank"])
-            per_request.append({
-                "remote_request_id": rid, "ok": bool(ranks) and all(e["ok"] for e in ranks) and len(ranks) == decode_tp,
-                "bytes_moved": sum(e.get("nbytes", 0) for e in ranks), "num_runs": sum(e.get("nruns", 0) for e in ranks),
-                "transfer_seconds": max((e.get("transfer_seconds", 0.0) for e in ranks), default=None),
-                "per_rank": [{k: e.get(k) for k in ("rank", "ok", "reason", "nbytes", "nruns", "transfer_seconds",
-                                                     "seconds")} for e in ranks],
-                "prefill_released": sorted({e["reason"] for e in release if e["request_id"] == rid}),
-                "prefill_seconds": r["prefill"]["seconds"], "decode_seconds": r["decode"]["seconds"]})
+        per_request = [{k: r[k] for k in ("remote_request_id", "ok", "bytes_moved", "num_runs", "transfer_seconds",
+                                          "per_rank", "prefill_released", "prefill_seconds", "decode_seconds")}
+                       for r in runs]
         steady = per_request[1:] or per_request
-        ok = True
-        return {
+        inst = cluster.instances
+        out = {
             "engine": "vllm", "connector": "KVBridgeConnector", "transport": transport, "mode": mode, "model": model,
-            "prefill": {"engine_id": p_id, "tp": prefill_tp, "block_size": prefill.ready.get("block_size")},
-            "decode": {"engine_id": d_id, "tp": decode_tp, "block_size": decode.ready.get("block_size")},
+            "prefill": {"engine_id": inst["prefill"].engine_id, "tp": prefill_tp,
+                        "block_size": inst["prefill"].ready.get("block_size")},
+            "decode": {"engine_id": inst["decode"].engine_id, "tp": decode_tp,
+                       "block_size": inst["decode"].ready.get("block_size")},
             "reference": reference, "prompt_ids": prompt, "new_tokens": new_tokens,
-            "tokens_reference": tokens_r, "tokens_disaggregated": tokens_d, "match": tokens_d == tokens_r and all_match,
-            "logprobs_max_abs_diff": diff, "prefill_first_token": last["prefill"]["token_ids"][:1],
-            "bytes_moved": per_request[-1]["bytes_moved"], "num_runs": per_request[-1]["num_runs"],
-            "transfer_seconds": per_request[-1]["transfer_seconds"],
+            "tokens_reference": tokens_r, "tokens_disaggregated": last["tokens"],
+            "match": all(r["tokens"] == tokens_r for r in runs),
+            "logprobs_max_abs_diff": diff, "prefill_first_token": last["prefill_first_token"],
+            "bytes_moved": last["bytes_moved"], "num_runs": last["num_runs"],
+            "transfer_seconds": last["transfer_seconds"],
             "transfer_seconds_median": _median([r["transfer_seconds"] for r in steady]),
-            "requests": per_request, "kv_transfer_params": {k: v for k, v in last["params"].items()
-                                                            if k != "remote_block_ids"},
-            "startup_seconds": {i.name: i.ready.get("startup_seconds") for i in instances},
+            "requests": per_request,
+            "kv_transfer_params": {k: v for k, v in last["params"].items() if k != "remote_block_ids"},
+            "startup_seconds": {name: i.ready.get("startup_seconds") for name, i in inst.items()},
             "wall_seconds": time.monotonic() - t_start, "workdir": None if own_dir else str(work),
         }
-    except VllmDemoError:
-        raise
-    finally:
-        _close_all(instances)
-        if own_dir and ok:
-            shutil.rmtree(work, ignore_errors=True)
+        ok = True
+    if own_dir and ok:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -383,77 +497,41 @@ def _nixl_totals(metrics: dict[str, Any]) -> tuple[float, float, float]:
     return secs, count, nbytes
 
 
-def _run_pair(kind: str, model: str, prefill_tp: int, decode_tp: int, block_size: int, prompts: list[list[int]],
-              new_tokens: int, python: str, work: Path, timeout_s: float) -> dict[str, Any]:
-    tag = uuid.uuid4().hex[:8]
-    p_id, d_id = f"{kind}-prefill-{tag}", f"{kind}-decode-{tag}"
-    stats = work / f"{kind}-stats.jsonl"
-    if kind == "kvbridge":
-        port = free_ports(prefill_tp)
-        p_kv = kvbridge_transfer_config("kv_producer", p_id, port, stats_path=str(stats))
-        d_kv = kvbridge_transfer_config("kv_consumer", d_id, free_ports(1), stats_path=str(stats))
-        p_env: dict[str, Any] = {}
-    else:
-        p_kv, d_kv = nixl_transfer_config("kv_producer", p_id), nixl_transfer_config("kv_consumer", d_id)
-        p_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": free_ports(prefill_tp)}
-    instances: list[Instance] = []
-    try:
-        prefill = Instance(f"{kind}-prefill", _instance_config(model, prefill_tp, block_size, p_kv, p_env), python, work)
-        instances.append(prefill)
-        decode = Instance(f"{kind}-decode", _instance_config(model, decode_tp, block_size, d_kv, log_stats=True),
-                          python, work)
-        instances.append(decode)
-        _start(instances, min(timeout_s, START_TIMEOUT_S * 1.5))
-        reference = [prefill.generate(p, new_tokens)["token_ids"] for p in prompts] if kind == "kvbridge" else []
-        rows = []
-        for prompt in prompts:
-            before = _nixl_totals(decode.command(op="metrics")["metrics"]) if kind == "nixl" else None
-            p_out = prefill.generate(prompt, 1, {"do_remote_decode": True, "do_remote_prefill": False})
-            params = p_out.get("kv_transfer_params")
-            if not params:
-                raise VllmDemoError(f"{kind} prefill returned no kv_transfer_params: {p_out}")
-            d_out = decode.generate(prompt, new_tokens, params)
-            row = {"tokens": d_out["token_ids"], "decode_seconds": d_out["seconds"],
-                   "prefill_seconds": p_out["seconds"], "remote_request_id": params.get("remote_request_id")}
-            if kind == "nixl":
-                # vLLM publishes connector stats with the engine's periodic stats; give them a moment.
-                deadline = time.monotonic() + 10
-                while True:
-                    after = _nixl_totals(decode.command(op="metrics")["metrics"])
-                    if after[1] > before[1] or time.monotonic() > deadline:
-                        break
-                    time.sleep(0.5)
-                n = after[1] - before[1]
-                row.update(transfer_seconds=(after[0] - before[0]) / n if n else None,
-                           bytes_moved=int(after[2] - before[2]) if n else None, transfers=int(n))
-            rows.append(row)
-        if kind == "kvbridge":
-            events = [e for e in _read_stats(stats) if e["event"] == "recv" and e["engine_id"] == d_id]
-            for row in rows:
-                ranks = [e for e in events if e["remote_request_id"] == row["remote_request_id"]]
-                row.update(transfer_seconds=max((e.get("transfer_seconds") or 0.0 for e in ranks), default=None),
-                           bytes_moved=sum(e.get("nbytes", 0) for e in ranks),
-                           num_runs=sum(e.get("nruns", 0) for e in ranks), ok=all(e["ok"] for e in ranks))
-        return {"rows": rows, "reference": reference,
-                "startup_seconds": {i.name: i.ready.get("startup_seconds") for i in instances}}
-    finally:
-        _close_all(instances)
+def _nixl_request(cluster: Cluster, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    """One request through the NIXL pair, with the transfer figures vLLM's NIXL metrics gained meanwhile."""
+    decode = cluster.instances["nixl-decode"]
+    before = _nixl_totals(decode.command(op="metrics")["metrics"])
+    row = cluster.pd("nixl-prefill", "nixl-decode", prompt, new_tokens)
+    # vLLM publishes connector stats with the engine's periodic stats; give them a moment.
+    deadline = time.monotonic() + 10
+    while True:
+        after = _nixl_totals(decode.command(op="metrics")["metrics"])
+        if after[1] > before[1] or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    n = after[1] - before[1]
+    row.update(transfer_seconds=(after[0] - before[0]) / n if n else None,
+               bytes_moved=int(after[2] - before[2]) if n else None, transfers=int(n))
+    return row
 
 
 def bench_vllm(model_dir: str | os.PathLike | None = None, prefill_tp: int = 1, decode_tp: int = 1,
-               prompt_len: int = 256, new_tokens: int = 4, requests: int = 4, *, block_size: int = 32,
+               prompt_len: int = 256, new_tokens: int = 4, requests: int = 8, *, block_size: int = 32,
                seed: int = 0, python: str | None = None, timeout_s: float = 2400.0,
                workdir: str | os.PathLike | None = None) -> dict[str, Any]:
     """The same P/D requests through KVBridgeConnector and through vLLM's NixlConnector (CPU).
 
-    Runs a kvbridge prefill/decode pair, then a NIXL pair (`kv_buffer_device: cpu`), on the same
-    model, shapes and prompts (`requests` prompts of `prompt_len` tokens), one pair at a time so
-    they do not compete for the CPU. Reports per request and connector the decoded tokens (both
-    must equal the prefill instance's plain greedy output), the transfer time as each connector
-    measures it (kvbridge: first read posted to last read done on the decode ranks; NIXL: vLLM's
-    `nixl_xfer_time_seconds` histogram, transfer start to completion), the bytes moved, and the
-    decode request's wall time; medians skip the first request (handshakes, first-use costs).
+    Starts a kvbridge prefill/decode pair and a NIXL pair (`kv_buffer_device: cpu`) on the same
+    model and shapes, then sends each of `requests` prompts (`prompt_len` tokens) through the
+    kvbridge pair and right after through the NIXL pair, so both see the same machine load.
+    Reports per request and connector the decoded tokens (both must equal the kvbridge prefill
+    instance's plain greedy output), the transfer time as each connector measures it (kvbridge:
+    first read posted to last read done on the decode ranks; NIXL: vLLM's `nixl_xfer_time_seconds`
+    histogram, transfer start to completion), the bytes moved, the decode request's wall time
+    (KV load + recompute of the last prompt token + decode), and the kvbridge/NIXL ratios of the
+    medians; medians skip the first request (handshakes, first-use costs).
     """
+    check_block_size(block_size)
     t_start = time.monotonic()
     python = vllm_python(python)
     own_dir = workdir is None
@@ -462,15 +540,19 @@ def bench_vllm(model_dir: str | os.PathLike | None = None, prefill_tp: int = 1, 
     model = _model(model_dir, python, work)
     prompts = [_prompt(None, prompt_len, seed + i) for i in range(max(1, requests))]
     ok = False
-    try:
-        kvb = _run_pair("kvbridge", model, prefill_tp, decode_tp, block_size, prompts, new_tokens, python, work,
-                        timeout_s)
-        nixl = _run_pair("nixl", model, prefill_tp, decode_tp, block_size, prompts, new_tokens, python, work,
-                         timeout_s)
-        reference = kvb["reference"]
+    with Cluster(model, python, work) as cluster:
+        cluster.start("kvbridge-prefill", prefill_tp, block_size, "kv_producer")
+        cluster.start("kvbridge-decode", decode_tp, block_size, "kv_consumer")
+        cluster.start("nixl-prefill", prefill_tp, block_size, "kv_producer", connector="nixl")
+        cluster.start("nixl-decode", decode_tp, block_size, "kv_consumer", connector="nixl", log_stats=True)
+        cluster.wait_ready(timeout=min(timeout_s, START_TIMEOUT_S * 2))
+        reference = [cluster.instances["kvbridge-prefill"].generate(p, new_tokens)["token_ids"] for p in prompts]
+        kvb, nixl = [], []
+        for prompt in prompts:
+            kvb.append(cluster.pd("kvbridge-prefill", "kvbridge-decode", prompt, new_tokens))
+            nixl.append(_nixl_request(cluster, prompt, new_tokens))
 
-        def summary(res: dict[str, Any]) -> dict[str, Any]:
-            rows = res["rows"]
+        def summary(rows: list[dict[str, Any]], kind: str) -> dict[str, Any]:
             steady = rows[1:] or rows
             return {"match_reference": [r["tokens"] == ref for r, ref in zip(rows, reference)],
                     "transfer_seconds": [r.get("transfer_seconds") for r in rows],
@@ -478,21 +560,28 @@ def bench_vllm(model_dir: str | os.PathLike | None = None, prefill_tp: int = 1, 
                     "decode_seconds": [r["decode_seconds"] for r in rows],
                     "decode_seconds_median": _median([r["decode_seconds"] for r in steady]),
                     "bytes_moved": [r.get("bytes_moved") for r in rows],
-                    "num_runs": [r.get("num_runs") for r in rows] if "num_runs" in rows[0] else None,
-                    "startup_seconds": res["startup_seconds"]}
+                    "num_runs": [r.get("num_runs") for r in rows] if kind == "kvbridge" else None,
+                    "startup_seconds": {n: i.ready.get("startup_seconds") for n, i in cluster.instances.items()
+                                        if n.startswith(kind)}}
 
         out = {"engine": "vllm", "model": model, "prefill_tp": prefill_tp, "decode_tp": decode_tp,
                "block_size": block_size, "prompt_len": prompt_len, "new_tokens": new_tokens, "requests": len(prompts),
-               "tokens_reference": reference, "kvbridge": summary(kvb), "nixl": summary(nixl),
-               "tokens_kvbridge": [r["tokens"] for r in kvb["rows"]], "tokens_nixl": [r["tokens"] for r in nixl["rows"]]}
+               "tokens_reference": reference, "kvbridge": summary(kvb, "kvbridge"), "nixl": summary(nixl, "nixl"),
+               "tokens_kvbridge": [r["tokens"] for r in kvb], "tokens_nixl": [r["tokens"] for r in nixl]}
         out["same_tokens"] = out["tokens_kvbridge"] == out["tokens_nixl"] == reference
+
+        def ratio(key: str) -> float | None:
+            a, b = out["kvbridge"][key], out["nixl"][key]
+            return a / b if a is not None and b else None
+
+        out["ratio_kvbridge_to_nixl"] = {"transfer_seconds_median": ratio("transfer_seconds_median"),
+                                         "decode_seconds_median": ratio("decode_seconds_median")}
         out["wall_seconds"] = time.monotonic() - t_start
         ok = True
-        return out
-    finally:
-        if own_dir and ok:
-            shutil.rmtree(work, ignore_errors=True)
+    if own_dir and ok:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
 
 
-__all__ = ["Instance", "VllmDemoError", "bench_vllm", "free_ports", "kvbridge_transfer_config", "nixl_transfer_config",
-           "run_vllm_demo", "vllm_python"]
+__all__ = ["Cluster", "Instance", "VllmDemoError", "bench_vllm", "free_ports", "kvbridge_transfer_config",
+           "nixl_transfer_config", "run_vllm_demo", "vllm_python"]
