@@ -1,17 +1,24 @@
 """Two real vLLM CPU instances, KV moved by KVBridgeConnector, tokens equal to a single instance.
 
-Each test starts a prefill and a decode vLLM 0.32 instance (subprocesses of .venv-vllm) with
-`KVBridgeConnector` over the shm transport, sends a prompt through the proxy of `run_vllm_demo`
-(prefill with max_tokens=1, then decode with the returned kv_transfer_params) and compares the
-decoded tokens and their log-probabilities with a plain vLLM instance's greedy output.
+One plain vLLM instance (no connector, TP 1, block 64) computes the reference first: the greedy
+tokens and log-probabilities of a 70-token prompt (the last block is partial on every side).
+Then four KVBridgeConnector instances (subprocesses of .venv-vllm, shm transport, pull) serve
+every test; each test sends the prompt through one prefill instance and one decode instance as
+NixlConnector's proxy does (prefill with max_tokens=1, then decode with the returned
+kv_transfer_params) and requires the reference's tokens, what every decode rank moved (exactly
+its KV heads of the prompt), and the prefill blocks released after the reads:
 
-Shapes (tiny random Llama: 2 layers, 4 query heads, 2 KV heads of 32, float32; a 70-token
-prompt, so the last block is partial on every side):
+* prefill TP 1 / block 64 -> decode TP 1 / block 64: equal TP and blocks, log-probs equal to
+  the bit;
+* prefill TP 1 / block 64 -> decode TP 2 / block 32: different block sizes, decode TP larger;
+* prefill TP 2 / block 32 -> decode TP 1 / block 64: prefill TP larger, decode blocks larger (a
+  pair vLLM's own NIXL connector refuses: its block-size ratio must be local/remote >= 1);
+* prefill TP 2 / block 32 -> decode TP 2 / block 32: equal TP 2 (each decode rank reads its
+  own heads from one prefill rank).
 
-* equal TP and block size, reference from a separate plain instance;
-* prefill TP 1 / block 64 -> decode TP 2 / block 32 (different block sizes, decode TP larger);
-* prefill TP 2 / block 32 -> decode TP 1 / block 64 (prefill TP larger, decode blocks larger:
-  a pair vLLM's own NIXL connector refuses, its block-size ratio must be local/remote >= 1).
+Cost (measured, docs/vllm.md): every instance start imports torch and vLLM in 3 processes (4 at
+TP 2), so the five instances are started together and reused by all tests, instead of two or
+three per test. Tiny random Llama: 2 layers, 4 query heads, 2 KV heads of 32, float32.
 
 vLLM CPU runs TP 2 here once its OpenMP threads are bound by hand (`cpu_binding`): its "auto"
 binding refuses TP > 1 on a one-NUMA-node host.
@@ -19,74 +26,89 @@ binding refuses TP > 1 on a one-NUMA-node host.
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
+import time
 
 import pytest
 
-from kvbridge.integrations.vllm.demo import run_vllm_demo
+from kvbridge.integrations.vllm.demo import Cluster
+from kvbridge.integrations.vllm.model import make_tiny_llama
 
-pytestmark = [
-    pytest.mark.vllm,
-    # Three real vLLM CPU instances per test on 2 cores: minutes each, and flaky while anything else
-    # loads the machine (a run under parallel load failed here). Opt in until they are proven stable in CI.
-    pytest.mark.skipif(os.environ.get("KVBRIDGE_VLLM_PD") != "1",
-                       reason="real-vLLM P/D tests are opt-in: set KVBRIDGE_VLLM_PD=1 (needs `make vllm-env`)"),
-]
+pytestmark = pytest.mark.vllm
 
 PROMPT = [random.Random(7).randrange(256) for _ in range(70)]
 NEW_TOKENS = 8
 LAYERS, KV_HEADS, HEAD_DIM, ITEMSIZE = 2, 2, 32, 4
 KV_BYTES = LAYERS * 2 * len(PROMPT) * KV_HEADS * HEAD_DIM * ITEMSIZE
-_reference: dict[str, list[int]] = {}
+INSTANCES = {  # name: (TP, block size, role)
+    "p-tp1-b64": (1, 64, "kv_producer"),
+    "p-tp2-b32": (2, 32, "kv_producer"),
+    "d-tp1-b64": (1, 64, "kv_consumer"),
+    "d-tp2-b32": (2, 32, "kv_consumer"),
+}
+REFERENCE_BLOCK = 64  # the reference instance's block size: the equal-TP pair's, so its log-probs must match exactly
+
+
+MODEL_SEED = 3  # weights whose greedy continuation of PROMPT changes from token to token (seed 0 repeats one token)
 
 
 @pytest.fixture(scope="module")
 def model(vllm_env, tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("vllm-model") / "tiny-llama"
-    res = subprocess.run([str(vllm_env.python), "-m", "kvbridge.integrations.vllm.model", str(path)],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return str(path)
+    return str(make_tiny_llama(tmp_path_factory.mktemp("vllm-model") / "tiny-llama", seed=MODEL_SEED))
 
 
-def demo(vllm_env, model, tmp_path, **kw) -> dict:
-    return run_vllm_demo(model, prompt_ids=PROMPT, new_tokens=NEW_TOKENS, python=str(vllm_env.python),
-                         timeout_s=900, workdir=tmp_path, **kw)
+@pytest.fixture(scope="module")
+def cluster(vllm_env, model, tmp_path_factory):
+    """(cluster, reference): the plain instance's output, then the P/D instances, all ready."""
+    work = tmp_path_factory.mktemp("vllm-pd")
+    with Cluster(model, str(vllm_env.python), work) as c:
+        t0 = time.monotonic()
+        c.start("reference", 1, REFERENCE_BLOCK)  # no connector
+        for name, (tp, block, role) in INSTANCES.items():
+            c.start(name, tp, block, role)
+        c.wait_ready(["reference"])
+        reference = c.instances["reference"].generate(PROMPT, NEW_TOKENS)
+        c.close(["reference"])  # before any P/D request: it must not share the CPU with them
+        assert len(set(reference["token_ids"])) > 2, reference  # tokens that a wrong cache would change
+        c.wait_ready(list(INSTANCES))
+        print(f"\n[vllm P/D] reference {reference['token_ids']}; reference and 4 instances ready in "
+              f"{time.monotonic() - t0:.0f} s; startup seconds "
+              f"{ {n: round(i.ready.get('startup_seconds', 0)) for n, i in c.instances.items()} }")
+        yield c, reference
 
 
-def check(result: dict, decode_tp: int) -> None:
-    assert result["match"], {k: result[k] for k in ("tokens_reference", "tokens_disaggregated", "requests")}
-    assert len(result["tokens_disaggregated"]) == NEW_TOKENS
-    assert result["logprobs_max_abs_diff"] is not None and result["logprobs_max_abs_diff"] < 1e-4
-    req = result["requests"][0]
-    assert req["ok"] and len(req["per_rank"]) == decode_tp
-    assert req["bytes_moved"] == KV_BYTES  # every decode rank moved exactly its heads
-    assert req["prefill_released"] == ["done"]  # the prefill blocks were released after the reads
-    if "tokens" in _reference:  # the same model and prompt as the plain single instance
-        assert result["tokens_disaggregated"] == _reference["tokens"]
+def run(cluster, prefill: str, decode: str) -> dict:
+    c, reference = cluster
+    r = c.pd(prefill, decode, PROMPT, NEW_TOKENS)
+    (p_tp, p_block, _), (d_tp, d_block, _) = INSTANCES[prefill], INSTANCES[decode]
+    assert (c.instances[prefill].ready["tp"], c.instances[prefill].ready["block_size"]) == (p_tp, p_block)
+    assert (c.instances[decode].ready["tp"], c.instances[decode].ready["block_size"]) == (d_tp, d_block)
+    why = {k: r.get(k) for k in ("tokens", "ok", "per_rank", "prefill_released", "decode_seconds")}
+    why["reference"] = reference["token_ids"]
+    assert r["ok"] and len(r["per_rank"]) == d_tp, why  # every decode rank loaded its KV through kvbridge
+    assert r["tokens"] == reference["token_ids"], why
+    assert len(r["tokens"]) == NEW_TOKENS
+    diff = max(abs(a - b) for a, b in zip(r["logprobs"], reference["logprobs"]))
+    assert len(r["logprobs"]) == len(reference["logprobs"]) and diff < 1e-4, (diff, why)
+    assert r["bytes_moved"] == KV_BYTES, why  # the decode ranks moved exactly the prompt's K/V heads, once
+    assert sorted(e["nbytes"] for e in r["per_rank"]) == [KV_BYTES // d_tp] * d_tp, why  # each its own heads
+    assert r["prefill_released"] == ["done"], why  # every prefill rank released its blocks after the reads
+    r["logprobs_max_abs_diff"] = diff
+    return r
 
 
-def test_equal_tp_and_blocks_match_a_plain_instance(vllm_env, model, tmp_path):
-    r = demo(vllm_env, model, tmp_path, prefill_tp=1, decode_tp=1, prefill_block_size=32, decode_block_size=32,
-             reference="separate")
-    check(r, 1)
-    assert r["logprobs_max_abs_diff"] == 0.0  # same kernels, same KV bytes
-    assert r["prefill"]["block_size"] == r["decode"]["block_size"] == 32
-    _reference["tokens"] = r["tokens_reference"]
+def test_equal_tp_and_blocks_match_a_plain_instance(cluster):
+    r = run(cluster, "p-tp1-b64", "d-tp1-b64")
+    assert r["logprobs_max_abs_diff"] == 0.0  # same kernels, same block size, same KV bytes
 
 
-def test_block_64_to_32_and_decode_tp2(vllm_env, model, tmp_path):
-    r = demo(vllm_env, model, tmp_path, prefill_tp=1, decode_tp=2, prefill_block_size=64, decode_block_size=32,
-             reference="prefill")
-    check(r, 2)
-    assert (r["prefill"]["block_size"], r["decode"]["block_size"]) == (64, 32)
-    assert sorted(e["nbytes"] for e in r["requests"][0]["per_rank"]) == [KV_BYTES // 2] * 2  # one KV head each
+def test_block_64_to_32_and_decode_tp2(cluster):
+    run(cluster, "p-tp1-b64", "d-tp2-b32")
 
 
-def test_prefill_tp2_to_decode_tp1_block_32_to_64(vllm_env, model, tmp_path):
-    r = demo(vllm_env, model, tmp_path, prefill_tp=2, decode_tp=1, prefill_block_size=32, decode_block_size=64,
-             reference="prefill")
-    check(r, 1)
-    assert (r["prefill"]["tp"], r["decode"]["tp"]) == (2, 1)
+def test_prefill_tp2_to_decode_tp1_block_32_to_64(cluster):
+    run(cluster, "p-tp2-b32", "d-tp1-b64")
+
+
+def test_equal_tp2(cluster):
+    run(cluster, "p-tp2-b32", "d-tp2-b32")
