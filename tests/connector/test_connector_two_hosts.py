@@ -1,8 +1,10 @@
 """The two-host demo across two network namespaces joined by a veth pair.
 
 `run_prefill_server` runs in one namespace, `run_decode_client` in the other; they reach each
-other only over the veth link, addressed with link-local IPv4 (169.254.x.y/30) that exists
-only inside the namespaces this test creates and deletes. Needs root (skipped with the reason
+other only over the veth link, addressed with private IPv4 (10.254.x.y/30) that exists only
+inside the namespaces this test creates and deletes. (Not link-local 169.254/16: UCX, under
+NIXL, does not use interfaces that carry only a link-local address, and reports the peer
+unreachable, NIXL_ERR_BACKEND in loadRemoteMD.) Needs root (skipped with the reason
 otherwise). Each side is a fresh Python process started with `ip netns exec`, in its own
 session so that a timeout can end it and everything it started.
 """
@@ -48,7 +50,7 @@ def namespaces():
     tag = f"kvb{os.getpid() % 100000}"
     a, b = f"{tag}a", f"{tag}b"
     subnet = 100 + os.getpid() % 100
-    addr_a, addr_b = f"169.254.{subnet}.1", f"169.254.{subnet}.2"
+    addr_a, addr_b = f"10.254.{subnet}.1", f"10.254.{subnet}.2"
     made = []
     try:
         for ns in (a, b):
