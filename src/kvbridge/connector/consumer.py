@@ -14,8 +14,17 @@ prefill rank holding heads this rank needs, GQA-deduplicated) has delivered: in 
 read from it finished (we post it once the source rank announced the request with
 `RequestReady`, which is also what tells us the source block ids), in push mode it reported
 `WriteDone`. A read that fails, a source rank that aborts, a side channel that drops (the peer
-died), a plan that the request's block ids make invalid, or the request's deadline all end it
-as a failure; every failure has a reason naming the rank and the cause.
+died or the network between them is cut), a plan that the request's block ids make invalid, or
+the request's deadline all end it as a failure; every failure has a reason naming the rank and
+the cause.
+
+A lost source rank is not given up for good: while it is lost, every request that needs it
+fails at once (no announcement or destination is sent to it), and the rank re-handshakes with
+it on a fresh side-channel connection every `handshake_timeout` at most. When it answers with
+the very Hello it gave at the handshake (same engine id, rank, transport agent and metadata: the
+same incarnation, e.g. after a network cut healed) it serves new requests again; a different
+incarnation under the same engine id (a restarted peer) stays lost, and the engine must connect
+it under a new engine id (`TransferTopology` refuses to mix two incarnations).
 
 A result is reported only when no transfer may still write this rank's blocks for the request:
 our own reads are aborted and polled to a stop first; in push mode we ask every writer that has
@@ -83,6 +92,10 @@ class _Engine:
     clients: dict[int, SideChannelClient] = field(default_factory=dict)
     agents: dict[int, str] = field(default_factory=dict)
     lost: set[int] = field(default_factory=set)
+    hellos: dict[int, m.Hello] = field(default_factory=dict)  # each source's Hello at the handshake
+    rejoins: dict[int, tuple[SideChannelClient, float]] = field(default_factory=dict)  # (client, deadline)
+    next_rejoin: dict[int, float] = field(default_factory=dict)
+    replaced: dict[int, str] = field(default_factory=dict)  # sources that came back as another incarnation
 
 
 @dataclass
@@ -127,6 +140,7 @@ class Consumer:
         self._identity = f"{engine_id}/{rank}/{uuid.uuid4().hex[:12]}".encode()
         self._engines: dict[str, _Engine] = {}
         self._client_of: dict[int, tuple[str, int]] = {}  # id(client) -> (engine, source rank)
+        self._rejoining: dict[int, tuple[str, int]] = {}  # id(re-handshake client) -> (engine, source rank)
         self._active: dict[str, _Pending] = {}
         self._unclaimed: OrderedDict[str, tuple[float, dict[int, m.RequestReady]]] = OrderedDict()
         self._cancelled: OrderedDict[str, str] = OrderedDict()
@@ -154,6 +168,10 @@ class Consumer:
 
     def source_ranks(self, engine_id: str) -> tuple[int, ...]:
         return self._engines[engine_id].sources
+
+    def lost_sources(self, engine_id: str) -> tuple[int, ...]:
+        """Source ranks of `engine_id` whose side channel is lost (requests needing them fail)."""
+        return tuple(sorted(self._engines[engine_id].lost))
 
     def connect(self, address: str, timeout: float | None = None) -> str:
         """Handshake with the prefill engine reachable at `address`; returns its engine id.
@@ -199,7 +217,7 @@ class Consumer:
                 except Exception as e:
                     raise m.HandshakeRefused(f"transport {mine.transport} cannot connect to prefill rank {s} "
                                              f"({hello.agent_name!r}): {e}") from None
-                eng.clients[s], eng.agents[s] = client, hello.agent_name
+                eng.clients[s], eng.agents[s], eng.hellos[s] = client, hello.agent_name, hello
         except BaseException:
             for c in opened:
                 c.close()
@@ -244,7 +262,9 @@ class Consumer:
             for ann in claimed[1].values():
                 if ann.engine_id == engine:
                     self._on_ready(req, ann)
-        if self.mode == "push" and req.failure is None:
+        if self.mode == "push" and req.failure is None and not eng.lost & set(req.sources):
+            # (a lost source is not told: `_advance` fails the request below, and a writer that
+            # learned the destination could write into blocks this rank already gave up)
             assert num_tokens is not None
             for s in req.sources:
                 dest = m.DestinationReady(self.engine_id, self.rank, request_id, ids, num_tokens, req.num_cached_tokens)
@@ -295,17 +315,21 @@ class Consumer:
         """One bounded round of work (waits at most `timeout` s); the requests that ended since last call."""
         if self.closed:
             return self._drain()
-        clients = [c for e in self._engines.values() for c in e.clients.values()]
+        clients = [c for e in self._engines.values()
+                   for c in (*e.clients.values(), *(r for r, _ in e.rejoins.values()))]
         for client, rec in poll_clients(clients, timeout):
             self._on_frame(client, rec)
         self._transport_notifications()
-        for eng in self._engines.values():
+        for eng in list(self._engines.values()):
             for s, c in eng.clients.items():
                 if c.lost and s not in eng.lost:
                     eng.lost.add(s)
+                    eng.next_rejoin[s] = self.clock()
                     self.stats["sources_lost"] += 1
                     log.warning("decode rank %d: side channel to prefill %r rank %d (%s) lost", self.rank,
                                 eng.engine_id, s, c.address)
+            if eng.lost:
+                self._rejoin(eng)
         for req in list(self._active.values()):
             self._advance(req)
         self._heartbeat()
@@ -345,10 +369,14 @@ class Consumer:
         for eng in self._engines.values():
             for c in eng.clients.values():
                 c.close()
+            for s in list(eng.rejoins):
+                self._drop_rejoin(eng, s)
 
     # -- handshake helpers ------------------------------------------------------------------------
-    def _client(self, address: str, opened: list[SideChannelClient]) -> SideChannelClient:
-        client = SideChannelClient(address, self._identity, max_frame_bytes=self.config.max_frame_bytes,
+    def _client(self, address: str, opened: list[SideChannelClient],
+                identity: bytes | None = None) -> SideChannelClient:
+        client = SideChannelClient(address, identity or self._identity,
+                                   max_frame_bytes=self.config.max_frame_bytes,
                                    heartbeat_seconds=self.config.side_channel_heartbeat,
                                    secret=self.config.secret, replay_window=self.config.replay_window)
         opened.append(client)
@@ -365,8 +393,94 @@ class Consumer:
         assert isinstance(reply, m.Hello)
         return reply
 
+    # -- rejoining a lost source ------------------------------------------------------------------
+    def _rejoin(self, eng: _Engine) -> None:
+        """Keep one bounded re-handshake in flight per lost source (see the module docstring)."""
+        now = self.clock()
+        for s in sorted(eng.lost):
+            if s in eng.replaced:
+                continue
+            pending = eng.rejoins.get(s)
+            if pending is not None:
+                if now < pending[1]:
+                    continue
+                self._drop_rejoin(eng, s)  # no answer in time: the next attempt uses a new connection
+                eng.next_rejoin[s] = now + min(1.0, self.config.handshake_timeout)
+            if now < eng.next_rejoin.get(s, now):
+                continue
+            # A fresh routing id: the prefill rank's ROUTER may still hold the stale connection.
+            identity = f"{self.engine_id}/{self.rank}/{uuid.uuid4().hex[:12]}".encode()
+            try:
+                client = self._client(eng.addresses[s], [], identity)
+            except SideChannelError as e:
+                log.warning("decode rank %d: cannot reopen the side channel to prefill %r rank %d: %s", self.rank,
+                            eng.engine_id, s, e)
+                eng.next_rejoin[s] = now + self.config.handshake_timeout
+                continue
+            if not client.send(self.hello):
+                client.close()
+                eng.next_rejoin[s] = now + min(1.0, self.config.handshake_timeout)
+                continue
+            eng.rejoins[s] = (client, now + self.config.handshake_timeout)
+            self._rejoining[id(client)] = (eng.engine_id, s)
+            self.stats["rejoin_attempts"] += 1
+
+    def _drop_rejoin(self, eng: _Engine, s: int) -> None:
+        client, _ = eng.rejoins.pop(s, (None, 0.0))
+        if client is not None:
+            self._rejoining.pop(id(client), None)
+            client.close()
+
+    def _on_rejoin_reply(self, client: SideChannelClient, rec: Received) -> None:
+        engine, s = self._rejoining[id(client)]
+        eng = self._engines[engine]
+        msg = rec.msg
+        if rec.error is not None or not isinstance(msg, (m.Hello, m.Error)):
+            self.stats["refused_frames"] += 1
+            return
+        if isinstance(msg, m.Error):
+            log.warning("decode rank %d: prefill %r rank %d refused the re-handshake: %s", self.rank, engine, s,
+                        msg.reason)
+            self._drop_rejoin(eng, s)
+            eng.next_rejoin[s] = self.clock() + self.config.handshake_timeout
+            return
+        known = eng.hellos[s]
+        why = ""
+        if (msg.engine_id, msg.rank) != (engine, s):
+            why = f"{client.address} now answers as {msg.engine_id!r} rank {msg.rank}"
+        elif (msg.agent_name, msg.transport_metadata) != (known.agent_name, known.transport_metadata):
+            why = (f"prefill {engine!r} rank {s} came back as another incarnation (transport agent "
+                   f"{msg.agent_name!r}, was {known.agent_name!r}): a restarted peer needs a new engine id")
+        else:
+            try:
+                validate_peer(self.topology, self.hello, msg)
+            except KVBridgeError as e:
+                why = str(e)
+        if why:
+            client.send(m.Error(self.engine_id, self.rank, f"re-handshake refused: {why}"))  # for its logs
+            self._drop_rejoin(eng, s)
+            eng.replaced[s] = why
+            self.stats["sources_replaced"] += 1
+            log.error("decode rank %d: side channel to prefill %r rank %d stays lost: %s", self.rank, engine, s, why)
+            return
+        eng.rejoins.pop(s)
+        old = eng.clients[s]
+        self._client_of.pop(id(old), None)
+        old.close()
+        eng.clients[s] = client
+        self._client_of[id(client)] = (engine, s)
+        del self._rejoining[id(client)]
+        eng.lost.discard(s)
+        eng.next_rejoin.pop(s, None)
+        self.stats["sources_recovered"] += 1
+        log.warning("decode rank %d: side channel to prefill %r rank %d (%s) is back (same incarnation)", self.rank,
+                    engine, s, client.address)
+
     # -- frames -----------------------------------------------------------------------------------
     def _on_frame(self, client: SideChannelClient, rec: Received) -> None:
+        if id(client) in self._rejoining:
+            self._on_rejoin_reply(client, rec)
+            return
         if rec.error is not None:
             self.stats["refused_frames"] += 1
             log.warning("decode rank %d refused a frame from %s: %s", self.rank, client.address, rec.error)
@@ -471,8 +585,8 @@ class Consumer:
             lost = sorted(s for s in req.sources if s in eng.lost and s not in req.done)
             if lost:
                 req.quiet.update(lost)
-                self._fail(req, f"side channel to prefill {req.engine!r} rank(s) {lost} lost (peer closed or died; "
-                                f"its transfers are presumed stopped)")
+                self._fail(req, f"side channel to prefill {req.engine!r} rank(s) {lost} lost (peer closed, died or "
+                                f"unreachable; its transfers are presumed stopped)")
         if req.failure is None and self.mode == "pull":
             self._start_reads(req, eng)
             self._poll_reads(req)
