@@ -233,3 +233,42 @@ def test_prefill_peer_restarts_with_same_engine_id() -> None:
         _close(restarted)
         cl.close()
         _free(cl)
+
+
+def test_prefill_peer_restarted_at_the_same_address_is_not_resumed() -> None:
+    """A lost side channel is resumed only with the same incarnation: a peer restarted under the same
+    engine id at the same address answers the decode rank's re-handshake with another transport
+    agent, and stays lost (requests needing it fail at once), as the topology refuses to mix two
+    incarnations under one id."""
+    pre = EngineLayout(tp_size=1, block_size=16, num_blocks=64)
+    dec = EngineLayout(tp_size=1, block_size=16, num_blocks=64, kv_order="NHD")
+    cl = Cluster(pre, dec, config=FAST, seed=41)
+    restarted: list[Producer] = []
+    try:
+        cl.connect()
+        wl = Workload(cl, 1, seed=41)
+        (a,) = wl.requests
+        old = cl.producers[0]
+        address = old.address
+        old.close()
+        old.transport.close()
+        cl.producers = []
+        cl.run_until(lambda: cl.consumers[0].lost_sources("prefill") == (0,), 10)
+        t = make_transport("shm", f"prefill/0/{time.monotonic_ns()}", timeout_s=FAST.transfer_timeout)
+        restarted.append(Producer("prefill", 0, cl.src[0], t, listen=address, config=FAST))
+        with pumping(restarted):
+            end = time.monotonic() + FAST.handshake_timeout + 10
+            while not cl.consumers[0].stats["sources_replaced"]:
+                assert time.monotonic() < end, dict(cl.consumers[0].stats)
+                cl.step()
+        assert cl.consumers[0].lost_sources("prefill") == (0,)
+        restarted[0].progress(0.1)
+        assert restarted[0].stats["errors_received"] == 1  # told why, for its logs
+        wl.receive([a])
+        cl.run_until(lambda: cl.done(a), 2)
+        res = cl.results[(0, a)]
+        assert not res.ok and "rank(s) [0] lost" in res.reason, res
+    finally:
+        _close(restarted)
+        cl.close()
+        _free(cl)
