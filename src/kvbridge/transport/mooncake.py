@@ -7,8 +7,12 @@ batches of at most `batch_size` descriptors (64 by default: one call with thousa
 descriptors fails with -1 after "TCP lane queue-full" warnings and leaves the engine failing),
 each run as `batch_transfer_sync_read|write` on a small thread pool (the calls release the GIL),
 and every return code is checked: a nonzero one fails the transfer with that code. Pending
-batches of a failed or aborted transfer are cancelled; running ones are waited for (the engine
-bounds them by MC_TRANSFER_TIMEOUT), so after `abort` returns nothing touches memory.
+batches of a failed or aborted transfer are cancelled; running ones are waited for, so after
+`abort` returns nothing touches memory. The engine bounds a running batch with its own TCP
+deadlines (`MC_TCP_PROGRESS_TIMEOUT_SEC`, `MC_TCP_STATUS_TIMEOUT_SEC`, 30 s by default, read
+process-wide): unless they are set, the first transport of a process sets them to its `timeout_s`
+(rounded up), so a transfer into a cut link ends inside the engine when kvbridge gives up on it,
+instead of holding a worker (and `abort`, and `close`) for up to 30 s more.
 
 Mooncake's Python binding has no notification the CPU build can deliver, so notifications go
 through the agent's ZMQ channel (`notify.py`), sent after the transfer completed.
@@ -22,6 +26,8 @@ Needs the Debian packages libibverbs1 and librdmacm1 to import, even without RDM
 from __future__ import annotations
 
 import importlib
+import math
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -53,6 +59,9 @@ class MooncakeTransport(Agent):
         if not 1 <= batch_size <= 256:
             raise InvalidRequest(f"Mooncake batch_size must be in [1, 256], got {batch_size}")
         self.batch_size = int(batch_size)
+        deadline = str(max(1, math.ceil(float(kwargs.get("timeout_s", 30.0)))))
+        for var in ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC"):  # process-wide: every engine
+            os.environ.setdefault(var, deadline)  # of the process reads them when it moves bytes
         self._engine = mod.TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
