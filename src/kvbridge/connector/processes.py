@@ -220,6 +220,12 @@ def _stats(conn: Connection, connector: Any, cache: Any) -> None:  # pragma: no 
     conn.send(("stats", dict(connector.stats)))
 
 
+def _figures(conn: Connection, connector: Any, cache: Any) -> None:  # pragma: no cover
+    """This rank's open descriptors and what its transport agent holds (leak checks)."""
+    from kvbridge.transport.agent import resource_figures
+    conn.send(("figures", {"fds": len(os.listdir("/proc/self/fd")), **resource_figures()}))
+
+
 def _connect(conn: Connection, consumer: Any, cache: Any, address: str, timeout: float) -> None:  # pragma: no cover
     try:
         engine = consumer.connect(address, timeout)
@@ -256,9 +262,9 @@ def _decode(conn: Connection, consumer: Any, cache: Any, job: dict) -> None:  # 
 
 
 _PREFILL = {"load": _load, "add": _add, "fill_add": _fill_add, "directory": _directory, "abort": _abort,
-            "stats": _stats}
+            "stats": _stats, "figures": _figures}
 _DECODE = {"connect": _connect, "receive": _receive, "scrub_receive": _scrub_receive, "abort": _abort,
-           "stats": _stats, "regions": _regions, "decode": _decode}
+           "stats": _stats, "regions": _regions, "decode": _decode, "figures": _figures}
 
 
 # -- the parent's handle ---------------------------------------------------------------------------

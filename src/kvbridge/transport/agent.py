@@ -50,6 +50,7 @@ import queue
 import socket
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +113,17 @@ _ctl_decoder = msgspec.msgpack.Decoder(Ctl)
 _meta_decoder = msgspec.msgpack.Decoder(AgentMeta)
 
 _COPY_LOCK = threading.Lock()
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # this process's open agents
+
+
+def resource_figures() -> dict[str, int]:
+    """What this process's open transport agents hold: `agents`, registered `regions`, connected
+    `peers`, and `mapped` peer memory segments (shm). Leak checks compare these before and after."""
+    out = {"agents": 0, "regions": 0, "peers": 0, "mapped": 0}
+    for agent in list(_LIVE):
+        for key, value in agent.figures().items():
+            out[key] = out.get(key, 0) + value
+    return out
 
 
 def host_id() -> str:
@@ -285,6 +297,7 @@ class Agent:
         self._stop = threading.Event()
         self._service = threading.Thread(target=self._serve, name=f"kvb-service-{name}", daemon=True)
         self._service.start()
+        _LIVE.add(self)
 
     # ---- engine hooks (backends override) -------------------------------------------------
     def _engine_register(self, info: RegionInfo) -> None:
@@ -481,6 +494,13 @@ class Agent:
         self._channel.close()
         self._tensors.clear()
         self._staging = None
+        _LIVE.discard(self)
+
+    def figures(self) -> dict[str, int]:
+        """What this agent holds (see `resource_figures`); a closed agent holds nothing."""
+        if self._closed:
+            return {"agents": 0, "regions": 0, "peers": 0, "mapped": 0}
+        return {"agents": 1, "regions": len(self._regions), "peers": len(self._peers), "mapped": 0}
 
     def __enter__(self):
         return self

@@ -252,6 +252,12 @@ class ShmTransport(Agent):
             pass
         return ""
 
+    def figures(self) -> dict[str, int]:
+        out = super().figures()
+        if not self._closed:
+            out["mapped"] = len({p for p in self._maps if _own_segment(p) is None})  # other processes' segments
+        return out
+
     def _engine_close(self) -> None:
         for seg in self._own:
             seg.unlink()
