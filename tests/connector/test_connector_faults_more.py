@@ -4,18 +4,23 @@ channel dropped mid-request, a prefill peer that restarts under the same engine 
 After each: no hang (every wait is bounded), the affected requests fail with reasons, the
 others complete, blocks are released exactly once per prefill rank, and this process's open
 descriptors and kvbridge /dev/shm segments do not grow (small tolerance for ZMQ's lazily made
-I/O thread descriptors).
+I/O thread descriptors in the side-channel test). The decode-rank kill is checked exactly: after
+a warm-up cycle of the same kind without the fault (which opens whatever a process opens once),
+the fault's cycle must leave the open descriptors, the test's /dev/shm segments and the transport
+agents' registered regions, peers and mapped peer segments where the warm-up left them, in this
+process and in the prefill rank that survives.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import re
 import time
 
 import pytest
 from connector_harness import SPEC, Cluster, Workload, pumping
-from test_connector_faults import CFG, _receives, _releases, _requests, _shards, engines  # noqa: F401
+from test_connector_faults import CFG, _adds, _receives, _releases, _requests, _shards, engines  # noqa: F401
 
 from kvbridge.connector import messages as m
 from kvbridge.connector.config import ConnectorConfig
@@ -55,16 +60,71 @@ def no_growth():
     assert after[1] <= before[1], f"/dev/shm kvbridge segments grew {before[1]} -> {after[1]}"
 
 
+def _levels(pids: set[int]) -> dict:
+    """This process's open descriptors and agents, and the /dev/shm segments of `pids` (see the docstring)."""
+    from kvbridge.transport.agent import resource_figures
+    gc.collect()
+    shm = sorted(n for n in os.listdir("/dev/shm")
+                 if (m := re.match(r"kvbridge-(\d+)-", n)) and int(m.group(1)) in pids)
+    return {"fds": _fd_names(), "shm": shm, **resource_figures()}
+
+
+def _assert_same(before: dict, after: dict) -> None:
+    """Equal figures; descriptors are compared by count and named in the message when they differ."""
+    grew = {k: (before[k], after[k]) for k in before if k != "fds" and before[k] != after[k]}
+    if len(after["fds"]) != len(before["fds"]):
+        old = {x.split(":", 1)[1] for x in before["fds"]}
+        grew["fds"] = (len(before["fds"]), len(after["fds"]),
+                       f"opened {sorted(x for x in after['fds'] if x.split(':', 1)[1] not in old)}")
+    assert not grew, f"resources did not come back to their level before the fault: {grew}"
+
+
+def _fd_names() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(f"{fd}:{os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:  # the listing's own descriptor
+            pass
+    return out
+
+
+def _rank_figures(pre, timeout: float = 10.0) -> dict:
+    """Prefill rank 0's figures once its agent holds no decode peer (their processes are gone), or
+    whatever it holds after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pre.ranks[0].send("figures")
+        fig = pre.ranks[0].expect("figures", 10)[1]
+        if fig["peers"] == 0 or time.monotonic() > deadline:
+            return fig
+        time.sleep(0.2)
+
+
 def test_decode_rank_killed_mid_transfer_prefill_releases_once(engines) -> None:  # noqa: F811
     lease = 1.0
     pl = EngineLayout(tp_size=1, block_size=16, num_blocks=64)
     dl2 = EngineLayout(tp_size=2, block_size=16, num_blocks=64)
-    requests = _requests(pl, dl2, 1, seed=11)
-    (victim,) = requests
+    requests = _requests(pl, dl2, 2, seed=11)
+    warm, victim = requests
     pre = engines("prefill", "prefill", pl, "pull")
-    dec = engines("decode", "decode-a", dl2, "pull")
     pre.start(60)
     pre.load(_shards(pl, requests), 30)
+    pids = {p.pid for p in pre.ranks}
+    # Warm-up cycle: a decode engine connects, completes a request and stops (cleanly).
+    dec = engines("decode", "decode-a", dl2, "pull")
+    pids |= {p.pid for p in dec.ranks}
+    dec.start(60)
+    dec.connect(pre.address, 10)
+    dec.receive(_receives(requests, [warm]), 10)
+    pre.add(_adds(requests, [warm]), 10)
+    assert dec.wait_results([warm], 15) and all(dec.results[r][warm]["ok"] for r in (0, 1)), dec.results
+    assert pre.wait_released([warm], 5)
+    dec.stop()
+    before, rank_before = _levels(pids), _rank_figures(pre)
+    # The fault's cycle: a decode engine under the same id whose rank 1 dies mid-request.
+    dec = engines("decode", "decode-a", dl2, "pull")
+    pids |= {p.pid for p in dec.ranks}
     dec.start(60)
     dec.connect(pre.address, 10)
     dec.receive(_receives(requests, [victim]), 10)
@@ -87,6 +147,11 @@ def test_decode_rank_killed_mid_transfer_prefill_releases_once(engines) -> None:
     pre.pump(0.2)
     assert len(_releases(pre, victim)) == 1  # exactly once
     assert all(p.alive() for p in pre.ranks)  # the prefill engine survived the peer's death
+    # Nothing of the fault stays behind, here or in the surviving prefill rank.
+    dec.stop()
+    after, rank_after = _levels(pids), _rank_figures(pre)
+    _assert_same(before, after)
+    assert rank_after == rank_before, f"surviving prefill rank: {rank_before} before, {rank_after} after"
 
 
 def _extra_producers(cluster: Cluster, engine_id: str, config: ConnectorConfig) -> list[Producer]:

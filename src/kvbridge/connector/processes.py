@@ -339,6 +339,7 @@ class RankProcess:
         if self.proc.pid is not None and self.proc.is_alive():
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.join(5)
+        self._reap()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Ask the rank to close cleanly; kill it if it does not exit in time. Idempotent."""
@@ -355,6 +356,20 @@ class RankProcess:
             self.kill()
         self.pump(0)
         self.conn.close()
+        self._reap()
+
+    def _reap(self) -> None:
+        """Once the rank is gone, free what it leaves behind here: the /dev/shm segments it could not
+        unlink (killed), and this process's ends of its start pipes (two descriptors per rank, else
+        held until the garbage collector finds the process object; `proc.exitcode` stays readable)."""
+        if self.proc.pid is None or self.proc.exitcode is None:
+            return
+        if self.args.transport == "shm":
+            from kvbridge.transport.shm import reap_stale_segments
+            reap_stale_segments(self.proc.pid)
+        popen = getattr(self.proc, "_popen", None)
+        if popen is not None:
+            popen.close()
 
     def _why(self) -> str:
         if self.error:

@@ -33,6 +33,13 @@ A passive side never holds more than half its slots for one transfer, drops a tr
 initiator stays silent for `timeout_s`, and on `cancel` frees its slots and answers `cancelled`
 only after it stopped touching memory for that transfer.
 
+**Peers that are gone.** The service thread checks every second whether a connected peer's
+process is known to be gone (`_peer_alive`: the shm backend sees the pid; network engines
+cannot tell) and then, once no transfer to it is pending, disconnects it: its mapped memory and
+its channel socket are released (a dead peer's segment would otherwise stay mapped here, its
+memory never returned). A later `submit` to it returns a handle that already failed with the
+reason; `connect` makes it reachable again.
+
 **Notifications** reach the peer after every byte of the transfer has landed: the direct path
 sends them after the engine reported completion (NIXL attaches them to the transfer itself); a
 staged write has the destination queue its own copy after its last scatter.
@@ -114,6 +121,7 @@ _meta_decoder = msgspec.msgpack.Decoder(AgentMeta)
 
 _COPY_LOCK = threading.Lock()
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # this process's open agents
+_GONE_CHECK_SECONDS = 1.0  # how often the service thread looks for peers whose process is gone
 
 
 def resource_figures() -> dict[str, int]:
@@ -291,6 +299,7 @@ class Agent:
         self._closed = False
         self._notes: collections.deque[tuple[str, bytes]] = collections.deque()
         self._passive: dict[tuple[str, int], _Passive] = {}
+        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # peer -> why it was dropped
         self._inbox_map: dict[tuple[str, int], _Job] = {}  # staged transfers this agent initiated
         self._channel = Channel(name, host)
         self._pool_exec = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"kvb-{self.backend}-{name}")
@@ -387,6 +396,7 @@ class Agent:
             old = self._peers.get(peer)
             if old is not None and old.raw == metadata:
                 return
+            self._gone.pop(peer, None)
             if old is not None:
                 self._disconnect_locked(peer, "peer reconnected with new metadata")
             addrs = self._engine_connect(peer, meta)
@@ -418,7 +428,11 @@ class Agent:
         with self._lock:
             p = self._peers.get(peer)
             if p is None:
-                raise InvalidRequest(f"{self.name}: unknown peer {peer!r}; connect it first")
+                gone = self._gone.get(peer)
+                if gone is None:
+                    raise InvalidRequest(f"{self.name}: unknown peer {peer!r}; connect it first")
+                return Handle(next(self._ids), peer, op, int(np.sum(runs.length)), XferState.FAILED,
+                              f"{op} {'from' if op == 'read' else 'to'} {peer!r}: {gone} (disconnected)")
             local, remote, length = self._descriptors(p, runs)
             staged = (self._staging is not None and p.meta.staging is not None and len(length) > 0
                       and int(length.sum()) < self.stage_below * len(length)
@@ -457,6 +471,8 @@ class Agent:
     def send_notification(self, peer: str, message: bytes) -> None:
         self._check_open()
         if peer not in self._peers:
+            if peer in self._gone:
+                raise PeerUnreachable(f"{self.name}: peer {peer!r} was disconnected: {self._gone[peer]}")
             raise InvalidRequest(f"{self.name}: unknown peer {peer!r}; connect it first")
         try:
             self._engine_notify(peer, bytes(message))
@@ -762,7 +778,14 @@ class Agent:
 
     # ---- staging: passive side (service thread) -------------------------------------------
     def _serve(self) -> None:
+        next_check = time.monotonic() + _GONE_CHECK_SECONDS
         while not self._stop.is_set():
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + _GONE_CHECK_SECONDS
+                try:
+                    self._drop_gone_peers()
+                except Exception:  # noqa: BLE001 - the service must go on
+                    pass
             try:
                 msgs = self._channel.recv(20)
             except Exception:
@@ -782,6 +805,25 @@ class Agent:
                 self._pump()
             except Exception:
                 pass
+
+    def _drop_gone_peers(self) -> None:
+        """Disconnect peers whose process is gone, once no transfer to them is pending (service thread)."""
+        for name, p in list(self._peers.items()):
+            why = self._peer_alive(p)
+            if not why:
+                continue
+            with self._lock:
+                if self._closed or self._peers.get(name) is not p:
+                    continue
+                if any(j.handle.peer == name and not j.finished.is_set() for j in self._jobs.values()):
+                    continue  # its transfers fail on their own (they check `_peer_alive`); next round
+                self._gone[name] = why
+                while len(self._gone) > 4096:
+                    self._gone.popitem(last=False)
+                self._disconnect_locked(name, why)
+            for key, job in list(self._passive.items()):
+                if key[0] == name:
+                    self._drop_passive(job)
 
     def _on_ctl(self, sender: str, msg: Ctl) -> None:
         key = (sender, msg.xfer)

@@ -92,10 +92,12 @@ _SEGMENTS: dict[str, SharedSegment] = {}  # this process's own segments, by path
 _SEG_LOCK = threading.Lock()
 
 
-def reap_stale_segments() -> list[str]:
-    """Unlink kvbridge segments whose owning process is gone (left behind by a crash)."""
+def reap_stale_segments(pid: int | None = None) -> list[str]:
+    """Unlink kvbridge segments whose owning process is gone (left behind by a crash); only those
+    of process `pid` when given (a parent that saw its child die)."""
     removed = []
-    for path in glob.glob(os.path.join(SHM_DIR, _PREFIX + "*")):
+    pattern = _PREFIX + ("*" if pid is None else f"{int(pid)}-*")
+    for path in glob.glob(os.path.join(SHM_DIR, pattern)):
         m = re.match(re.escape(_PREFIX) + r"(\d+)-", os.path.basename(path))
         if not m:
             continue
