@@ -4,11 +4,11 @@ channel dropped mid-request, a prefill peer that restarts under the same engine 
 After each: no hang (every wait is bounded), the affected requests fail with reasons, the
 others complete, blocks are released exactly once per prefill rank, and this process's open
 descriptors and kvbridge /dev/shm segments do not grow (small tolerance for ZMQ's lazily made
-I/O thread descriptors in the side-channel test). The decode-rank kill is checked exactly: after
-a warm-up cycle of the same kind without the fault (which opens whatever a process opens once),
-the fault's cycle must leave the open descriptors, the test's /dev/shm segments and the transport
-agents' registered regions, peers and mapped peer segments where the warm-up left them, in this
-process and in the prefill rank that survives.
+I/O thread descriptors in the side-channel test). The decode-rank kill and the peer restart are
+checked exactly: after a warm-up cycle of the same kind without the fault (which opens whatever
+a process opens once), the fault's cycle must leave the open descriptors, the test's /dev/shm
+segments and the transport agents' registered regions, peers and mapped peer segments where the
+warm-up left them, in this process and in the prefill rank that survives.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ FAST = ConnectorConfig(lease_seconds=2, transfer_timeout=2, abort_timeout=1, han
 
 def _figures(tag: str) -> tuple[int, int]:
     gc.collect()
-    shm = len([n for n in os.listdir("/dev/shm") if tag in n]) if os.path.isdir("/dev/shm") else 0
+    mine = f"kvbridge-{os.getpid()}-"  # other processes on the host (other test runs) make segments too
+    shm = len([n for n in os.listdir("/dev/shm") if n.startswith(mine) and tag in n]) if os.path.isdir("/dev/shm") \
+        else 0
     return len(os.listdir("/proc/self/fd")), shm
 
 
@@ -236,6 +238,20 @@ def test_side_channel_dropped_mid_request_then_reconnect(no_growth, mode: str) -
 def test_prefill_peer_restarts_with_same_engine_id() -> None:
     pre = EngineLayout(tp_size=1, block_size=16, num_blocks=64)
     dec = EngineLayout(tp_size=1, block_size=16, num_blocks=64, kv_order="NHD")
+    # Warm-up cycle: the same engines without the fault, one request, closed.
+    cl = Cluster(pre, dec, config=FAST, seed=30)
+    try:
+        cl.connect()
+        wl = Workload(cl, 1, seed=30)
+        (w,) = wl.requests
+        wl.receive()
+        wl.add()
+        cl.run_until(lambda: cl.done(w) and len(cl.releases_of(w)) == 1, 10)
+        assert cl.results[(0, w)].ok
+    finally:
+        cl.close()
+        _free(cl)
+    before = _levels({os.getpid()})
     cl = Cluster(pre, dec, config=FAST, seed=31)
     restarted: list[Producer] = []
     fresh = None
@@ -246,7 +262,8 @@ def test_prefill_peer_restarts_with_same_engine_id() -> None:
         wl.receive([a])
         t0 = time.monotonic()
         old = cl.producers[0]
-        old.close()  # the prefill rank goes down with `a` in flight (announced, never added)
+        old.close()  # the prefill rank goes down with `a` in flight (announced, never added);
+        old.transport.close()  # as a process that dies, it takes its transport agent with it
         cl.producers = []
         restarted = _extra_producers(cl, "prefill", FAST)  # same engine id, new address
         end = time.monotonic() + FAST.transfer_timeout + 2
@@ -298,6 +315,7 @@ def test_prefill_peer_restarts_with_same_engine_id() -> None:
         _close(restarted)
         cl.close()
         _free(cl)
+    _assert_same(before, _levels({os.getpid()}))
 
 
 def test_prefill_peer_restarted_at_the_same_address_is_not_resumed() -> None:
