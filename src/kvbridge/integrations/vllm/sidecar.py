@@ -215,7 +215,8 @@ def _confirming_producer(*args: Any, **kwargs: Any):
     of its own arrives after its Hello, on the connection it handshook on (the decode sidecar
     sends an empty Heartbeat as soon as `connect` returned, see `Sidecar._connect`); anything we
     send after that reaches a reader that is past its handshake. A new Hello from the same rank
-    unconfirms it until it speaks again (its regular heartbeats do)."""
+    (the consumer re-handshaking a lost source) unconfirms it until it speaks again (the decode
+    sidecar confirms again when its consumer counts a recovered source; any heartbeat does)."""
     from kvbridge.connector import messages as m
     from kvbridge.connector.producer import Producer
 
@@ -285,6 +286,7 @@ class Sidecar:
         self._held: dict[str, tuple[Send, float]] = {}
         self._pending: list[Recv] = []
         self._recv: dict[str, Recv] = {}  # remote request id -> request
+        self._recovered = 0  # the consumer's count of re-handshaken sources, last seen
         self._warm()
 
     @staticmethod
@@ -325,6 +327,11 @@ class Sidecar:
             self._start_pending()
             for res in self.consumer.progress(timeout):
                 self._result(res)
+            recovered = self.consumer.stats.get("sources_recovered", 0)
+            if recovered != self._recovered:  # a lost source is back on a new connection
+                self._recovered = recovered
+                for engine in self.consumer.prefill_engines:
+                    self._confirm(engine)
 
     @property
     def transferring(self) -> bool:
@@ -394,14 +401,22 @@ class Sidecar:
         if got != engine:
             log.error("decode rank %d: %s answered as engine %s, expected %s", self.init.rank, address, got, engine)
             return False
-        # Our handshake is over on every source's connection: say so (an empty Heartbeat), so that
-        # each prefill rank announces leases only now (see `_confirming_producer`).
+        self._confirm(got)
+        return True
+
+    def _confirm(self, engine: str) -> None:
+        """Tell every source rank of `engine` that our handshake with it is over (an empty
+        Heartbeat on the connection we handshook on), so that it announces leases only now (see
+        `_confirming_producer`). After `connect`, and after the consumer re-handshook a lost
+        source (its re-handshake drops frames that come with the reply, too)."""
         from kvbridge.connector import messages as m
-        for s, client in self.consumer._engines[got].clients.items():  # the handshake's connections
+        eng = self.consumer._engines[engine]  # the handshake's connections (Consumer keeps them there)
+        for s, client in eng.clients.items():
+            if s in eng.lost:
+                continue
             if not client.send(m.Heartbeat(self.init.engine_id, self.init.rank, ())):
                 log.error("decode rank %d: cannot confirm the handshake to %s rank %d (side channel full or closed)",
-                          self.init.rank, got, s)
-        return True
+                          self.init.rank, engine, s)
 
     def _start_pending(self) -> None:
         pending, self._pending = self._pending, []
