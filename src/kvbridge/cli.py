@@ -118,7 +118,9 @@ def demo(
     new_tokens: int = typer.Option(8, min=1, help="Tokens to generate."),
     seed: int = typer.Option(0, help="Seed for weights, prompt and block ids."),
     prefill_tp: int = typer.Option(1, min=1), decode_tp: int = typer.Option(2, min=1),
-    prefill_block_size: int = typer.Option(16, min=1), decode_block_size: int = typer.Option(16, min=1),
+    prefill_block_size: Optional[int] = typer.Option(None, min=1, help="Tokens per block [default: 16; 32 with "
+                                                     "--engine vllm, whose CPU attention takes multiples of 32]."),
+    decode_block_size: Optional[int] = typer.Option(None, min=1, help="[default: 16; 32 with --engine vllm]"),
     prefill_kernel_block_size: Optional[int] = typer.Option(None, min=1, help="Kernel block size (default: block size)."),
     decode_kernel_block_size: Optional[int] = typer.Option(None, min=1),
     prefill_layout: Order = typer.Option(Order.HND), decode_layout: Order = typer.Option(Order.HND),
@@ -137,6 +139,9 @@ def demo(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Prefill on one engine shape, move the KV cache, decode on another; compare with `generate`."""
+    default_block = 32 if engine == Engine.vllm else 16
+    prefill_block_size = prefill_block_size or default_block
+    decode_block_size = decode_block_size or default_block
     ids = _parse_ids(prompt_ids) if prompt_ids else None
     if engine == Engine.vllm:
         from kvbridge.integrations.vllm.demo import run_vllm_demo
