@@ -161,3 +161,35 @@ def test_bind_failure_is_clear() -> None:
             SideChannelServer(s.address)
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("reader", ["recv", "poll_clients"])
+def test_frames_read_with_the_handshake_reply_are_kept(server: SideChannelServer, reader: str) -> None:
+    """A server may announce work right after answering the handshake; both frames can arrive in
+    the one read that finds the reply. The frames after the reply reach the next receive, in order."""
+    import threading
+    c = SideChannelClient(server.address, b"d/0/held", max_frame_bytes=8192)
+    follow = [m.Abort("p", 0, f"r{i}", "after the reply") for i in range(3)]
+
+    def answer() -> None:
+        got = []
+        while not got:
+            got = server.recv(0.5)
+        for msg in (HB, *follow):  # the reply and what follows it, back to back
+            assert server.send(got[0].peer, msg)
+
+    t = threading.Thread(target=answer)
+    try:
+        t.start()
+        time.sleep(0.3)  # let every frame arrive before the client reads: one read holds them all
+        assert c.request(HB, 5.0, (m.Heartbeat,)) == HB
+        t.join(5)
+        if reader == "recv":
+            got = [r.msg for r in c.recv(0.0)]
+        else:
+            got = [r.msg for _, r in poll_clients([c], 0.0)]
+        assert got == follow
+        assert c.recv(0.0) == []  # handed out once
+    finally:
+        t.join(5)
+        c.close()

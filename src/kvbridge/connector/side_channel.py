@@ -282,6 +282,7 @@ class SideChannelClient:
         self.connected_once = False
         self.lost = False
         self.closed = False
+        self._held: list[Received] = []  # frames that followed a handshake reply in one read
         try:
             self.socket.connect(_endpoint(host, port))
         except zmq.ZMQError as e:
@@ -321,13 +322,20 @@ class SideChannelClient:
         if self.closed:
             return []
         self.check_monitor()
+        if self._held:
+            return self.drain(max_messages)
         if not self.socket.poll(_timeout_ms(timeout), zmq.POLLIN):
             self.check_monitor()
             return []
         return self.drain(max_messages)
 
+    @property
+    def has_held(self) -> bool:
+        """Frames already read (with a handshake reply) and not yet returned."""
+        return bool(self._held)
+
     def drain(self, max_messages: int = 1024) -> list[Received]:
-        out: list[Received] = []
+        out, self._held = self._held[:max_messages], self._held[max_messages:]
         while len(out) < max_messages:
             try:
                 parts = self.socket.recv_multipart(flags=zmq.NOBLOCK)
@@ -339,8 +347,9 @@ class SideChannelClient:
     def request(self, msg: Message, timeout: float, accept: tuple[type, ...]) -> Message:
         """Send `msg` and wait at most `timeout` s for a reply of a type in `accept` (or an Error).
 
-        Other messages that arrive meanwhile are refused with a `SideChannelError`: this is
-        used only for the handshake, before any other traffic can be expected.
+        A message before the reply is refused with a `SideChannelError` (this is used only for
+        the handshake, before which the server sends nothing). Messages read together with the
+        reply (the server may announce work right after it) are kept for the next `recv`.
         """
         from kvbridge.connector.messages import Error
         if not self.send(msg):
@@ -351,10 +360,12 @@ class SideChannelClient:
             if left <= 0:
                 raise SideChannelError(f"no reply from {self.address} within {timeout:.1f} s "
                                        f"(waited for {', '.join(t.__name__ for t in accept)})")
-            for rec in self.recv(min(left, 0.1), max_messages=16):
+            batch = self.recv(min(left, 0.1), max_messages=16)
+            for i, rec in enumerate(batch):
                 if rec.error is not None:
                     raise SideChannelError(f"{self.address} answered with a frame we refuse: {rec.error}")
                 if isinstance(rec.msg, accept) or isinstance(rec.msg, Error):
+                    self._held = batch[i + 1:] + self._held
                     return rec.msg
                 raise SideChannelError(f"{self.address} answered {type(rec.msg).__name__} to "
                                        f"{type(msg).__name__}")
@@ -381,11 +392,11 @@ def poll_clients(clients: Sequence[SideChannelClient], timeout: float) -> list[t
     poller = zmq.Poller()
     for c in live:
         poller.register(c.socket, zmq.POLLIN)
-    ready = dict(poller.poll(_timeout_ms(timeout)))
+    ready = dict(poller.poll(0 if any(c.has_held for c in live) else _timeout_ms(timeout)))
     out: list[tuple[SideChannelClient, Received]] = []
     for c in live:
         c.check_monitor()
-        if c.socket in ready:
+        if c.socket in ready or c.has_held:
             out.extend((c, r) for r in c.drain())
     return out
 
