@@ -156,9 +156,15 @@ def main(argv: list[str] | None = None) -> int:
               "succeed after reconnecting), a prefill peer restarting under the same engine id (the old request "
               "fails with a reason; a changed layout under the same id is refused at registration; a fresh "
               "consumer handshakes and new requests succeed): `tests/connector/test_connector_faults_more.py`.",
-              "- NOT yet covered by a test: a network-namespace link cut (`tests/connector/test_connector_two_hosts.py` "
-              "runs two namespaces but does not cut the link); the fd/shm growth check for the decode-kill and "
-              "restart scenarios (measured growth there: +2 shm segments in one run, 26 -> 31 fds, not yet explained).",
+              "- network link cut mid-request between two namespaces (`ip link set down` on both veth ends; shm pull "
+              "and Mooncake push): in-flight requests fail within their timeout with their ids, a request received "
+              "after the cut fails at once with no byte landed, each prefill rank releases each request exactly "
+              "once, and after the link is back new requests complete byte-exact: "
+              "`tests/connector/test_connector_link_cut.py`.",
+              "- resources after faults, checked exactly after a warm-up cycle of the same kind: decode rank killed "
+              "(test process fds 12 = 12 and shm segments 1 = 1, were 22 -> 26 and 1 -> 2; the surviving prefill "
+              "rank's peers and mapped segments back to 0, were 2 -> 4), peer restart (fds 20 = 20, were +8 to +10 "
+              "per cycle), link cut (fds, segments, registered regions and peers back to the warm-up level).",
               "",
               "## What was lost", "",
               ("Nothing: every soak request (in one process and through multi-process engines) completed and "
