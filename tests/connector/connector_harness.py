@@ -24,9 +24,29 @@ from kvbridge.connector.transports import allocate_cache, make_transport, unavai
 from kvbridge.layout import EngineLayout, RankCache
 from kvbridge.plan import Request
 from kvbridge.spec import ModelSpec
-from kvbridge.verify import clone_caches, expected_destination, fill_source, mismatch_report, random_bytes
+from kvbridge.verify import (clone_caches, expected_destination, fill_source, mismatch_report, random_bytes,
+                             random_request)
 
 SPEC = ModelSpec.uniform(2, 6, 16, "bfloat16", name="six-heads")  # TP 1, 2, 3, 6 all shard it
+
+
+def disjoint_requests(spec: ModelSpec, prefill: EngineLayout, decode: EngineLayout, count: int, seed: int,
+                      prefix: str = "r") -> dict[str, Request]:
+    """`count` random requests (20-60 tokens) whose blocks are pairwise disjoint on both sides."""
+    rng = random.Random(seed)
+    out: dict[str, Request] = {}
+    used_s: set[int] = set()
+    used_d: set[int] = set()
+    while len(out) < count:
+        rq = random_request(spec, prefill, decode, rng.randint(20, 60), 0, rng)
+        s = {b for g in rq.src_block_ids for b in g}
+        d = {b for g in rq.dst_block_ids for b in g}
+        if s & used_s or d & used_d:
+            continue
+        used_s |= s
+        used_d |= d
+        out[f"{prefix}{len(out)}"] = rq
+    return out
 
 
 def require(kind: str) -> None:

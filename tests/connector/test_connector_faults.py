@@ -8,20 +8,19 @@ decode ranks' bytes are checked after recovery, so "succeeds" means byte-exact.
 
 from __future__ import annotations
 
-import random
 import time
 
 import numpy as np
 import pytest
 import torch
-from connector_harness import SPEC
+from connector_harness import SPEC, disjoint_requests
 
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.demo import DecodeEngine, PrefillEngine
 from kvbridge.connector.processes import process_context
 from kvbridge.layout import EngineLayout, RankCache
 from kvbridge.plan import Request
-from kvbridge.verify import expected_destination, fill_source, mismatch_report, random_request
+from kvbridge.verify import expected_destination, fill_source, mismatch_report
 
 CFG = ConnectorConfig(lease_seconds=4, transfer_timeout=3, abort_timeout=1, handshake_timeout=5)
 PRE = EngineLayout(tp_size=2, block_size=16, num_blocks=64)
@@ -30,21 +29,7 @@ DEC_FILL = 1001  # DecodeEngine's default: rank r starts as random bytes from se
 
 
 def _requests(prefill: EngineLayout, decode: EngineLayout, count: int, seed: int) -> dict[str, Request]:
-    """Requests with pairwise disjoint blocks on both sides."""
-    rng = random.Random(seed)
-    out: dict[str, Request] = {}
-    used_s: set[int] = set()
-    used_d: set[int] = set()
-    while len(out) < count:
-        rq = random_request(SPEC, prefill, decode, rng.randint(20, 60), 0, rng)
-        s = {b for g in rq.src_block_ids for b in g}
-        d = {b for g in rq.dst_block_ids for b in g}
-        if s & used_s or d & used_d:
-            continue
-        used_s |= s
-        used_d |= d
-        out[f"r{seed}-{len(out)}"] = rq
-    return out
+    return disjoint_requests(SPEC, prefill, decode, count, seed, prefix=f"r{seed}-")
 
 
 def _shards(layout: EngineLayout, requests: dict[str, Request]) -> list[list[np.ndarray]]:

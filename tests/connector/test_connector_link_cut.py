@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import random
 import subprocess
 import sys
 import threading
@@ -35,12 +34,11 @@ import time
 from pathlib import Path
 
 import pytest
-from connector_harness import require
+from connector_harness import disjoint_requests, require
 from test_connector_two_hosts import _ip, namespaces  # noqa: F401 - the fixture
 
 from kvbridge.layout import EngineLayout
 from kvbridge.spec import ModelSpec
-from kvbridge.verify import random_request
 
 SIDE = Path(__file__).with_name("link_cut_side.py")
 SPEC_ARGS = (2, 6, 16, "bfloat16")
@@ -131,21 +129,8 @@ class Side:
 
 def _requests(count: int, seed: int) -> dict[str, list]:
     """Requests with pairwise disjoint blocks on both sides, as JSON."""
-    rng = random.Random(seed)
-    spec = ModelSpec.uniform(*SPEC_ARGS)
-    out: dict[str, list] = {}
-    used_s: set[int] = set()
-    used_d: set[int] = set()
-    while len(out) < count:
-        rq = random_request(spec, PRE, DEC, rng.randint(20, 60), 0, rng)
-        s = {b for g in rq.src_block_ids for b in g}
-        d = {b for g in rq.dst_block_ids for b in g}
-        if s & used_s or d & used_d:
-            continue
-        used_s |= s
-        used_d |= d
-        out[f"r{len(out)}"] = [rq.src_block_ids, rq.dst_block_ids, rq.num_tokens]
-    return out
+    reqs = disjoint_requests(ModelSpec.uniform(*SPEC_ARGS), PRE, DEC, count, seed)
+    return {rid: [rq.src_block_ids, rq.dst_block_ids, rq.num_tokens] for rid, rq in reqs.items()}
 
 
 def _cut(ns_a: str, ns_b: str, up: bool) -> None:
