@@ -272,6 +272,7 @@ class Agent:
     attaches_notify = False
     max_post_bytes = 1 << 62  # the direct path posts at most this many bytes per engine call
     desc_bytes = 1 << 20  # descriptor size for staged windows
+    service_period_ms = 20  # longest wait of the service thread between rounds
 
     def __init__(self, name: str, *, host: str = "127.0.0.1", timeout_s: float = 30.0, workers: int = 4,
                  staging_bytes: int = 64 << 20, slot_bytes: int = 16 << 20, stage_below: int = 256 << 10,
@@ -341,6 +342,9 @@ class Agent:
 
     def _engine_close(self) -> None:
         pass
+
+    def _engine_progress(self) -> None:
+        """Called by the service thread every `service_period_ms` (engines without a progress thread)."""
 
     def _peer_alive(self, peer: _Peer) -> str:
         """An empty string, or why the peer is known to be gone."""
@@ -787,7 +791,7 @@ class Agent:
                 except Exception:  # noqa: BLE001 - the service must go on
                     pass
             try:
-                msgs = self._channel.recv(20)
+                msgs = self._channel.recv(self.service_period_ms)
             except Exception:
                 if self._stop.is_set():
                     return
@@ -804,6 +808,10 @@ class Agent:
             try:
                 self._pump()
             except Exception:
+                pass
+            try:
+                self._engine_progress()
+            except Exception:  # noqa: BLE001 - the service must go on
                 pass
 
     def _drop_gone_peers(self) -> None:
