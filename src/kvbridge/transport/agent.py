@@ -44,8 +44,8 @@ reason; `connect` makes it reachable again.
 sends them after the engine reported completion (NIXL attaches them to the transfer itself); a
 staged write has the destination queue its own copy after its last scatter.
 
-Copies on this side run in numba's parallel loop (`local.copy_runs`); with numba's `workqueue`
-threading layer (not thread-safe) they are serialized by a process-wide lock.
+Staging copies run in a compiled serial loop that releases the GIL (`copy_addresses`): OpenMP
+threads of a parallel loop spin after it ends, which starved the engine's threads on small hosts.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ import torch
 
 from kvbridge.errors import InvalidRequest, KVBridgeError
 from kvbridge.transport.base import Handle, Op, Runs, XferState
-from kvbridge.transport.local import copy_runs
+from kvbridge.transport.local import copy_addresses_serial, copy_runs
 from kvbridge.transport.notify import CONTROL, NOTIFY, Channel, PeerUnreachable
 
 META_VERSION = 1
@@ -148,9 +148,16 @@ def _i64(a: np.ndarray) -> np.ndarray:
     return np.require(a, np.int64, ["C", "W"])
 
 
-def copy_addresses(src_addr: np.ndarray, dst_addr: np.ndarray, length: np.ndarray) -> None:
-    """memcpy `length[i]` bytes from `src_addr[i]` to `dst_addr[i]` for every i (compiled, parallel)."""
+def copy_addresses(src_addr: np.ndarray, dst_addr: np.ndarray, length: np.ndarray, parallel: bool = False) -> None:
+    """memcpy `length[i]` bytes from `src_addr[i]` to `dst_addr[i]` for every i (compiled).
+
+    Serial by default (`local.copy_addresses_serial`: staging copies run beside an engine's
+    threads); `parallel` uses numba's parallel loop, for a copy that is itself the transfer.
+    """
     if not len(length):
+        return
+    if not parallel:
+        copy_addresses_serial(_i64(src_addr), _i64(dst_addr), _i64(length))
         return
     zero_base = np.zeros(1, np.int64)
     zero_idx = np.zeros(len(length), np.int64)
@@ -273,6 +280,7 @@ class Agent:
     max_post_bytes = 1 << 62  # the direct path posts at most this many bytes per engine call
     desc_bytes = 1 << 20  # descriptor size for staged windows
     service_period_ms = 20  # longest wait of the service thread between rounds
+    serve_order = "fifo"  # how the passive side of staged transfers shares its slots (see `_pump`)
 
     def __init__(self, name: str, *, host: str = "127.0.0.1", timeout_s: float = 30.0, workers: int = 4,
                  staging_bytes: int = 64 << 20, slot_bytes: int = 16 << 20, stage_below: int = 256 << 10,
@@ -909,7 +917,14 @@ class Agent:
             copy_addresses(slot_addr, job.addr[s], job.length[s])
 
     def _pump(self) -> None:
-        """Give free slots to waiting passive transfers, round robin, at most half the pool each."""
+        """Give free slots to waiting passive transfers, oldest first, at most half the pool each.
+
+        Oldest first (`fifo`, the default), a transfer gets slots only once every older one has
+        had its last window handed out. When the engine, not the copies, is the bottleneck, peers
+        served one after another finish sooner on the whole than peers served side by side (two
+        Mooncake TCP readers of one engine moved half the bytes per second of one reader), and
+        the oldest request is done first. `fair` hands slots out round robin instead.
+        """
         if not self._passive:
             return
         limit = max(1, self._pool.count // 2)
@@ -917,11 +932,17 @@ class Agent:
         progress = True
         while progress and self._pool.free:
             progress = False
+            blocked = False  # an older transfer still has windows to hand out
             for key, job in list(self._passive.items()):
                 if now - job.last_seen > self.timeout_s:
                     self._drop_passive(job)
                     continue
-                if job.next_window >= job.windows or len(job.held) >= limit:
+                if job.next_window >= job.windows:
+                    continue
+                if blocked:
+                    break
+                blocked = self.serve_order == "fifo"
+                if len(job.held) >= limit:
                     continue
                 slot = self._pool.try_acquire()
                 if slot is None:

@@ -44,6 +44,18 @@ def copy_runs(src_base, dst_base, src_region, src_off, dst_region, dst_off, leng
         _memcpy(dst_base[dst_region[i]] + dst_off[i], src_base[src_region[i]] + src_off[i], length[i])
 
 
+@numba.njit(nogil=True, cache=True)
+def copy_addresses_serial(src_addr, dst_addr, length):  # pragma: no cover - compiled
+    """memcpy `length[i]` bytes from `src_addr[i]` to `dst_addr[i]`, in the calling thread.
+
+    For copies that run beside a transfer engine (staging windows): a parallel region's OpenMP
+    threads spin after it ends, and on a small host that spinning took a quarter of the CPU the
+    engine's own threads needed. Releases the GIL, so concurrent windows copy in parallel.
+    """
+    for i in range(length.shape[0]):
+        _memcpy(dst_addr[i], src_addr[i], length[i])
+
+
 def _i64(a: np.ndarray) -> np.ndarray:
     """Contiguous, writable int64: one compiled signature for every caller."""
     return np.require(a, np.int64, ["C", "W"])

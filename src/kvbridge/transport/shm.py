@@ -237,9 +237,9 @@ class ShmTransport(Agent):
     def _engine_post(self, peer: str, op: Op, local: np.ndarray, remote: np.ndarray, length: np.ndarray,
                      notify: bytes | None) -> Any:
         if op == "read":
-            copy_addresses(remote, local, length)
+            copy_addresses(remote, local, length, parallel=True)
         else:
-            copy_addresses(local, remote, length)
+            copy_addresses(local, remote, length, parallel=True)
         return True
 
     def _engine_check(self, token: Any) -> bool:
