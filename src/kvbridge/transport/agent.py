@@ -144,6 +144,27 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+class _Backoff:
+    """Pauses that double from `first` to `cap` while a loop finds nothing to do, reset by progress.
+
+    Waiting loops beside an engine's threads: a fixed 0.1 ms poll wakes 10,000 times a second and
+    takes CPU the engine needs on small hosts, a long fixed pause adds latency to every step.
+    """
+
+    def __init__(self, first: float = 0.0001, cap: float = 0.001):
+        self.first, self.cap, self.now = first, cap, first
+
+    def next(self) -> float:
+        now, self.now = self.now, min(self.cap, self.now * 2)
+        return now
+
+    def pause(self) -> None:
+        time.sleep(self.next())
+
+    def reset(self) -> None:
+        self.now = self.first
+
+
 def _i64(a: np.ndarray) -> np.ndarray:
     return np.require(a, np.int64, ["C", "W"])
 
@@ -470,6 +491,14 @@ class Agent:
             self._jobs.pop(handle.id, None)
         return handle.state
 
+    def wait(self, handle: Handle, timeout: float) -> XferState:
+        """Sleeps on the transfer's completion instead of polling: a thread waking every 0.2 ms
+        beside a posting thread cost it a fifth of its speed (NIXL, 2 cores)."""
+        job = self._jobs.get(handle.id)
+        if job is not None:
+            job.finished.wait(max(0.0, min(timeout, job.deadline + 1.5 - time.monotonic())))
+        return self.poll(handle)
+
     def abort(self, handle: Handle) -> None:
         job = self._jobs.get(handle.id)
         if job is None:
@@ -590,10 +619,11 @@ class Agent:
             raise TransferFailed(gone)
 
     def _wait_token(self, job: _Job, p: _Peer, token: Any) -> None:
+        backoff = _Backoff()
         try:
             while not self._engine_check(token):
                 self._check_job(job, p)
-                time.sleep(0.0002)
+                backoff.pause()
         finally:
             self._engine_release(token)
 
@@ -696,8 +726,10 @@ class Agent:
     def _staged_read(self, job, p, nwin, held, inflight, post, window_copy) -> None:
         pending: collections.deque = collections.deque()  # (window, remote slot) gathered on the peer
         scattered = 0
+        backoff, idle = _Backoff(), 0.0  # while reads run, wait on the inbox (a message ends the wait)
         while scattered < nwin:
-            msg = self._next_ctl(job, p, 0 if (pending or inflight) else 0.002)
+            msg = self._next_ctl(job, p, idle if (pending or inflight) else 0.002)
+            moved = msg is not None
             while msg is not None:
                 if msg.kind == "ready":
                     pending.append((msg.window, msg.slot))
@@ -709,6 +741,7 @@ class Agent:
                 held.append(lslot)
                 w, rslot = pending.popleft()
                 inflight.append((w, lslot, rslot, post(w, lslot, rslot)))
+                moved = True
             if inflight:
                 w, lslot, rslot, token = inflight[0]
                 if self._engine_check(token):
@@ -719,17 +752,24 @@ class Agent:
                     held.remove(lslot)
                     self._pool.release(lslot)
                     scattered += 1
+                    moved = True
                 else:
                     self._check_job(job, p)
-                    time.sleep(0.0001)
+            if moved:
+                backoff.reset()
+                idle = 0.0
+            else:
+                idle = backoff.next()
 
     def _staged_write(self, job, p, nwin, held, inflight, post, window_copy) -> None:
         grants: dict[int, int] = {}
         gathered: collections.deque = collections.deque()  # (window, local slot), in window order
         next_gather = written = 0
         done = False
+        backoff, idle = _Backoff(), 0.0  # while writes run, wait on the inbox (a message ends the wait)
         while not done:
-            msg = self._next_ctl(job, p, 0 if (gathered or inflight or next_gather < nwin) else 0.002)
+            msg = self._next_ctl(job, p, idle if (gathered or inflight or next_gather < nwin) else 0.002)
+            moved = msg is not None
             while msg is not None:
                 if msg.kind == "slot":
                     grants[msg.window] = msg.slot
@@ -746,10 +786,12 @@ class Agent:
                 window_copy(next_gather, lslot, gather=True)
                 gathered.append((next_gather, lslot))
                 next_gather += 1
+                moved = True
             while gathered and gathered[0][0] in grants and len(inflight) < self.depth:
                 w, lslot = gathered.popleft()
                 rslot = grants.pop(w)
                 inflight.append((w, lslot, rslot, post(w, lslot, rslot)))
+                moved = True
             if inflight:
                 w, lslot, rslot, token = inflight[0]
                 if self._engine_check(token):
@@ -759,9 +801,14 @@ class Agent:
                     self._pool.release(lslot)
                     self._ctl(p.name, Ctl("scatter", job.handle.id, window=w, slot=rslot))
                     written += 1
-                elif not gathered or next_gather >= nwin:
+                    moved = True
+                else:
                     self._check_job(job, p)
-                    time.sleep(0.0001)
+            if moved:
+                backoff.reset()
+                idle = 0.0
+            else:
+                idle = backoff.next()
 
     def _cancel_remote(self, job: _Job, p: _Peer, xfer: int) -> None:
         """Tell the passive side to stop and wait (briefly) until it no longer touches memory."""

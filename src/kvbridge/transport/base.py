@@ -80,6 +80,9 @@ class Transport(Protocol):
     def poll(self, handle: Handle) -> XferState:
         """Advance and return the handle's state (never blocks)."""
 
+    def wait(self, handle: Handle, timeout: float) -> XferState:
+        """Block until the handle is DONE or FAILED, or `timeout` seconds passed; its state then."""
+
     def abort(self, handle: Handle) -> None:
         """Stop a posted transfer; afterwards it neither reads nor writes memory."""
 

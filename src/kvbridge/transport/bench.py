@@ -15,9 +15,10 @@ poster at one instant on the host's monotonic clock and ends at the last complet
 - **per-block**: one descriptor per block per layer per K/V (every run split at both sides'
   block boundaries), as vLLM's NIXL and Mooncake connectors issue them, posted directly.
 
-The baselines run on agents of their own (same processes, same memory sizes) in the engine's
-default configuration, so options that tune our path (staging, engine threads) never change
-them. Before timing, one transfer of `ours` is checked byte-exactly (`verify`). Absolute GB/s on
+The baselines run on agents of their own (same processes, same memory sizes) with the engine
+settings our agents use (NIXL without its progress thread, Mooncake polled without blocking:
+both make every way faster, the contiguous ones included) but with none of the options that
+tune our path (staging, `transport_options`). Before timing, one transfer of `ours` is checked byte-exactly (`verify`). Absolute GB/s on
 shared machines are noise; the ratios from one run are the result.
 """
 

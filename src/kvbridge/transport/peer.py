@@ -109,13 +109,9 @@ class AgentHost:
         t0 = time.perf_counter()
         hs = [(self.agents[a], self.agents[a].submit(peer, op, runs)) for a, peer, op, runs in batch]
         end = time.monotonic() + timeout
-        pending = list(hs)
-        while pending:
-            pending = [(a, h) for a, h in pending if a.poll(h) == XferState.PENDING]
-            if pending:
-                if time.monotonic() > end:
-                    raise TimeoutError(f"transfers still pending after {timeout} s")
-                time.sleep(0.0002)
+        for a, h in hs:  # sleeps on each completion: a polling thread would slow the posting ones
+            if a.wait(h, end - time.monotonic()) == XferState.PENDING:
+                raise TimeoutError(f"transfers still pending after {timeout} s")
         elapsed = time.perf_counter() - t0
         failed = [h.reason for _, h in hs if h.state != XferState.DONE]
         if failed:
@@ -142,14 +138,10 @@ class AgentHost:
         return h.id
 
     def wait(self, name: str, ids: list[int], timeout: float = 60.0) -> list[tuple[str, str]]:
-        """Poll until every handle is terminal or `timeout`; returns (state, reason) per handle."""
+        """Wait until every handle is terminal or `timeout`; returns (state, reason) per handle."""
         agent, hs = self.agents[name], [self.handles[(name, i)] for i in ids]
         end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if all(agent.poll(h) != XferState.PENDING for h in hs):
-                break
-            time.sleep(0.0005)
-        return [(agent.poll(h).value, h.reason) for h in hs]
+        return [(agent.wait(h, end - time.monotonic()).value, h.reason) for h in hs]
 
     def abort(self, name: str, hid: int) -> tuple[str, str]:
         h = self.handles[(name, hid)]
