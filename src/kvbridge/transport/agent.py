@@ -69,7 +69,7 @@ import torch
 
 from kvbridge.errors import InvalidRequest, KVBridgeError
 from kvbridge.transport.base import Handle, Op, Runs, XferState
-from kvbridge.transport.local import copy_addresses_serial, copy_runs
+from kvbridge.transport.local import copy_addresses_serial, copy_runs, int64_array
 from kvbridge.transport.notify import CONTROL, NOTIFY, Channel, PeerUnreachable
 
 META_VERSION = 1
@@ -164,9 +164,12 @@ class _Backoff:
     def reset(self) -> None:
         self.now = self.first
 
-
-def _i64(a: np.ndarray) -> np.ndarray:
-    return np.require(a, np.int64, ["C", "W"])
+    def after(self, moved: bool) -> float:
+        """The wait before a loop's next round: none after progress, else the next pause."""
+        if moved:
+            self.reset()
+            return 0.0
+        return self.next()
 
 
 def copy_addresses(src_addr: np.ndarray, dst_addr: np.ndarray, length: np.ndarray, parallel: bool = False) -> None:
@@ -177,16 +180,17 @@ def copy_addresses(src_addr: np.ndarray, dst_addr: np.ndarray, length: np.ndarra
     """
     if not len(length):
         return
+    src, dst, ln = int64_array(src_addr), int64_array(dst_addr), int64_array(length)
     if not parallel:
-        copy_addresses_serial(_i64(src_addr), _i64(dst_addr), _i64(length))
+        copy_addresses_serial(src, dst, ln)
         return
     zero_base = np.zeros(1, np.int64)
-    zero_idx = np.zeros(len(length), np.int64)
+    zero_idx = np.zeros(len(ln), np.int64)
     if _needs_copy_lock():
         with _COPY_LOCK:
-            copy_runs(zero_base, zero_base, zero_idx, _i64(src_addr), zero_idx, _i64(dst_addr), _i64(length))
+            copy_runs(zero_base, zero_base, zero_idx, src, zero_idx, dst, ln)
     else:
-        copy_runs(zero_base, zero_base, zero_idx, _i64(src_addr), zero_idx, _i64(dst_addr), _i64(length))
+        copy_runs(zero_base, zero_base, zero_idx, src, zero_idx, dst, ln)
 
 
 def _needs_copy_lock() -> bool:
@@ -495,7 +499,7 @@ class Agent:
         """Sleeps on the transfer's completion instead of polling: a thread waking every 0.2 ms
         beside a posting thread cost it a fifth of its speed (NIXL, 2 cores)."""
         job = self._jobs.get(handle.id)
-        if job is not None:
+        if job is not None:  # no longer than until `poll` reports a worker stuck past its deadline
             job.finished.wait(max(0.0, min(timeout, job.deadline + 1.5 - time.monotonic())))
         return self.poll(handle)
 
@@ -755,11 +759,7 @@ class Agent:
                     moved = True
                 else:
                     self._check_job(job, p)
-            if moved:
-                backoff.reset()
-                idle = 0.0
-            else:
-                idle = backoff.next()
+            idle = backoff.after(moved)
 
     def _staged_write(self, job, p, nwin, held, inflight, post, window_copy) -> None:
         grants: dict[int, int] = {}
@@ -804,11 +804,7 @@ class Agent:
                     moved = True
                 else:
                     self._check_job(job, p)
-            if moved:
-                backoff.reset()
-                idle = 0.0
-            else:
-                idle = backoff.next()
+            idle = backoff.after(moved)
 
     def _cancel_remote(self, job: _Job, p: _Peer, xfer: int) -> None:
         """Tell the passive side to stop and wait (briefly) until it no longer touches memory."""
@@ -967,10 +963,9 @@ class Agent:
         """Give free slots to waiting passive transfers, oldest first, at most half the pool each.
 
         Oldest first (`fifo`, the default), a transfer gets slots only once every older one has
-        had its last window handed out. When the engine, not the copies, is the bottleneck, peers
-        served one after another finish sooner on the whole than peers served side by side (two
-        Mooncake TCP readers of one engine moved half the bytes per second of one reader), and
-        the oldest request is done first. `fair` hands slots out round robin instead.
+        had its last window handed out, so the oldest request is done first; `fair` hands slots
+        out round robin instead. Measured (Mooncake pull, TP1 -> TP2, 128 MiB, 2 cores, 3 A/B
+        pairs): oldest first 1.07-1.33 GB/s, round robin 0.93-1.08 GB/s, close to the noise.
         """
         if not self._passive:
             return

@@ -18,8 +18,9 @@ poster at one instant on the host's monotonic clock and ends at the last complet
 The baselines run on agents of their own (same processes, same memory sizes) with the engine
 settings our agents use (NIXL without its progress thread, Mooncake polled without blocking:
 both make every way faster, the contiguous ones included) but with none of the options that
-tune our path (staging, `transport_options`). Before timing, one transfer of `ours` is checked byte-exactly (`verify`). Absolute GB/s on
-shared machines are noise; the ratios from one run are the result.
+tune our path (staging, `transport_options`). Before timing, one transfer of `ours` is checked
+byte-exactly (`verify`). Absolute GB/s on shared machines are noise; the ratios from one run are
+the result.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def copy_addresses_serial(src_addr, dst_addr, length):  # pragma: no cover - com
         _memcpy(dst_addr[i], src_addr[i], length[i])
 
 
-def _i64(a: np.ndarray) -> np.ndarray:
+def int64_array(a: np.ndarray) -> np.ndarray:
     """Contiguous, writable int64: one compiled signature for every caller."""
     return np.require(a, np.int64, ["C", "W"])
 
@@ -115,8 +115,8 @@ class LocalExecutor:
         if len(plan) == 0:
             return 0.0
         if self.backend == "numba":
-            copy_runs(self._src_addr, self._dst_addr, _i64(sr), _i64(plan.src_offset), _i64(dr),
-                      _i64(plan.dst_offset), _i64(plan.length))
+            copy_runs(self._src_addr, self._dst_addr, int64_array(sr), int64_array(plan.src_offset), int64_array(dr),
+                      int64_array(plan.dst_offset), int64_array(plan.length))
         else:
             self._execute_torch(sr, dr, plan)
         return time.perf_counter() - t0

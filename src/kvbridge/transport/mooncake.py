@@ -66,6 +66,10 @@ class _Posted:
     next: int = 0
     live: list[tuple[int, int]] = field(default_factory=list)  # (batch id, descriptor index)
 
+    def stop(self) -> None:
+        """Submit nothing more; what is in flight is still waited for (`_engine_release`)."""
+        self.next = len(self.length)
+
 
 class MooncakeTransport(Agent):
     """Transport over the Mooncake Transfer Engine (see the module docstring)."""
@@ -123,7 +127,7 @@ class MooncakeTransport(Agent):
             i = token.next
             batch = call(token.session, [token.local[i]], [token.remote[i]], [token.length[i]])
             if batch <= 0:
-                token.next = len(token.length)  # submit nothing more; what is in flight is waited for
+                token.stop()
                 raise TransferFailed(f"Mooncake batch_transfer_async_{token.op} to {token.session} returned {batch} "
                                      f"(descriptor {i} of {len(token.length)}, {token.length[i]} B)")
             token.live.append((batch, i))
@@ -142,13 +146,13 @@ class MooncakeTransport(Agent):
                            f"with {token.session} {what}")
         token.live = still
         if failure:
-            token.next = len(token.length)
+            token.stop()
             raise TransferFailed(failure)
         self._submit_more(token)
         return not token.live and token.next == len(token.length)
 
     def _engine_release(self, token: Any) -> None:
-        token.next = len(token.length)  # submit nothing more, then wait out what is in flight
+        token.stop()
         end = time.monotonic() + self.timeout_s + 5.0
         while token.live and time.monotonic() < end:
             token.live = [(b, i) for b, i in token.live if self._engine.transfer_check_status(b) == 0]
