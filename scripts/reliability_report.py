@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/reliability_report.py [--requests N] [--fuzz-runs N --fuzz-seconds S]
 
-The scenarios are the functions in `kvbridge.connector.reliability` that
+The scenarios are the functions in `kvbridge.testing.reliability` that
 tests/connector/test_connector_soak.py, test_connector_soak_multiprocess.py and
 test_connector_reliability_report.py call, and the atheris runner of tests/fuzz/fuzz_messages.py
 that tests/fuzz/test_fuzz_messages.py calls.
@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from kvbridge.connector.reliability import garbage_frames, multiprocess_soak, soak
+from kvbridge.testing.reliability import garbage_frames, multiprocess_soak, soak
 from kvbridge.connector.transports import unavailable_reason
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")

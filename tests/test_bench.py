@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from kvbridge import EngineLayout, LocalExecutor, ModelSpec, RankCache, Request, plan_request
-from kvbridge.presets import PRESETS
+from kvbridge.models.presets import PRESETS
+from kvbridge.models import spec_from_hf_config
 
-SPEC = ModelSpec.from_hf_config(PRESETS["llama-3-8b"])
+SPEC = spec_from_hf_config(PRESETS["llama-3-8b"])
 TOKENS = 1024
 
 

@@ -9,11 +9,11 @@ import torch
 
 from kvbridge import (ConfigError, EngineLayout, IncompatibleEngines, InvalidRequest, KVBridgeError, LayerSpec,
                       ModelSpec, RankCache, ShardingError)
-from kvbridge.plan import Plan, Request, plan_request
-from kvbridge.shard import check_shardable
-from kvbridge.topology import TransferTopology
+from kvbridge.core.plan import Plan, Request, plan_request
+from kvbridge.core.shard import check_shardable
+from kvbridge.core.topology import TransferTopology
 from kvbridge.transport.local import LocalExecutor, execute_plan
-from kvbridge.verify import fill_source, random_bytes
+from kvbridge.proofs.verify import fill_source, random_bytes
 
 SPEC = ModelSpec.uniform(2, 4, 8, "bfloat16")
 SWA = ModelSpec.uniform(2, 4, 8, "bfloat16", kinds=("sliding", "full"), window=5)  # 2 groups

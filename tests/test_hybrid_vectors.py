@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge.blocks import (apply_prefix_caching, check_prefix_caching, compute_physical_blocks_per_logical,
+from kvbridge.core.blocks import (apply_prefix_caching, check_prefix_caching, compute_physical_blocks_per_logical,
                              logical_to_kernel_block_ids)
 from kvbridge.errors import InvalidRequest
-from kvbridge.hybrid import conv_split
-from kvbridge.layout import EngineLayout
-from kvbridge.spec import Component, LayerSpec, ModelSpec
-from kvbridge.topology import TransferTopology
+from kvbridge.core.shard import conv_split
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.spec import Component, LayerSpec, ModelSpec
+from kvbridge.core.topology import TransferTopology
+from kvbridge.models import spec_from_hf_config
 
 R = lambda a, b: list(range(a, b))  # noqa: E731
 
@@ -45,14 +46,14 @@ def _mamba2(n_heads: int, head_dim: int, groups: int, d_state: int) -> LayerSpec
     cfg = {"model_type": "bamba", "num_hidden_layers": 1, "attn_layer_indices": [], "hidden_size": 4096,
            "mamba_n_heads": n_heads, "mamba_d_head": head_dim, "mamba_n_groups": groups, "mamba_d_state": d_state,
            "mamba_d_conv": 4, "torch_dtype": "bfloat16"}
-    return ModelSpec.from_hf_config(cfg).layers[0]
+    return spec_from_hf_config(cfg).layers[0]
 
 
 def _gdn(k_heads: int, v_heads: int, k_dim: int = 128, v_dim: int = 128) -> LayerSpec:
     cfg = {"model_type": "qwen3_next", "num_hidden_layers": 1, "layer_types": ["linear_attention"],
            "linear_num_key_heads": k_heads, "linear_num_value_heads": v_heads, "linear_key_head_dim": k_dim,
            "linear_value_head_dim": v_dim, "linear_conv_kernel_dim": 4, "torch_dtype": "bfloat16"}
-    return ModelSpec.from_hf_config(cfg).layers[0]
+    return spec_from_hf_config(cfg).layers[0]
 
 
 def _local_units(layer: LayerSpec, comp: str, tp: int) -> int:

@@ -7,12 +7,13 @@ import random
 import pytest
 import torch
 
-from kvbridge.integrity import destination_checksums, source_checksums, verify_request
-from kvbridge.layout import EngineLayout, RankCache
-from kvbridge.plan import plan_request
-from kvbridge.spec import ModelSpec
+from kvbridge.core.integrity import destination_checksums, source_checksums, verify_request
+from kvbridge.core.layout import EngineLayout
+from kvbridge.transport.cache import RankCache
+from kvbridge.core.plan import plan_request
+from kvbridge.core.spec import ModelSpec
 from kvbridge.transport.local import LocalExecutor
-from kvbridge.verify import fill_source, random_bytes, random_case, random_request
+from kvbridge.proofs.verify import fill_source, random_bytes, random_case, random_request
 
 
 def moved(seed: int):

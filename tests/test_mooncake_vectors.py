@@ -37,7 +37,7 @@ from __future__ import annotations
 import pytest
 
 from kvbridge import EngineLayout, LayerSpec, ModelSpec
-from kvbridge.plan import Request, plan_request
+from kvbridge.core.plan import Request, plan_request
 
 SRC_BLOCK, DST_BLOCK = 1, 2  # one block each side, not the last block (no K/V merge at the seam)
 NUM_BLOCKS = 4

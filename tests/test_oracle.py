@@ -19,12 +19,13 @@ from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from kvbridge.errors import ConfigError, InvalidRequest
-from kvbridge.hf import (BUILTIN_MODELS, cache_differences, export_cache, import_cache, load_model, make_prompt_ids,
+from kvbridge.proofs.hf import (BUILTIN_MODELS, cache_differences, export_cache, import_cache, load_model, make_prompt_ids,
                          replica_mismatches, run_demo, spec_for)
-from kvbridge.layout import EngineLayout, RankCache
-from kvbridge.plan import plan_request
+from kvbridge.core.layout import EngineLayout
+from kvbridge.transport.cache import RankCache
+from kvbridge.core.plan import plan_request
 from kvbridge.transport.local import LocalExecutor
-from kvbridge.verify import random_bytes, random_request
+from kvbridge.proofs.verify import random_bytes, random_request
 
 pytestmark = pytest.mark.oracle
 

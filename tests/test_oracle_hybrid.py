@@ -23,14 +23,16 @@ import torch
 from safetensors.torch import load_file
 
 from kvbridge.errors import ConfigError, InvalidRequest
-from kvbridge.hf import (BUILTIN_MODELS, HYBRID_MODELS, _greedy_config, cache_differences, export_cache,
+from kvbridge.proofs.hf import (BUILTIN_MODELS, HYBRID_MODELS, _greedy_config, cache_differences, export_cache,
                          hf_state_shapes, import_cache, load_model, make_prompt_ids, replica_mismatches, run_demo,
                          spec_for, vllm_block_size)
-from kvbridge.layout import EngineLayout, RankCache
-from kvbridge.plan import plan_request
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+from kvbridge.transport.cache import RankCache
+from kvbridge.core.plan import plan_request
+from kvbridge.core.spec import ModelSpec
 from kvbridge.transport.local import LocalExecutor
-from kvbridge.verify import random_bytes, random_request
+from kvbridge.proofs.verify import random_bytes, random_request
+from kvbridge.models import spec_from_hf_config
 
 pytestmark = pytest.mark.oracle
 
@@ -285,7 +287,7 @@ def _prefill(model_name: str, n: int, seed: int = 0):
 
 def test_engine_view_conv_rows_are_refused_naming_both_shapes() -> None:
     config, cache = _prefill("tiny-bamba", 12)
-    engine = ModelSpec.from_hf_config(config.to_dict(), view="engine", dtype="float32")
+    engine = spec_from_hf_config(config.to_dict(), view="engine", dtype="float32")
     layout = L(1)
     ids = random_request(engine, layout, layout, 12, 0, random.Random(0)).src_block_ids
     with pytest.raises(ConfigError, match=r"caches conv state \(1, 160, 4\), kvbridge's spec says \(1, 160, 3\)"):

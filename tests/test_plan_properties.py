@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbridge import EngineLayout, LayerSpec, ModelSpec, RankCache
-from kvbridge.plan import Plan, Request, plan_request
-from kvbridge.shard import overlapping_ranks
+from kvbridge.core.plan import Plan, Request, plan_request
+from kvbridge.core.shard import overlapping_ranks
 from kvbridge.transport.local import LocalExecutor
-from kvbridge.verify import (check_case, clone_caches, expected_destination, fill_source, mismatch_report,
+from kvbridge.proofs.verify import (check_case, clone_caches, expected_destination, fill_source, mismatch_report,
                              moved_positions, random_bytes)
 
 DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn", "int8"]

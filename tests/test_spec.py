@@ -1,4 +1,4 @@
-"""`ModelSpec.from_hf_config` on config dicts modeled on real Hugging Face hub configs (only the
+"""`spec_from_hf_config` on config dicts modeled on real Hugging Face hub configs (only the
 fields that matter for the KV cache, values as published), groups and fingerprints."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import json
 import pytest
 
 from kvbridge import ConfigError, LayerSpec, ModelSpec
+from kvbridge.models import spec_from_hf_config
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -72,7 +73,7 @@ def kinds(spec: ModelSpec) -> list[str]:
 
 
 def test_llama3_8b():
-    spec = ModelSpec.from_hf_config(LLAMA3_8B)
+    spec = spec_from_hf_config(LLAMA3_8B)
     assert spec.num_layers == 32 and spec.dtype == "bfloat16" and spec.itemsize == 2
     assert set(spec.layers) == {LayerSpec("full", 8, 128, 128)}
     assert spec.groups == (tuple(range(32)),)
@@ -83,7 +84,7 @@ def test_llama3_8b():
 
 
 def test_mistral_7b_v01_sliding_window():
-    spec = ModelSpec.from_hf_config(MISTRAL_7B_V01)
+    spec = spec_from_hf_config(MISTRAL_7B_V01)
     assert set(spec.layers) == {LayerSpec("sliding", 8, 128, 128, 4096)}
     assert spec.groups == (tuple(range(32)),)
     assert spec.layers[0].tokens_kept(10000) == 10000 - 4095
@@ -91,17 +92,17 @@ def test_mistral_7b_v01_sliding_window():
 
 
 def test_mistral_without_window_is_full():
-    assert kinds(ModelSpec.from_hf_config(MISTRAL_7B_V03)) == ["full"] * 32
+    assert kinds(spec_from_hf_config(MISTRAL_7B_V03)) == ["full"] * 32
 
 
 def test_qwen2_use_sliding_window_false():
-    spec = ModelSpec.from_hf_config(QWEN2_7B)
+    spec = spec_from_hf_config(QWEN2_7B)
     assert set(spec.layers) == {LayerSpec("full", 4, 128, 128)}  # 3584 / 28 = 128
     assert spec.groups == (tuple(range(28)),)
 
 
 def test_qwen2_use_sliding_window_true_uses_max_window_layers():
-    spec = ModelSpec.from_hf_config({**QWEN2_7B, "use_sliding_window": True, "sliding_window": 4096,
+    spec = spec_from_hf_config({**QWEN2_7B, "use_sliding_window": True, "sliding_window": 4096,
                                      "max_window_layers": 21})
     assert kinds(spec) == ["full"] * 21 + ["sliding"] * 7
     assert spec.groups == (tuple(range(21)), tuple(range(21, 28)))
@@ -109,14 +110,14 @@ def test_qwen2_use_sliding_window_true_uses_max_window_layers():
 
 
 def test_qwen3_explicit_head_dim():
-    spec = ModelSpec.from_hf_config(QWEN3_06B)
+    spec = spec_from_hf_config(QWEN3_06B)
     # head_dim 128 although hidden_size / heads = 64
     assert set(spec.layers) == {LayerSpec("full", 8, 128, 128)}
     assert spec.num_layers == 28
 
 
 def test_gemma2_alternating_layer0_sliding():
-    spec = ModelSpec.from_hf_config(GEMMA2_9B)
+    spec = spec_from_hf_config(GEMMA2_9B)
     assert spec.dtype == "float32" and spec.itemsize == 4
     assert kinds(spec) == ["sliding", "full"] * 21
     assert spec.layers[0] == LayerSpec("sliding", 8, 256, 256, 4096)
@@ -126,7 +127,7 @@ def test_gemma2_alternating_layer0_sliding():
 
 
 def test_gemma3_pattern_6():
-    spec = ModelSpec.from_hf_config(GEMMA3_1B)
+    spec = spec_from_hf_config(GEMMA3_1B)
     assert [i for i, k in enumerate(kinds(spec)) if k == "full"] == [5, 11, 17, 23]
     assert spec.layers[0] == LayerSpec("sliding", 1, 256, 256, 512)
     assert spec.groups[0] == tuple(i for i in range(26) if i not in (5, 11, 17, 23))
@@ -135,12 +136,12 @@ def test_gemma3_pattern_6():
 
 
 def test_gemma3_custom_pattern():
-    spec = ModelSpec.from_hf_config({**GEMMA3_1B, "sliding_window_pattern": 2, "num_hidden_layers": 4})
+    spec = spec_from_hf_config({**GEMMA3_1B, "sliding_window_pattern": 2, "num_hidden_layers": 4})
     assert kinds(spec) == ["sliding", "full", "sliding", "full"]
 
 
 def test_gemma3_text_config_on_its_own():
-    spec = ModelSpec.from_hf_config({**GEMMA3_27B_NESTED["text_config"], "torch_dtype": "bfloat16"})
+    spec = spec_from_hf_config({**GEMMA3_27B_NESTED["text_config"], "torch_dtype": "bfloat16"})
     assert spec.num_layers == 62 and spec.layers[0] == LayerSpec("sliding", 16, 128, 128, 1024)
     assert [i for i, k in enumerate(kinds(spec)) if k == "full"] == list(range(5, 62, 6))
 
@@ -148,7 +149,7 @@ def test_gemma3_text_config_on_its_own():
 def test_gemma3_nested_text_config():
     # The multimodal hub form (gemma-3-4b/12b/27b): model_type 'gemma3' with the text fields in
     # text_config; 'gemma3' is itself a known architecture, which used to stop the unwrapping.
-    spec = ModelSpec.from_hf_config(GEMMA3_27B_NESTED)
+    spec = spec_from_hf_config(GEMMA3_27B_NESTED)
     assert spec.num_layers == 62 and spec.dtype == "bfloat16"
     assert spec.layers[0] == LayerSpec("sliding", 16, 128, 128, 1024)
     assert [i for i, k in enumerate(kinds(spec)) if k == "full"] == list(range(5, 62, 6))
@@ -158,12 +159,12 @@ def test_nested_text_config_of_unknown_wrapper_is_unwrapped():
     # A wrapper whose own model_type is unknown (e.g. a VLM) falls back to its text_config, and
     # takes the top-level dtype.
     cfg = {"model_type": "llava", "torch_dtype": "float16", "text_config": {**LLAMA3_8B, "torch_dtype": None}}
-    spec = ModelSpec.from_hf_config(cfg)
+    spec = spec_from_hf_config(cfg)
     assert spec.dtype == "float16" and spec.num_layers == 32
 
 
 def test_gpt_oss_layer_types():
-    spec = ModelSpec.from_hf_config(GPT_OSS_20B)
+    spec = spec_from_hf_config(GPT_OSS_20B)
     assert kinds(spec) == ["sliding", "full"] * 12
     assert spec.layers[0] == LayerSpec("sliding", 8, 64, 64, 128)
     assert spec.layers[1] == LayerSpec("full", 8, 64, 64)
@@ -172,23 +173,23 @@ def test_gpt_oss_layer_types():
 
 def test_layer_types_length_must_match():
     with pytest.raises(ConfigError, match="layer_types has 3 entries but num_hidden_layers is 24"):
-        ModelSpec.from_hf_config({**GPT_OSS_20B, "layer_types": ["full_attention"] * 3})
+        spec_from_hf_config({**GPT_OSS_20B, "layer_types": ["full_attention"] * 3})
 
 
 def test_sliding_layer_type_without_window():
     with pytest.raises(ConfigError, match="layer 0 is sliding_attention but config has no sliding_window"):
-        ModelSpec.from_hf_config({**GPT_OSS_20B, "sliding_window": None})
+        spec_from_hf_config({**GPT_OSS_20B, "sliding_window": None})
 
 
 def test_unsupported_layer_type_named():
     types = ["full_attention"] * 23 + ["linear_attention"]
     with pytest.raises(ConfigError, match="layer 23 has type 'linear_attention'"):
-        ModelSpec.from_hf_config({**GPT_OSS_20B, "layer_types": types})
+        spec_from_hf_config({**GPT_OSS_20B, "layer_types": types})
 
 
 @pytest.mark.parametrize("cfg", [DEEPSEEK_V2_LITE, DEEPSEEK_V3])
 def test_deepseek_mla_latent(cfg):
-    spec = ModelSpec.from_hf_config(cfg)
+    spec = spec_from_hf_config(cfg)
     assert spec.num_layers == cfg["num_hidden_layers"]
     assert set(spec.layers) == {LayerSpec("mla", 1, 576)}  # kv_lora_rank 512 + qk_rope 64
     assert spec.is_mla and spec.total_kv_heads == 1
@@ -203,36 +204,36 @@ def test_deepseek_mla_latent(cfg):
 def test_deepseek_transformers_view_splits_latent_and_rope(cfg):
     # transformers >= 5 caches the normalized latent and the rotated rope part as two
     # single-head tensors; both are replicated on every TP rank, like vLLM's 576-wide row.
-    spec = ModelSpec.from_hf_config(cfg, view="transformers")
+    spec = spec_from_hf_config(cfg, view="transformers")
     assert set(spec.layers) == {LayerSpec("mla", 1, 512, 64)}
     comps = spec.layers[0].components
     assert [(c.name, c.heads, c.dim) for c in comps] == [("latent", 1, 512), ("rope", 1, 64)]
     assert spec.is_mla and spec.layers[0].replicated
-    assert ModelSpec.from_hf_config(cfg, mla_view="heads") == spec
-    assert spec.bytes_per_token() == ModelSpec.from_hf_config(cfg).bytes_per_token()
+    assert spec_from_hf_config(cfg, mla_view="heads") == spec
+    assert spec.bytes_per_token() == spec_from_hf_config(cfg).bytes_per_token()
 
 
 def test_dtype_override_and_aliases():
-    assert ModelSpec.from_hf_config(LLAMA3_8B, dtype="fp8").dtype == "float8_e4m3fn"
-    assert ModelSpec.from_hf_config({**LLAMA3_8B, "torch_dtype": None, "dtype": "float16"}).dtype == "float16"
-    assert ModelSpec.from_hf_config({**LLAMA3_8B, "torch_dtype": "torch.bfloat16"}).dtype == "bfloat16"
-    assert ModelSpec.from_hf_config({k: v for k, v in LLAMA3_8B.items() if k != "torch_dtype"}).dtype == "bfloat16"
+    assert spec_from_hf_config(LLAMA3_8B, dtype="fp8").dtype == "float8_e4m3fn"
+    assert spec_from_hf_config({**LLAMA3_8B, "torch_dtype": None, "dtype": "float16"}).dtype == "float16"
+    assert spec_from_hf_config({**LLAMA3_8B, "torch_dtype": "torch.bfloat16"}).dtype == "bfloat16"
+    assert spec_from_hf_config({k: v for k, v in LLAMA3_8B.items() if k != "torch_dtype"}).dtype == "bfloat16"
 
 
 def test_kv_heads_default_to_attention_heads():
     cfg = {k: v for k, v in LLAMA3_8B.items() if k != "num_key_value_heads"}
-    assert ModelSpec.from_hf_config(cfg).layers[0].num_kv_heads == 32
+    assert spec_from_hf_config(cfg).layers[0].num_kv_heads == 32
 
 
 def test_unknown_architecture_lists_known_ones():
     with pytest.raises(ConfigError) as e:
-        ModelSpec.from_hf_config({**LLAMA3_8B, "model_type": "mamba"})
+        spec_from_hf_config({**LLAMA3_8B, "model_type": "mamba"})
     msg = str(e.value)
     assert "'mamba'" in msg
     for known in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt_oss", "deepseek_v2", "deepseek_v3"):
         assert known in msg
     with pytest.raises(ConfigError, match="no model_type"):
-        ModelSpec.from_hf_config({"num_hidden_layers": 2})
+        spec_from_hf_config({"num_hidden_layers": 2})
 
 
 MISSING = [(LLAMA3_8B, "num_hidden_layers"), (LLAMA3_8B, "num_attention_heads"), (LLAMA3_8B, "hidden_size"),
@@ -245,17 +246,17 @@ def test_missing_field_takes_transformers_default(cfg, field):
     from transformers import CONFIG_MAPPING
     broken = {k: v for k, v in cfg.items() if k != field}
     expected = CONFIG_MAPPING[cfg["model_type"]](**{k: v for k, v in broken.items() if k != "model_type"})
-    assert ModelSpec.from_hf_config(broken) == ModelSpec.from_hf_config({**expected.to_dict(), **broken,
+    assert spec_from_hf_config(broken) == spec_from_hf_config({**expected.to_dict(), **broken,
                                                                          field: getattr(expected, field)})
 
 
 @pytest.mark.parametrize(("cfg", "field"), MISSING)
 def test_missing_field_named_when_no_defaults_exist(cfg, field, monkeypatch):
-    import kvbridge.spec
-    monkeypatch.setattr(kvbridge.spec, "_with_transformers_defaults", lambda c: None)
+    import kvbridge.models.config
+    monkeypatch.setattr(kvbridge.models.config, "_with_transformers_defaults", lambda c: None)
     broken = {k: v for k, v in cfg.items() if k != field}
     with pytest.raises(ConfigError) as e:
-        ModelSpec.from_hf_config(broken)
+        spec_from_hf_config(broken)
     assert repr(field) in str(e.value) and repr(cfg["model_type"]) in str(e.value)
 
 
@@ -264,20 +265,20 @@ def test_sparse_gemma3_hub_config_uses_transformers_defaults():
     cfg = {"model_type": "gemma3", "torch_dtype": "bfloat16",
            "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "num_hidden_layers": 34,
                            "sliding_window": 1024, "intermediate_size": 10240}}
-    spec = ModelSpec.from_hf_config(cfg)
+    spec = spec_from_hf_config(cfg)
     assert spec.num_layers == 34 and spec.layers[5].kind == "full" and spec.layers[0].kind == "sliding"
     assert (spec.layers[0].num_kv_heads, spec.layers[0].key_dim) == (4, 256)
 
 
 def test_config_from_file_and_directory(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
-    assert ModelSpec.from_hf_config(tmp_path) == ModelSpec.from_hf_config(LLAMA3_8B)
-    assert ModelSpec.from_hf_config(str(tmp_path / "config.json")) == ModelSpec.from_hf_config(LLAMA3_8B)
+    assert spec_from_hf_config(tmp_path) == spec_from_hf_config(LLAMA3_8B)
+    assert spec_from_hf_config(str(tmp_path / "config.json")) == spec_from_hf_config(LLAMA3_8B)
     with pytest.raises(ConfigError, match="no config.json"):
-        ModelSpec.from_hf_config(tmp_path / "missing")
+        spec_from_hf_config(tmp_path / "missing")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
-        ModelSpec.from_hf_config(tmp_path / "bad.json")
+        spec_from_hf_config(tmp_path / "bad.json")
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,8 +305,8 @@ def test_uniform_alternating_kinds():
 # --------------------------------------------------------------------------------------------
 
 def test_fingerprint_stable_and_name_independent():
-    a = ModelSpec.from_hf_config(LLAMA3_8B)
-    b = ModelSpec.from_hf_config({**LLAMA3_8B, "_name_or_path": "someone/else"})
+    a = spec_from_hf_config(LLAMA3_8B)
+    b = spec_from_hf_config({**LLAMA3_8B, "_name_or_path": "someone/else"})
     assert a.name != b.name
     assert a.fingerprint() == a.fingerprint() == b.fingerprint()
     assert len(a.fingerprint()) == 16

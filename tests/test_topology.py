@@ -1,5 +1,5 @@
 """vLLM's topology vectors (shared/reference/topology.md §2.1-2.6, §3, §4.A, §4.B, §5) as unit
-tests of `TransferTopology` and `kvbridge.shard`.
+tests of `TransferTopology` and `kvbridge.core.shard`.
 
 Convention: NIXL pull, so the topology is built on the decode (D) side and the prefill (P)
 engine is the registered remote, unless a test says otherwise (Mooncake push builds it on P).
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from kvbridge import EngineLayout, IncompatibleEngines, KVBridgeError, LayerSpec, ModelSpec, ShardingError
-from kvbridge.plan import Request, plan_request
-from kvbridge.shard import assign_sources, head_range, holders, overlapping_ranks
-from kvbridge.topology import TransferTopology
+from kvbridge.core.plan import Request, plan_request
+from kvbridge.core.shard import assign_sources, head_range, holders, overlapping_ranks
+from kvbridge.core.topology import TransferTopology
 
 
 def topo(local_tp: int, rank: int, remote_tp: int, heads: int = 8, mla: bool = False,

@@ -21,8 +21,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.layout import EngineLayout
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.spec import ModelSpec
+from kvbridge.models import spec_from_hf_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Move LLM KV caches between engines of any TP size, block size and layout, byte-exact.")
@@ -77,13 +78,13 @@ def _print_json(obj: Any) -> None:
 
 def load_spec(model: str) -> ModelSpec:
     """A model NAME (preset geometry or built-in tiny model) or a config.json path / model directory."""
-    from kvbridge.presets import PRESETS
+    from kvbridge.models.presets import PRESETS
     if model in PRESETS:
-        return ModelSpec.from_hf_config({**PRESETS[model], "_name_or_path": model})
+        return spec_from_hf_config({**PRESETS[model], "_name_or_path": model})
     path = Path(model)
     if path.exists():
-        return ModelSpec.from_hf_config(path)
-    from kvbridge import hf
+        return spec_from_hf_config(path)
+    from kvbridge.proofs import hf
     if model in hf.BUILTIN_MODELS:
         return hf.spec_for(hf.BUILTIN_MODELS[model]())
     from kvbridge.errors import ConfigError
@@ -144,7 +145,7 @@ def demo(
     decode_block_size = decode_block_size or default_block
     ids = _parse_ids(prompt_ids) if prompt_ids else None
     if engine == Engine.vllm:
-        from kvbridge.integrations.vllm.demo import run_vllm_demo
+        from kvbridge.proofs.vllm.demo import run_vllm_demo
         model_dir = model if Path(model).is_dir() else None
         with console.status("starting vLLM instances ...", spinner="dots") if not as_json else _nullcontext():
             out = run_vllm_demo(model_dir, prefill_tp, decode_tp, ids, new_tokens,
@@ -179,26 +180,26 @@ def demo(
     status = console.status("prefill, transfer, decode ...", spinner="dots") if not as_json else _nullcontext()
     with status:
         if offload:
-            from kvbridge.offload.demo import run_offload_demo
+            from kvbridge.proofs.offload_demo import run_offload_demo
             result = run_offload_demo(model if model != "tiny-llama" else "tiny-gemma2", seed=seed,
                                       prompt_len=max(prompt_len, 16), new_tokens=new_tokens, store_tp=prefill_tp,
                                       load_tp=decode_tp, canonical=prefill_tp != decode_tp)
             ok = result.ok
         elif role == Role.decode:
-            from kvbridge.connector.demo import run_decode_client
+            from kvbridge.proofs.connector_demo import run_decode_client
             result = run_decode_client(prefill or "", transport=transport.value, model=model, prompt_ids=ids,
                                        prompt_len=None if ids else prompt_len, new_tokens=new_tokens, seed=seed,
                                        decode=decode_shape, mode=mode.value, num_requests=requests,
                                        dump_decode_cache=dump_decode_cache, timeout=timeout)
             ok = result.match
         elif transport == Transport.local:
-            from kvbridge import hf
+            from kvbridge.proofs import hf
             result = hf.run_demo(model, prompt_ids=ids, prompt_len=prompt_len, new_tokens=new_tokens, seed=seed,
                                  prefill=prefill_shape, decode=decode_shape, dump_decode_cache=dump_decode_cache,
                                  num_cached_tokens=num_cached_tokens)
             ok = result.match
         else:
-            from kvbridge.connector.demo import run_multiprocess_demo
+            from kvbridge.proofs.connector_demo import run_multiprocess_demo
             result = run_multiprocess_demo(transport.value, model, prompt_ids=ids,
                                            prompt_len=None if ids else prompt_len, new_tokens=new_tokens,
                                            seed=seed, prefill=prefill_shape, decode=decode_shape, mode=mode.value,
@@ -233,7 +234,7 @@ def prefill_server(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """The prefill half of the two-host demo: prefill, lease the blocks, serve one decode engine."""
-    from kvbridge.connector.demo import run_prefill_server
+    from kvbridge.proofs.connector_demo import run_prefill_server
     if transport == Transport.local:
         from kvbridge.errors import InvalidRequest
         raise InvalidRequest("prefill-server needs a transport between processes: shm, nixl or mooncake")
@@ -281,8 +282,8 @@ def plan(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Explain a deployment: per decode rank, its sources, head slices, bytes and runs."""
-    from kvbridge.plan import Request, plan_request
-    from kvbridge.topology import TransferTopology
+    from kvbridge.core.plan import Request, plan_request
+    from kvbridge.core.topology import TransferTopology
     spec = load_spec(model)
     n_src, n_dst = -(-tokens // prefill_block_size), -(-tokens // decode_block_size)
     prefill = EngineLayout(prefill_tp, prefill_block_size, n_src, kv_order=prefill_layout.value)
@@ -353,7 +354,7 @@ def verify(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Random legal shape pairs: fill sources with a coordinate pattern, move, check every byte."""
-    from kvbridge.verify import check_case, random_case
+    from kvbridge.proofs.verify import check_case, random_case
     failures, kinds, total_bytes, total_runs = [], {}, 0, 0
     progress = Progress(TextColumn("verify"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=err_console, disable=as_json)
@@ -406,11 +407,11 @@ def bench(
 ) -> None:
     """Our copies vs a plain contiguous copy of the same bytes, side by side in one run."""
     if engine == Engine.vllm:
-        from kvbridge.integrations.vllm.demo import bench_vllm
+        from kvbridge.proofs.vllm.demo import bench_vllm
         out = bench_vllm(None, prefill_tp, decode_tp)
         _print_json(out) if as_json else console.print(out)
         return
-    from kvbridge.presets import PRESETS
+    from kvbridge.models.presets import PRESETS
     if model not in PRESETS:
         from kvbridge.errors import ConfigError
         raise ConfigError(f"unknown preset {model!r}; choose one of: {', '.join(PRESETS)}")
@@ -422,15 +423,15 @@ def bench(
         task = progress.add_task("repeats", total=repeats)
         tick = lambda done, total: progress.update(task, completed=done)  # noqa: E731
         if offload:
-            from kvbridge.offload.bench import bench_offload
+            from kvbridge.bench.offload import bench_offload
             result: Any = bench_offload(model, tokens, prefill_block_size, tp_size=prefill_tp, repeats=repeats,
                                         progress=tick)
         elif transport != Transport.local:
-            from kvbridge.transport.bench import bench_transport
+            from kvbridge.bench.transport import bench_transport
             result = bench_transport(transport.value, model, tokens, prefill, decode,
                                      op="read" if op == Mode.pull else "write", repeats=repeats, progress=tick)
         else:
-            from kvbridge.bench import bench_local
+            from kvbridge.bench.local import bench_local
             result = bench_local(model, tokens, prefill, decode, repeats, progress=tick)
     out = result.to_dict()
     if as_json:

@@ -2,7 +2,7 @@
 
 `Cluster` puts P producers and D consumers in this process (each with its own transport agent
 and sockets) and drives them from one loop, so lifecycle tests are deterministic and fast; the
-multi-process tests use `kvbridge.connector.demo`'s engines instead. Nothing here imitates a
+multi-process tests use `kvbridge.proofs.connector_demo`'s engines instead. Nothing here imitates a
 transport: every byte moves through the backend under test.
 """
 
@@ -21,10 +21,11 @@ from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.consumer import Consumer, RequestResult
 from kvbridge.connector.producer import Producer
 from kvbridge.connector.transports import allocate_cache, make_transport, unavailable_reason
-from kvbridge.layout import EngineLayout, RankCache
-from kvbridge.plan import Request
-from kvbridge.spec import ModelSpec
-from kvbridge.verify import (clone_caches, expected_destination, fill_source, mismatch_report, random_bytes,
+from kvbridge.core.layout import EngineLayout
+from kvbridge.transport.cache import RankCache
+from kvbridge.core.plan import Request
+from kvbridge.core.spec import ModelSpec
+from kvbridge.proofs.verify import (clone_caches, expected_destination, fill_source, mismatch_report, random_bytes,
                              random_request)
 
 SPEC = ModelSpec.uniform(2, 6, 16, "bfloat16", name="six-heads")  # TP 1, 2, 3, 6 all shard it

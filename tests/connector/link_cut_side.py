@@ -7,7 +7,7 @@ namespace) drives it with JSON commands on stdin, one per line, and reads `EV {j
 stdout. Every wait the test does on these events is bounded; this process also ends itself when
 stdin closes or after `max_lifetime` seconds, so a test that goes wrong cannot leave it behind.
 
-Caches: the prefill ranks hold the coordinate pattern of `kvbridge.verify` in every request's
+Caches: the prefill ranks hold the coordinate pattern of `kvbridge.proofs.verify` in every request's
 blocks; the decode ranks start as random bytes, and `verify` compares each decode rank with its
 start state plus exactly the requests named `ok` (rows of the `ignore`d, failed requests may hold
 anything, every other byte must be exact).
@@ -39,10 +39,10 @@ def _figures() -> dict:
 def main(role: str, args: dict) -> None:
     from kvbridge.connector.config import ConnectorConfig
     from kvbridge.connector.transports import allocate_cache, make_transport
-    from kvbridge.layout import EngineLayout
-    from kvbridge.plan import Request
-    from kvbridge.spec import ModelSpec
-    from kvbridge.verify import clone_caches, expected_destination, fill_source, mismatch_report, random_bytes
+    from kvbridge.core.layout import EngineLayout
+    from kvbridge.core.plan import Request
+    from kvbridge.core.spec import ModelSpec
+    from kvbridge.proofs.verify import clone_caches, expected_destination, fill_source, mismatch_report, random_bytes
 
     spec = ModelSpec.uniform(*args["spec"], name="link-cut")
     layout = EngineLayout(**args["layout"])

@@ -13,7 +13,7 @@ from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.side_channel import (AUTH_BYTES, AuthenticationError, FrameAuth, SideChannelClient,
                                              SideChannelError, SideChannelServer)
 from kvbridge.errors import ConfigError
-from kvbridge.layout import EngineLayout
+from kvbridge.core.layout import EngineLayout
 
 SECRET = b"correct horse battery staple"
 PRE = EngineLayout(tp_size=2, block_size=16, num_blocks=64)

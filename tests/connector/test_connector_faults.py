@@ -2,7 +2,7 @@
 reads, an abort mid-transfer. After each: no hang (every wait here is bounded), the affected
 request fails with a reason, releases happen exactly once, and the next request succeeds.
 
-The caches hold a pattern that encodes every element's coordinates (`kvbridge.verify`), and the
+The caches hold a pattern that encodes every element's coordinates (`kvbridge.proofs.verify`), and the
 decode ranks' bytes are checked after recovery, so "succeeds" means byte-exact.
 """
 
@@ -16,11 +16,12 @@ import torch
 from connector_harness import SPEC, disjoint_requests
 
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.demo import DecodeEngine, PrefillEngine
+from kvbridge.proofs.connector_demo import DecodeEngine, PrefillEngine
 from kvbridge.connector.processes import process_context
-from kvbridge.layout import EngineLayout, RankCache
-from kvbridge.plan import Request
-from kvbridge.verify import expected_destination, fill_source, mismatch_report
+from kvbridge.core.layout import EngineLayout
+from kvbridge.transport.cache import RankCache
+from kvbridge.core.plan import Request
+from kvbridge.proofs.verify import expected_destination, fill_source, mismatch_report
 
 CFG = ConnectorConfig(lease_seconds=4, transfer_timeout=3, abort_timeout=1, handshake_timeout=5)
 PRE = EngineLayout(tp_size=2, block_size=16, num_blocks=64)

@@ -26,7 +26,7 @@ from kvbridge.connector import messages as m
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.producer import Producer
 from kvbridge.connector.transports import make_transport
-from kvbridge.layout import EngineLayout
+from kvbridge.core.layout import EngineLayout
 
 FD_SLACK = 4
 _FD_AFTER: list[int] = []

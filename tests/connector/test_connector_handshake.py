@@ -10,9 +10,9 @@ from kvbridge.connector import messages as m
 from kvbridge.connector.consumer import Consumer
 from kvbridge.connector.handshake import make_hello, validate_peer
 from kvbridge.connector.transports import make_transport
-from kvbridge.layout import EngineLayout
-from kvbridge.spec import LayerSpec, ModelSpec
-from kvbridge.topology import TransferTopology
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.spec import LayerSpec, ModelSpec
+from kvbridge.core.topology import TransferTopology
 
 P = EngineLayout(tp_size=2, num_blocks=32)
 D = EngineLayout(tp_size=1, block_size=8, num_blocks=64, kv_order="NHD")

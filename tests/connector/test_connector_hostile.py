@@ -19,7 +19,7 @@ from connector_harness import Cluster, Workload, snapshot
 
 from kvbridge.connector import messages as m
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.layout import EngineLayout
+from kvbridge.core.layout import EngineLayout
 
 CFG = ConnectorConfig(lease_seconds=5, transfer_timeout=3, abort_timeout=1)
 

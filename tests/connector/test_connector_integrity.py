@@ -12,7 +12,7 @@ import pytest
 from connector_harness import Cluster, Workload
 
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.layout import EngineLayout
+from kvbridge.core.layout import EngineLayout
 
 CFG = ConnectorConfig(lease_seconds=5, transfer_timeout=5, abort_timeout=1, checksum=True)
 

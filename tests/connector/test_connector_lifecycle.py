@@ -16,8 +16,8 @@ from connector_harness import SPEC, Cluster, Workload, require, snapshot
 from kvbridge.connector import messages as m
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.errors import InvalidRequest
-from kvbridge.layout import EngineLayout
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.spec import ModelSpec
 
 
 def L(tp: int, block: int = 16, blocks: int = 96, **kw) -> EngineLayout:  # noqa: N802

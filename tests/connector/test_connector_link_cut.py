@@ -37,8 +37,8 @@ import pytest
 from connector_harness import disjoint_requests, require
 from test_connector_two_hosts import _ip, namespaces  # noqa: F401 - the fixture
 
-from kvbridge.layout import EngineLayout
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.spec import ModelSpec
 
 SIDE = Path(__file__).with_name("link_cut_side.py")
 SPEC_ARGS = (2, 6, 16, "bfloat16")

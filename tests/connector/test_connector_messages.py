@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbridge.connector import messages as m
-from kvbridge.layout import EngineLayout
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.spec import ModelSpec
 
 SPEC = ModelSpec.uniform(2, 4, 16, "bfloat16")
 LAYOUT = EngineLayout(tp_size=2, block_size=16, num_blocks=64)

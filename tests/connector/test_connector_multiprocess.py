@@ -12,8 +12,8 @@ import pytest
 from connector_harness import require
 from safetensors.torch import load_file
 
-from kvbridge.connector.demo import run_multiprocess_demo
-from kvbridge.layout import EngineLayout
+from kvbridge.proofs.connector_demo import run_multiprocess_demo
+from kvbridge.core.layout import EngineLayout
 
 pytestmark = pytest.mark.oracle
 

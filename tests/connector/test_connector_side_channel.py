@@ -8,8 +8,8 @@ import pytest
 import zmq
 
 from kvbridge.connector import messages as m
-from kvbridge.layout import EngineLayout
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.spec import ModelSpec
 from kvbridge.connector.side_channel import (SideChannelClient, SideChannelError, SideChannelServer, parse_address,
                                              poll_clients)
 

@@ -10,7 +10,7 @@ import os
 import pytest
 from connector_harness import require
 
-from kvbridge.connector.reliability import soak
+from kvbridge.testing.reliability import soak
 from kvbridge.connector.transports import unavailable_reason
 
 REQUESTS = int(os.environ.get("KVBRIDGE_SOAK_REQUESTS", "2000"))

@@ -17,10 +17,11 @@ from connector_harness import require
 from test_connector_soak import IN_RUN_FD_TOLERANCE, RSS_TOLERANCE, real_engine
 
 from kvbridge.connector.processes import fill_rows
-from kvbridge.connector.reliability import SOAK_SPEC, multiprocess_soak
-from kvbridge.integrity import verify_request
-from kvbridge.layout import EngineLayout, RankCache
-from kvbridge.plan import Request, plan_request
+from kvbridge.testing.reliability import SOAK_SPEC, multiprocess_soak
+from kvbridge.core.integrity import verify_request
+from kvbridge.core.layout import EngineLayout
+from kvbridge.transport.cache import RankCache
+from kvbridge.core.plan import Request, plan_request
 from kvbridge.transport.local import LocalExecutor
 
 REQUESTS = int(os.environ.get("KVBRIDGE_MP_SOAK_REQUESTS", "2000"))

@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent("""
     if __name__ == "__main__":
         role, args = sys.argv[1], json.loads(sys.argv[2])
         from kvbridge.connector import demo
-        from kvbridge.layout import EngineLayout
+        from kvbridge.core.layout import EngineLayout
         for key in ("prefill", "decode"):
             if isinstance(args.get(key), dict):
                 args[key] = EngineLayout(**args[key])

@@ -172,8 +172,8 @@ def check_one_input(data: bytes) -> None:
 def seeds() -> list[bytes]:
     """Valid frames of every message type, prefixed for each mode (the corpus libFuzzer mutates)."""
     from kvbridge.connector import messages as m
-    from kvbridge.layout import EngineLayout
-    from kvbridge.spec import ModelSpec
+    from kvbridge.core.layout import EngineLayout
+    from kvbridge.core.spec import ModelSpec
     spec = ModelSpec.uniform(2, 4, 16, "bfloat16")
     layout = EngineLayout(tp_size=2, block_size=16, num_blocks=64)
     msgs = [

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge.layout import EngineLayout
-from kvbridge.offload.bench import bench_offload
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+from kvbridge.bench.offload import bench_offload
+from kvbridge.core.spec import ModelSpec
 
 SMALL = ModelSpec.uniform(4, 4, 16, "bfloat16", name="small", kinds=("sliding", "full"), window=64)
 

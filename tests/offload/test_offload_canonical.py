@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from kvbridge.errors import ShardingError
-from kvbridge.layout import EngineLayout, RankCache
+from kvbridge.core.layout import EngineLayout
+from kvbridge.transport.cache import RankCache
 from kvbridge.offload.errors import NotCanonicalizable
 from kvbridge.offload.pool import CPUPool, canonical_layout
 from kvbridge.offload.spec import CPULoadStoreSpec, GPULoadStoreSpec
 from kvbridge.offload.worker import OffloadWorker
-from kvbridge.spec import LayerSpec, ModelSpec
-from kvbridge.verify import random_bytes
+from kvbridge.core.spec import LayerSpec, ModelSpec
+from kvbridge.proofs.verify import random_bytes
 
 MQA = ModelSpec.uniform(2, 1, 16, "bfloat16")  # one KV head: replicated on every rank of TP > 1
 HYBRID = ModelSpec.uniform(2, 4, 8, "bfloat16", kinds=("sliding", "full"), window=6)
@@ -103,10 +104,10 @@ def test_unshardable_tp_is_refused_before_anything_moves():
 
 def test_recurrent_groups_are_refused():
     try:
-        from kvbridge.spec import Component
+        from kvbridge.core.spec import Component
         mamba = LayerSpec("recurrent", 0, 0, 0, state=(Component("conv", 4, 3), Component("ssm", 4, 8)))
     except Exception as e:  # pragma: no cover - depends on the spec module's recurrent support
-        pytest.skip(f"this kvbridge.spec has no recurrent layers ({e})")
+        pytest.skip(f"this kvbridge.core.spec has no recurrent layers ({e})")
     spec = ModelSpec((LayerSpec("full", 4, 8, 8), mamba), "bfloat16")
     pool = CPUPool.canonical(spec, 8, 2, pin_memory=False)
     with pytest.raises(NotCanonicalizable, match=r"group\(s\) \[1\] hold recurrent \(Mamba/SSM\) state"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.errors import InvalidRequest
-from kvbridge.offload.demo import run_offload_demo
+from kvbridge.proofs.offload_demo import run_offload_demo
 
 pytestmark = pytest.mark.oracle
 

@@ -1,6 +1,6 @@
 """Property tests: any group mix stored then loaded restores every byte, and nothing else moves.
 
-Device contents are kvbridge.verify patterns (a function of layer, K/V, slot, global head and
+Device contents are kvbridge.proofs.verify patterns (a function of layer, K/V, slot, global head and
 dim), so replicated heads agree across ranks as they do in a real engine. Expected memory is
 built independently of the planner, through each layout's strided `logical_view`.
 """
@@ -12,12 +12,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbridge.layout import EngineLayout, RankCache
+from kvbridge.core.layout import EngineLayout
+
+from kvbridge.transport.cache import RankCache
 from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.spec import CPULoadStoreSpec, GPULoadStoreSpec, cdiv, split_groups
 from kvbridge.offload.worker import OffloadWorker
-from kvbridge.spec import ModelSpec
-from kvbridge.verify import pattern, random_bytes
+from kvbridge.core.spec import ModelSpec
+from kvbridge.proofs.verify import pattern, random_bytes
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 KINDS = [("full",), ("sliding", "full"), ("full", "mla"), ("sliding", "full", "mla"), ("mla",)]

@@ -9,13 +9,14 @@ import torch
 
 import kvbridge.offload.worker as worker_mod
 from kvbridge.errors import IncompatibleEngines, InvalidRequest
-from kvbridge.layout import EngineLayout, RankCache
+from kvbridge.core.layout import EngineLayout
+from kvbridge.transport.cache import RankCache
 from kvbridge.offload.errors import SpecMismatch
 from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.spec import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvbridge.offload.worker import OffloadWorker, TransferResult
-from kvbridge.spec import ModelSpec
-from kvbridge.verify import random_bytes
+from kvbridge.core.spec import ModelSpec
+from kvbridge.proofs.verify import random_bytes
 
 
 def snapshot(caches: list[RankCache]) -> list[torch.Tensor]:

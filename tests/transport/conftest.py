@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from kvbridge.transport.peer import AgentHost, PeerProcess
+from kvbridge.testing.peer import AgentHost, PeerProcess
 
 BACKENDS = ("shm", "nixl", "mooncake")
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from kvbridge.errors import InvalidRequest
-from kvbridge.layout import EngineLayout
-from kvbridge.plan import plan_request
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.plan import plan_request
+from kvbridge.core.spec import ModelSpec
 from kvbridge.transport.base import Runs, XferState
-from kvbridge.transport.peer import PeerProcess, runs_between
-from kvbridge.verify import random_request
+from kvbridge.testing.peer import PeerProcess, runs_between
+from kvbridge.proofs.verify import random_request
 
 SPEC = ModelSpec.uniform(2, 4, 16, "bfloat16", "tiny-gqa")
 DEADLINE = 15.0

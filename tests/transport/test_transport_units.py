@@ -9,7 +9,7 @@ import pytest
 
 from kvbridge.transport.agent import _slot_offsets, _window_bounds, stream_windows
 from kvbridge.transport.base import Runs
-from kvbridge.transport.bench import bench_transport, split_at_blocks
+from kvbridge.bench.transport import bench_transport, split_at_blocks
 from kvbridge.transport.notify import NOTIFY, Channel, PeerUnreachable
 
 

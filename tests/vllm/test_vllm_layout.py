@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from kvbridge.errors import IncompatibleEngines
-from kvbridge.layout import EngineLayout, RankCache
-from kvbridge.plan import Request, plan_request
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+from kvbridge.transport.cache import RankCache
+from kvbridge.core.plan import Request, plan_request
+from kvbridge.core.spec import ModelSpec
 from kvbridge.transport.local import LocalExecutor
 from kvbridge.integrations.vllm.layout import VllmCpuLayout, as_vllm_cpu, vllm_cpu_layout, vllm_cpu_spec
 

@@ -31,8 +31,8 @@ import time
 
 import pytest
 
-from kvbridge.integrations.vllm.demo import Cluster
-from kvbridge.integrations.vllm.model import make_tiny_llama
+from kvbridge.proofs.vllm.demo import Cluster
+from kvbridge.proofs.vllm.model import make_tiny_llama
 
 pytestmark = pytest.mark.vllm
 

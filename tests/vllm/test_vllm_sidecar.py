@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.integrations.vllm.demo import free_ports
+from kvbridge.proofs.vllm.demo import free_ports
 from kvbridge.integrations.vllm.layout import vllm_cpu_layout, vllm_cpu_spec
 from kvbridge.integrations.vllm.sidecar import (Init, Received, Recv, Released, Send, Settings, SidecarClient,
                                                 SidecarError)
-from kvbridge.layout import EngineLayout, RankCache
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+from kvbridge.transport.cache import RankCache
+from kvbridge.core.spec import ModelSpec
 from kvbridge.transport.shm import SharedSegment
 
 SPEC = vllm_cpu_spec(ModelSpec.uniform(2, 2, 32, "float32", name="tiny"))

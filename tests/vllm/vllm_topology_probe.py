@@ -70,10 +70,10 @@ def vllm_answers(L: int, R: int, H: int, mla: bool, rank: int) -> dict:
 
 def kvbridge_answers(L: int, R: int, H: int, mla: bool, rank: int) -> dict:
     from kvbridge.errors import KVBridgeError
-    from kvbridge.layout import EngineLayout
-    from kvbridge.shard import head_range, holders
-    from kvbridge.spec import ModelSpec
-    from kvbridge.topology import TransferTopology
+    from kvbridge.core.layout import EngineLayout
+    from kvbridge.core.shard import head_range, holders
+    from kvbridge.core.spec import ModelSpec
+    from kvbridge.core.topology import TransferTopology
 
     spec = ModelSpec.uniform(2, 1 if mla else H, 64, "float32", kinds=("mla",) if mla else None)
     topo = TransferTopology("decode", spec, EngineLayout(tp_size=L, block_size=32), rank)

@@ -39,7 +39,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     """ZMTP heartbeat interval of decode-side sockets; a silent peer is dropped after 3x."""
     checksum: bool = False
     """End-to-end integrity: each prefill rank sends, with a request's announcement, its share
-    of the logical checksum (`kvbridge.integrity`) of what each decode rank must receive; the
+    of the logical checksum (`kvbridge.core.integrity`) of what each decode rank must receive; the
     decode rank recomputes over what landed and fails the request on a mismatch. Covers requests
     without a prefix-cache hit (`num_cached_tokens == 0`); others are counted as skipped."""
     secret: bytes | None = None

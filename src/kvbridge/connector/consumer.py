@@ -55,10 +55,11 @@ from kvbridge.connector.runs import runs_for
 from kvbridge.connector.transports import agent_name, transport_kind
 from kvbridge.connector.side_channel import (Received, SideChannelClient, SideChannelError, poll_clients)
 from kvbridge.errors import InvalidRequest, KVBridgeError
-from kvbridge.integrity import destination_checksums
-from kvbridge.layout import EngineLayout, RankCache
-from kvbridge.plan import Plan, Request
-from kvbridge.topology import TransferTopology
+from kvbridge.core.integrity import destination_checksums
+from kvbridge.core.layout import EngineLayout
+from kvbridge.transport.cache import RankCache
+from kvbridge.core.plan import Plan, Request
+from kvbridge.core.topology import TransferTopology
 from kvbridge.transport.base import Handle, Transport, XferState
 
 log = logging.getLogger("kvbridge.connector.consumer")

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from kvbridge.connector.messages import Fingerprint, HandshakeRefused, Hello, Mode, Role, layout_name
 from kvbridge.errors import KVBridgeError
-from kvbridge.layout import EngineLayout
-from kvbridge.spec import ModelSpec
-from kvbridge.topology import EngineTransferInfo, TransferTopology
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.spec import ModelSpec
+from kvbridge.core.topology import EngineTransferInfo, TransferTopology
 
 
 def make_hello(engine_id: str, rank: int, role: Role, mode: Mode, spec: ModelSpec, layout: EngineLayout,

@@ -38,8 +38,8 @@ import msgspec
 from msgspec import Meta
 
 from kvbridge.errors import IncompatibleEngines, KVBridgeError
-from kvbridge.layout import EngineLayout
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.spec import ModelSpec
 
 PROTOCOL_VERSION = 1
 """Bumped on any change of a message's schema; peers of another version are refused."""

@@ -42,7 +42,7 @@ from kvbridge.errors import KVBridgeError
 
 PRELOAD = ["torch", "numpy", "zmq", "msgspec", "kvbridge.connector.processes", "kvbridge.connector.producer",
            "kvbridge.connector.consumer", "kvbridge.transport.shm"]
-PRELOAD_MODEL = ["kvbridge.hf", "kvbridge.connector.decode_job"]
+PRELOAD_MODEL = ["kvbridge.proofs.hf", "kvbridge.proofs.decode_job"]
 """Added when a process will run a model (decode rank 0): transformers takes seconds to import."""
 
 
@@ -257,7 +257,7 @@ def _regions(conn: Connection, consumer: Any, cache: Any) -> None:  # pragma: no
 
 
 def _decode(conn: Connection, consumer: Any, cache: Any, job: dict) -> None:  # pragma: no cover
-    from kvbridge.connector.decode_job import run_decode_job
+    from kvbridge.proofs.decode_job import run_decode_job
     conn.send(("decoded", run_decode_job(cache, job)))
 
 

@@ -47,10 +47,10 @@ from kvbridge.connector.runs import runs_for
 from kvbridge.connector.transports import agent_name, transport_kind
 from kvbridge.connector.side_channel import Received, SideChannelServer
 from kvbridge.errors import InvalidRequest, KVBridgeError
-from kvbridge.integrity import contribution_checksums
-from kvbridge.layout import RankCache
-from kvbridge.plan import Request, plan_request
-from kvbridge.topology import TransferTopology
+from kvbridge.core.integrity import contribution_checksums
+from kvbridge.transport.cache import RankCache
+from kvbridge.core.plan import Request, plan_request
+from kvbridge.core.topology import TransferTopology
 from kvbridge.transport.base import Handle, Transport, XferState
 
 log = logging.getLogger("kvbridge.connector.producer")

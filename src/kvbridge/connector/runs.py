@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvbridge.plan import Plan
+from kvbridge.core.plan import Plan
 from kvbridge.transport.base import Op, Runs
 
 

@@ -13,8 +13,9 @@ import importlib
 from typing import Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.layout import EngineLayout, RankCache
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+from kvbridge.transport.cache import RankCache
+from kvbridge.core.spec import ModelSpec
 from kvbridge.transport.base import Transport
 
 TRANSPORTS: dict[str, tuple[str, str]] = {

@@ -26,9 +26,10 @@ import msgspec
 import torch
 
 from kvbridge.errors import IncompatibleEngines
-from kvbridge.layout import TORCH_DTYPES, EngineLayout, RankCache
+from kvbridge.core.layout import EngineLayout
+from kvbridge.transport.cache import RankCache, TORCH_DTYPES
 from kvbridge.offload.errors import NotCanonicalizable
-from kvbridge.spec import ModelSpec
+from kvbridge.core.spec import ModelSpec
 
 PoolFormat = Literal["mirror", "canonical"]
 

@@ -23,11 +23,11 @@ from functools import lru_cache
 import numpy as np
 
 from kvbridge.errors import InvalidRequest
-from kvbridge.layout import EngineLayout
+from kvbridge.core.layout import EngineLayout
 from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.spec import BlockIDsLoadStoreSpec, GPULoadStoreSpec, split_groups
-from kvbridge.plan import Request, plan_request
-from kvbridge.spec import LayerSpec, ModelSpec
+from kvbridge.core.plan import Request, plan_request
+from kvbridge.core.spec import LayerSpec, ModelSpec
 
 
 @lru_cache(maxsize=256)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from kvbridge.errors import IncompatibleEngines
-from kvbridge.layout import RankCache
+from kvbridge.transport.cache import RankCache
 from kvbridge.offload.errors import SpecMismatch
 from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.spec import GPULoadStoreSpec, TransferSpec

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from kvbridge.errors import InvalidRequest
-from kvbridge.layout import RankCache
-from kvbridge.plan import Plan
+from kvbridge.transport.cache import RankCache
+from kvbridge.core.plan import Plan
 
 
 @intrinsic

@@ -32,8 +32,9 @@ import numpy as np
 import torch
 
 from kvbridge.errors import InvalidRequest
-from kvbridge.layout import TORCH_DTYPES, EngineLayout, RankCache
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+from kvbridge.transport.cache import RankCache, TORCH_DTYPES
+from kvbridge.core.spec import ModelSpec
 from kvbridge.transport.agent import Agent, AgentMeta, RegionInfo, copy_addresses, host_id
 from kvbridge.transport.base import Op
 

@@ -37,9 +37,9 @@ def _llvmlite_vars_safe() -> None:
 
 _llvmlite_vars_safe()
 
-from kvbridge.integrations.vllm.demo import bench_vllm, run_vllm_demo, vllm_python
+from kvbridge.proofs.vllm.demo import bench_vllm, run_vllm_demo, vllm_python
 from kvbridge.integrations.vllm.layout import VllmCpuLayout, as_vllm_cpu, vllm_cpu_layout
-from kvbridge.integrations.vllm.model import make_tiny_llama
+from kvbridge.proofs.vllm.model import make_tiny_llama
 
 
 def __getattr__(name: str) -> Any:

@@ -58,8 +58,8 @@ from kvbridge.errors import ConfigError, IncompatibleEngines
 from kvbridge.integrations.vllm.layout import VllmCpuLayout, vllm_cpu_layout, vllm_cpu_spec
 from kvbridge.integrations.vllm.sidecar import (Abandon, Expect, Fatal, Init, Received, Recv, Released, Send, Settings,
                                                 SidecarClient)
-from kvbridge.layout import EngineLayout
-from kvbridge.spec import LayerSpec, ModelSpec, normalize_dtype
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.spec import LayerSpec, ModelSpec, normalize_dtype
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -22,7 +22,7 @@ Planner, executors and transports use nothing else. Where both sides have the sa
 block size, consecutive runs coalesce into whole blocks; otherwise K moves in runs of one
 dimension's tokens (N x itemsize bytes).
 
-Until `kvbridge.layout` grows the placement (proposed: `kv_placement="per_head"`, with the
+Until `kvbridge.core.layout` grows the placement (proposed: `kv_placement="per_head"`, with the
 addressing below), a `VllmCpuLayout` crosses the side channel as a plain `EngineLayout` (a
 msgspec subclass encodes the same fields), and the vLLM connector turns every peer layout it
 registers back into a `VllmCpuLayout` (`as_vllm_cpu`): peers of a kvbridge connector inside vLLM
@@ -37,10 +37,10 @@ import msgspec
 import numpy as np
 
 from kvbridge.errors import IncompatibleEngines, InvalidRequest
-from kvbridge.layout import Addressing, EngineLayout
-from kvbridge.shard import head_range
-from kvbridge.spec import Component, LayerSpec, ModelSpec
-from kvbridge.topology import EngineTransferInfo, TransferTopology
+from kvbridge.core.layout import Addressing, EngineLayout
+from kvbridge.core.shard import head_range
+from kvbridge.core.spec import Component, LayerSpec, ModelSpec
+from kvbridge.core.topology import EngineTransferInfo, TransferTopology
 
 
 class VllmCpuLayerSpec(LayerSpec, frozen=True):

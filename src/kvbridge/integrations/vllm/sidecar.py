@@ -36,8 +36,8 @@ import msgspec
 
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.errors import ConfigError, KVBridgeError
-from kvbridge.layout import EngineLayout
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.spec import ModelSpec
 
 log = logging.getLogger("kvbridge.vllm.sidecar")
 
@@ -248,7 +248,7 @@ class Sidecar:
         from kvbridge.connector.consumer import Consumer
         from kvbridge.connector.transports import make_transport
         from kvbridge.integrations.vllm.layout import VllmTopology, as_vllm_cpu, vllm_cpu_spec
-        from kvbridge.layout import RankCache
+        from kvbridge.transport.cache import RankCache
         from kvbridge.transport import shm
 
         self.init, self.emit, s = init, emit, init.settings

@@ -15,11 +15,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvbridge.layout import EngineLayout, RankCache
-from kvbridge.plan import Request, plan_request
-from kvbridge.presets import PRESETS
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+
+from kvbridge.transport.cache import RankCache
+from kvbridge.core.plan import Request, plan_request
+from kvbridge.models.presets import PRESETS
+from kvbridge.core.spec import ModelSpec
 from kvbridge.transport.local import LocalExecutor
+from kvbridge.models import spec_from_hf_config
 
 
 @dataclass
@@ -49,7 +52,7 @@ def bench_local(model: str = "llama-3-8b", num_tokens: int = 4096, prefill: Engi
                 decode: EngineLayout | None = None, repeats: int = 7, seed: int = 0,
                 progress=None) -> BenchResult:
     """Median of `repeats` interleaved runs of our executor vs a contiguous copy of the same bytes."""
-    spec = ModelSpec.from_hf_config(PRESETS[model]) if model in PRESETS else ModelSpec.from_hf_config(model)
+    spec = spec_from_hf_config(PRESETS[model]) if model in PRESETS else spec_from_hf_config(model)
     rng = random.Random(seed)
     prefill = prefill or EngineLayout(tp_size=1, block_size=16, kv_order="HND")
     decode = decode or EngineLayout(tp_size=2, block_size=16, kv_order="HND")

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvbridge.layout import EngineLayout, RankCache
-from kvbridge.plan import Plan, Request, plan_request
-from kvbridge.spec import Component, LayerSpec, ModelSpec
+from kvbridge.core.layout import EngineLayout
+
+from kvbridge.transport.cache import RankCache
+from kvbridge.core.plan import Plan, Request, plan_request
+from kvbridge.core.spec import Component, LayerSpec, ModelSpec
 from kvbridge.transport.local import LocalExecutor
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -148,7 +150,7 @@ def check_case(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, request: R
     LocalExecutor(src_caches, dst_caches, backend=backend).execute(plan)  # type: ignore[arg-type]
     mismatches = mismatch_report(dst_caches, expected)
     if checksum:
-        from kvbridge.integrity import verify_request
+        from kvbridge.core.integrity import verify_request
         mismatches += verify_request(src_caches, dst_caches, request)
     return CaseResult(spec, src, dst, request, plan, mismatches)
 

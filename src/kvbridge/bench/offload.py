@@ -17,12 +17,15 @@ import msgspec
 import numpy as np
 import torch
 
-from kvbridge.layout import EngineLayout, RankCache
+from kvbridge.core.layout import EngineLayout
+
+from kvbridge.transport.cache import RankCache
 from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.spec import CPULoadStoreSpec, GPULoadStoreSpec, cdiv
 from kvbridge.offload.worker import OffloadWorker
-from kvbridge.presets import PRESETS
-from kvbridge.spec import ModelSpec
+from kvbridge.models.presets import PRESETS
+from kvbridge.core.spec import ModelSpec
+from kvbridge.models import spec_from_hf_config
 
 
 @dataclass
@@ -61,7 +64,7 @@ class OffloadBenchResult:
 def _model(model: str | ModelSpec) -> tuple[str, ModelSpec]:
     if isinstance(model, ModelSpec):
         return model.name, model
-    return model, ModelSpec.from_hf_config(PRESETS[model] if model in PRESETS else model)
+    return model, spec_from_hf_config(PRESETS[model] if model in PRESETS else model)
 
 
 def bench_offload(model: str | ModelSpec = "llama-3-8b", num_tokens: int = 4096, block_size: int = 16,

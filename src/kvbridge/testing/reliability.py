@@ -20,9 +20,9 @@ from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.consumer import Consumer
 from kvbridge.connector.producer import Producer
 from kvbridge.connector.transports import allocate_cache, make_transport
-from kvbridge.layout import EngineLayout
-from kvbridge.spec import ModelSpec
-from kvbridge.verify import random_bytes
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.spec import ModelSpec
+from kvbridge.proofs.verify import random_bytes
 
 SOAK_SPEC = ModelSpec.uniform(2, 2, 16, "bfloat16", name="soak-tiny")
 """Tiny on purpose: the soak measures the lifecycle (leases, sockets, handles), not bandwidth."""
@@ -264,7 +264,7 @@ def multiprocess_soak(transport: str = "shm", requests: int = 2000, in_flight: i
     /dev/shm segments are sampled at the end of each quarter of the requests; the segments are
     counted again after the processes stopped. Bounded by `time_limit` seconds.
     """
-    from kvbridge.connector.demo import DecodeEngine, PrefillEngine
+    from kvbridge.proofs.connector_demo import DecodeEngine, PrefillEngine
     from kvbridge.connector.processes import process_context, stop_all
     cfg = ConnectorConfig(lease_seconds=120, transfer_timeout=120, abort_timeout=5, handshake_timeout=30,
                           checksum=True, side_channel_heartbeat=LOADED_HOST_HEARTBEAT)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.spec import Component, LayerSpec
+from kvbridge.core.spec import Component, LayerSpec
 
 
 def _get(cfg: dict[str, Any], *keys: str) -> int:
@@ -101,14 +101,3 @@ def hybrid_layers(cfg: dict[str, Any], arch: str, num_layers: int, conv_rows_ext
     attention = _attention(cfg) if any(is_attn) else None
     recurrent = LayerSpec("recurrent", state=state, recurrent_type=kind, conv_rows=rows)  # type: ignore[arg-type]
     return tuple(attention if a else recurrent for a in is_attn)  # type: ignore[misc]
-
-
-def conv_split(layer: LayerSpec, tp_size: int) -> tuple[int, ...]:
-    """Local channel counts of each conv segment at `tp_size` (vLLM's `local_proj_dims`)."""
-    from kvbridge.shard import head_range
-    out = []
-    for c in layer.state:
-        if c.name.startswith("conv"):
-            h0, h1 = head_range(c.heads, tp_size, 0)
-            out.append((h1 - h0) * (c.dim // layer.conv_rows))
-    return tuple(out)

@@ -93,7 +93,7 @@ class Instance:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [python, "-m", "kvbridge.integrations.vllm.server", json.dumps(config), str(w)],
+                [python, "-m", "kvbridge.proofs.vllm.server", json.dumps(config), str(w)],
                 stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, pass_fds=(w,), env=env,
                 start_new_session=True, text=True, cwd=str(workdir))
         os.close(w)
@@ -220,7 +220,7 @@ def _model(model_dir: str | os.PathLike | None, python: str, workdir: Path) -> s
         if not (Path(model_dir) / "config.json").is_file():
             raise ConfigError(f"{model_dir} is not a model directory (no config.json)")
         return str(model_dir)
-    from kvbridge.integrations.vllm.model import make_tiny_llama
+    from kvbridge.proofs.vllm.model import make_tiny_llama
     return str(make_tiny_llama(workdir / "tiny-llama"))
 
 

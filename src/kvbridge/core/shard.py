@@ -9,9 +9,12 @@ source ranks) and for the planner (which bytes to read).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvbridge.errors import ShardingError
+
+if TYPE_CHECKING:
+    from kvbridge.core.spec import LayerSpec
 
 
 def check_shardable(num_heads: int, tp_size: int, what: str = "engine") -> None:
@@ -94,3 +97,13 @@ def assign_sources(num_heads: int, src_tp: int, dst_tp: int, dst_rank: int,
         else:
             slices.append(HeadSlice(q, h, h + 1))
     return tuple(slices)
+
+
+def conv_split(layer: LayerSpec, tp_size: int) -> tuple[int, ...]:
+    """Local channel counts of each conv segment at `tp_size` (vLLM's `local_proj_dims`)."""
+    out = []
+    for c in layer.state:
+        if c.name.startswith("conv"):
+            h0, h1 = head_range(c.heads, tp_size, 0)
+            out.append((h1 - h0) * (c.dim // layer.conv_rows))
+    return tuple(out)

@@ -11,19 +11,23 @@ place (a row in the wrong place changes its coordinates' weights); a mismatch na
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
-from kvbridge.layout import EngineLayout, RankCache
-from kvbridge.plan import Request
-from kvbridge.shard import head_range, preferred_holder
+import numpy as np
+
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.plan import Request
+from kvbridge.core.shard import head_range, preferred_holder
+
+if TYPE_CHECKING:  # the caches are the engines' torch tensors; the core only reads their bytes
+    from kvbridge.transport.cache import RankCache
 
 _MASK = (1 << 64) - 1
-_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_WORD = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def _i64(c: int) -> int:
-    """A 64-bit constant as the signed int64 torch arithmetic wraps with."""
+    """A 64-bit constant as the signed int64 arithmetic wraps with."""
     c &= _MASK
     return c - (1 << 64) if c >> 63 else c
 
@@ -32,24 +36,30 @@ _K = [_i64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111
                         0x5851F42D4C957F2D)]
 
 
-def _weights(layer: int, comp: int, coords: torch.Tensor, words: int) -> torch.Tensor:
+def _weights(layer: int, comp: int, coords: np.ndarray, words: int) -> np.ndarray:
     """Pseudo-random odd int64 weights per (row coordinates, word index): `[rows, words]`."""
-    x = coords[:, None] * _K[0] + torch.arange(words, dtype=torch.int64)[None, :] * _K[1]
-    x = x + _i64(layer * _K[2] + comp * _K[3])
+    x = coords[:, None] * np.int64(_K[0]) + np.arange(words, dtype=np.int64)[None, :] * np.int64(_K[1])
+    x = x + np.int64(_i64(layer * _K[2] + comp * _K[3]))
     x = x ^ (x >> 31)
-    x = x * _K[4]
+    x = x * np.int64(_K[4])
     x = x ^ (x >> 29)
     return x | 1
 
 
-def _row_hashes(rows: torch.Tensor, layer: int, comp: int, coords: torch.Tensor) -> torch.Tensor:
+def _row_hashes(rows: np.ndarray, layer: int, comp: int, coords: np.ndarray) -> np.ndarray:
     """hash(row, coords) per row of `rows` `[n, bytes]` (uint8), int64 wrapping arithmetic."""
-    if rows.numel() == 0:
-        return torch.zeros(rows.shape[0], dtype=torch.int64)
+    if rows.size == 0:
+        return np.zeros(rows.shape[0], dtype=np.int64)
     n = rows.shape[1]
     width = 8 if n % 8 == 0 else 4 if n % 4 == 0 else 2 if n % 2 == 0 else 1
-    words = rows.contiguous().view(_WORD[width]).to(torch.int64)
-    return (words * _weights(layer, comp, coords, words.shape[1])).sum(dim=1)
+    words = np.ascontiguousarray(rows).view(_WORD[width]).astype(np.int64)
+    with np.errstate(over="ignore"):
+        return (words * _weights(layer, comp, coords, words.shape[1])).sum(axis=1)
+
+
+def _bytes(t: Any, rows: int) -> np.ndarray:
+    """A tensor read as integers (`as_int=True`), on any device, as `[rows, bytes]` uint8."""
+    return np.ascontiguousarray(t.cpu().numpy()).view(np.uint8).reshape(rows, -1)
 
 
 def _rank_rows(cache: RankCache, block_ids: tuple[tuple[int, ...], ...], request: Request):
@@ -59,25 +69,24 @@ def _rank_rows(cache: RankCache, block_ids: tuple[tuple[int, ...], ...], request
         ids = block_ids[spec.layer_group[li]]
         for ci in range(len(layer.components)):
             h0, nh = int(a.first_head[li, ci]), int(a.heads[li, ci])
-            heads = torch.arange(h0, h0 + nh, dtype=torch.int64)
+            heads = np.arange(h0, h0 + nh, dtype=np.int64)
             if layer.is_recurrent:
                 if request.num_cached_tokens >= request.num_tokens:
                     continue
-                data = cache.read_state(li, ci, ids[-1]).contiguous().view(torch.uint8).reshape(nh, -1)
+                data = _bytes(cache.read_state(li, ci, ids[-1], as_int=True), nh)
                 coords, row_heads = heads, heads
             else:
                 start = max(request.num_cached_tokens, layer.tokens_kept(request.num_tokens))
                 pos = np.arange(start, request.num_tokens, dtype=np.int64)
                 if not len(pos):
                     continue
-                rows = cache.read_tokens(li, ci, ids, pos)  # [T, H, D]
-                data = rows.contiguous().view(torch.uint8).reshape(len(pos) * nh, -1)
-                coords = (torch.from_numpy(pos)[:, None] * 65536 + heads[None, :]).reshape(-1)
-                row_heads = heads.repeat(len(pos))
-            yield li, ci, row_heads, _row_hashes(data.cpu(), li, ci, coords)
+                data = _bytes(cache.read_tokens(li, ci, ids, pos, as_int=True), len(pos) * nh)  # [T*H, D bytes]
+                coords = (pos[:, None] * 65536 + heads[None, :]).reshape(-1)
+                row_heads = np.tile(heads, len(pos))
+            yield li, ci, row_heads, _row_hashes(data, li, ci, coords)
 
 
-def _sum(x: torch.Tensor) -> int:
+def _sum(x: np.ndarray) -> int:
     return int(x.sum()) & _MASK
 
 
@@ -113,7 +122,7 @@ def contribution_checksums(cache: RankCache, request: Request, dst: EngineLayout
         layer, comp = spec.layers[li], spec.layers[li].components[ci]
         for d in range(dst.tp_size):
             d0, d1 = head_range(comp.heads, dst.tp_size, d, layer.replicated)
-            served = torch.zeros(comp.heads, dtype=torch.bool)
+            served = np.zeros(comp.heads, dtype=bool)
             for h in range(d0, d1):
                 served[h] = preferred_holder(comp.heads, src_tp, dst.tp_size, d, h, layer.replicated) == cache.rank
             sel = served[row_heads]

@@ -26,8 +26,9 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 from kvbridge.errors import InvalidRequest
-from kvbridge.hf import cache_differences, export_cache, import_cache, load_model, replica_mismatches, spec_for
-from kvbridge.layout import EngineLayout, RankCache
+from kvbridge.proofs.hf import cache_differences, export_cache, import_cache, load_model, replica_mismatches, spec_for
+from kvbridge.core.layout import EngineLayout
+from kvbridge.transport.cache import RankCache
 from kvbridge.offload.keys import chained_block_hashes, group_keys
 from kvbridge.offload.lookup import request_hits
 from kvbridge.offload.manager import OffloadingManager
@@ -35,8 +36,8 @@ from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.scheduling import NULL, load_job, storable_keys, store_job
 from kvbridge.offload.spec import cdiv
 from kvbridge.offload.worker import OffloadWorker
-from kvbridge.spec import ModelSpec
-from kvbridge.verify import random_bytes
+from kvbridge.core.spec import ModelSpec
+from kvbridge.proofs.verify import random_bytes
 
 
 @dataclass

@@ -22,9 +22,9 @@ import msgspec
 import numpy as np
 
 from kvbridge.errors import InvalidRequest
-from kvbridge.layout import EngineLayout
-from kvbridge.shard import assign_sources
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.shard import assign_sources
+from kvbridge.core.spec import ModelSpec
 
 TINY_RUN_BYTES = 2048
 """Mean run length below which a plan warns that copies will be slow."""

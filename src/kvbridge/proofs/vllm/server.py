@@ -1,6 +1,6 @@
 """One vLLM instance behind a pipe, for the demo, the benchmark and the tests.
 
-    python -m kvbridge.integrations.vllm.server CONFIG_JSON RESPONSE_FD
+    python -m kvbridge.proofs.vllm.server CONFIG_JSON RESPONSE_FD
 
 Builds `vllm.LLM` from the config (model, TP, block size, `kv_transfer_config`, environment),
 then answers JSON-line commands read on stdin with JSON lines written to RESPONSE_FD (vLLM

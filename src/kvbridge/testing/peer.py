@@ -18,9 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbridge.layout import EngineLayout, RankCache
-from kvbridge.plan import Request
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+
+from kvbridge.transport.cache import RankCache
+from kvbridge.core.plan import Request
+from kvbridge.core.spec import ModelSpec
 from kvbridge.transport.base import Handle, Runs, XferState
 
 BACKENDS = {"shm": ("kvbridge.transport.shm", "ShmTransport"),
@@ -59,7 +61,7 @@ class AgentHost:
         fill: "random" bytes, "pattern" (verify.fill_source over `block_ids`, `num_tokens`) on top
         of random bytes, or "const" (every byte `seed`).
         """
-        from kvbridge import verify
+        from kvbridge.proofs import verify
         if self.backend[name] == "shm":
             from kvbridge.transport.shm import allocate_shared
             cache = allocate_shared(spec, layout, rank, name_prefix=name, fill=None)
@@ -162,19 +164,19 @@ class AgentHost:
         self.agents[name].send_notification(peer, message)
 
     def snapshot(self, name: str) -> None:
-        from kvbridge.verify import clone_caches
+        from kvbridge.proofs.verify import clone_caches
         self.before[name] = clone_caches([self.caches[name]])[0]
 
     def verify(self, name: str, request: Request) -> list[str]:
         """Byte-exact check of this destination cache against the snapshot plus `request`'s tokens."""
-        from kvbridge.verify import expected_destination, mismatch_report
+        from kvbridge.proofs.verify import expected_destination, mismatch_report
         expected = self.before.pop(name)
         expected_destination([expected], request)
         return mismatch_report([self.caches[name]], [expected])
 
     def unchanged(self, name: str) -> list[str]:
         """Differences between the cache and its snapshot (a transfer that must not have landed)."""
-        from kvbridge.verify import mismatch_report
+        from kvbridge.proofs.verify import mismatch_report
         return mismatch_report([self.caches[name]], [self.before.pop(name)])
 
     def close_agent(self, name: str) -> None:

@@ -16,9 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbridge.layout import TORCH_DTYPES, RankCache
-
-
+from kvbridge.transport.cache import RankCache, TORCH_DTYPES
 def gathered_caches(own: RankCache, others: dict[int, list[np.ndarray]]) -> list[RankCache]:
     """Rank 0's live cache plus the other ranks' caches rebuilt from their region bytes, in rank order."""
     spec, layout = own.spec, own.layout
@@ -35,7 +33,7 @@ def run_decode_job(own: RankCache, job: dict[str, Any]) -> dict[str, Any]:
     """Per request: reference tokens, disaggregated tokens, cache and replica differences."""
     from transformers import GenerationConfig
 
-    from kvbridge.hf import cache_differences, import_cache, load_model, replica_mismatches, save_cache
+    from kvbridge.proofs.hf import cache_differences, import_cache, load_model, replica_mismatches, save_cache
 
     model, config = load_model(job["model"], job["seed"])
     model.generation_config = GenerationConfig(do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=None,

@@ -12,7 +12,7 @@ their attention layers. transformers holds it per layer as `conv_states[0]` `[1,
 (channel-major: Mamba2 `[x | B | C]`, GDN `[Q | K | V]`, LFM2 `[hidden]`, `kernel` values per
 channel) and `recurrent_states[0]` (Mamba2 `[1, heads, head_dim, d_state]`, GDN
 `[1, v_heads, k_head_dim, v_head_dim]`; LFM2 has none). kvbridge's spec describes each conv segment
-and the recurrent state as its own component of `units x dim` (`ModelSpec.from_hf_config(...,
+and the recurrent state as its own component of `units x dim` (`spec_from_hf_config(...,
 view="transformers")`), so a segment of `units * dim / kernel` channels is exactly
 `conv[channels].reshape(units, dim)`: unit u holds its channels' `kernel` values back to back, and a
 recurrent state is `state.reshape(units, a * b)`. Export writes every component of every prefill
@@ -43,13 +43,15 @@ from transformers import (AutoModelForCausalLM, BambaConfig, DeepseekV3Config, D
                           PretrainedConfig, PreTrainedModel, Qwen2Config, Qwen3Config, Qwen3NextConfig)
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-from kvbridge.blocks import compute_physical_blocks_per_logical
+from kvbridge.core.blocks import compute_physical_blocks_per_logical
 from kvbridge.errors import ConfigError, InvalidRequest
-from kvbridge.layout import TORCH_DTYPES, EngineLayout, RankCache
-from kvbridge.plan import plan_request
-from kvbridge.spec import LayerSpec, ModelSpec, normalize_dtype
+from kvbridge.core.layout import EngineLayout
+from kvbridge.transport.cache import RankCache, TORCH_DTYPES
+from kvbridge.core.plan import plan_request
+from kvbridge.core.spec import LayerSpec, ModelSpec, normalize_dtype
 from kvbridge.transport.local import LocalExecutor
-from kvbridge.verify import random_bytes, random_request
+from kvbridge.proofs.verify import random_bytes, random_request
+from kvbridge.models import spec_from_hf_config
 
 # --------------------------------------------------------------------------------------------
 # Built-in tiny models
@@ -218,7 +220,7 @@ def spec_for(config: PretrainedConfig, dtype: str | torch.dtype | None = None,
     with `kernel` values per channel), in the model's dtype; `state_dtype` when the recurrent state differs."""
     if dtype is None:
         dtype = getattr(config, "dtype", None) or "float32"
-    spec = ModelSpec.from_hf_config(config.to_dict(), view="transformers", dtype=normalize_dtype(str(dtype)),
+    spec = spec_from_hf_config(config.to_dict(), view="transformers", dtype=normalize_dtype(str(dtype)),
                                     state_dtype=normalize_dtype(str(state_dtype)) if state_dtype else None)
     name = Path(str(getattr(config, "name_or_path", "") or "")).name
     return msgspec.structs.replace(spec, name=name) if name else spec

@@ -33,12 +33,13 @@ from dataclasses import asdict, dataclass
 import msgspec
 import numpy as np
 
-from kvbridge.layout import EngineLayout
-from kvbridge.plan import Request, plan_request
-from kvbridge.presets import PRESETS
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.plan import Request, plan_request
+from kvbridge.models.presets import PRESETS
+from kvbridge.core.spec import ModelSpec
 from kvbridge.transport.base import Runs
-from kvbridge.transport.peer import PeerProcess, runs_between
+from kvbridge.testing.peer import PeerProcess, runs_between
+from kvbridge.models import spec_from_hf_config
 
 
 @dataclass
@@ -101,7 +102,7 @@ def bench_transport(transport: str = "nixl", model: str = "llama-3-8b", num_toke
     the transport constructors (e.g. slot_bytes, stage_below, batch_size).
     """
     t_setup = time.perf_counter()
-    spec = ModelSpec.from_hf_config(PRESETS[model]) if model in PRESETS else ModelSpec.from_hf_config(model)
+    spec = spec_from_hf_config(PRESETS[model]) if model in PRESETS else spec_from_hf_config(model)
     prefill = prefill or EngineLayout(tp_size=1, block_size=16, kv_order="HND")
     decode = decode or EngineLayout(tp_size=2, block_size=16, kv_order="HND")
     if prefill.tp_size != 1:

@@ -42,9 +42,10 @@ from kvbridge.connector.messages import HandshakeRefused
 from kvbridge.connector.processes import RankArgs, RankProcess, RankProcessError, process_context, stop_all
 from kvbridge.connector.side_channel import format_address, parse_address
 from kvbridge.errors import ConfigError, InvalidRequest
-from kvbridge.layout import EngineLayout, RankCache
-from kvbridge.plan import Request, plan_request
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+from kvbridge.transport.cache import RankCache
+from kvbridge.core.plan import Request, plan_request
+from kvbridge.core.spec import ModelSpec
 
 Mode = str  # "pull" | "push"
 
@@ -141,7 +142,7 @@ def _torch_threads(n: int) -> Iterator[None]:
 
 def _model_config(model: str) -> Any:
     """The model's transformers config without loading weights (for spec and vocabulary)."""
-    from kvbridge import hf
+    from kvbridge.proofs import hf
     if model in hf.BUILTIN_MODELS:
         config = hf.BUILTIN_MODELS[model]()
     elif Path(model).is_dir():
@@ -170,7 +171,7 @@ class _Workload:
 
 def _workload(model: str, prompt: Sequence[int] | int | None, prompt_ids: Sequence[int] | None,
               prompt_len: int | None, seed: int, num_requests: int) -> _Workload:
-    from kvbridge import hf
+    from kvbridge.proofs import hf
     if prompt is not None and prompt_ids is not None:
         raise InvalidRequest("give the prompt once: positional `prompt` or `prompt_ids`, not both")
     if num_requests < 1:
@@ -411,7 +412,7 @@ class DecodeEngine:
 def _prefill(model_name: str, seed: int, work: _Workload, layout: EngineLayout,
              tables: list[tuple[tuple[int, ...], ...]], fill_seed: int) -> tuple[list[int], list[list[np.ndarray]]]:
     """Run every request's prefill; returns first tokens and each prefill rank's region bytes."""
-    from kvbridge import hf
+    from kvbridge.proofs import hf
     with _torch_threads(1):
         model, _ = hf.load_model(model_name, seed)
         staging = RankCache.allocate_engine(work.spec, layout, fill=None)

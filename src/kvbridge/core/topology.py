@@ -21,12 +21,12 @@ import msgspec
 
 from typing import Literal
 
-from kvbridge.blocks import check_prefix_caching
+from kvbridge.core.blocks import check_prefix_caching
 from kvbridge.errors import IncompatibleEngines, KVBridgeError, ShardingError
-from kvbridge.layout import EngineLayout
-from kvbridge.plan import Plan, Request, plan_request
-from kvbridge.shard import HeadSlice, assign_sources, head_range, overlapping_ranks
-from kvbridge.spec import ModelSpec
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.plan import Plan, Request, plan_request
+from kvbridge.core.shard import HeadSlice, assign_sources, head_range, overlapping_ranks
+from kvbridge.core.spec import ModelSpec
 
 
 class EngineTransferInfo(msgspec.Struct, frozen=True):

@@ -1,0 +1,2 @@
+"""Benchmarks beside the library: local executor, transports, offload.
+"""
