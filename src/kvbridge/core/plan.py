@@ -46,12 +46,40 @@ class Request(msgspec.Struct, frozen=True):
     num_tokens: int
     num_cached_tokens: int = 0
 
+    def __post_init__(self) -> None:
+        """Accept lists, and a flat id list as the one group of a single-group model."""
+        for name in ("src_block_ids", "dst_block_ids"):
+            msgspec.structs.force_setattr(self, name, _groups_of(getattr(self, name), name))
+        for name in ("num_tokens", "num_cached_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise InvalidRequest(f"{name} must be an integer, got {value!r}")
+            msgspec.structs.force_setattr(self, name, int(value))
+
     @classmethod
     def single_group(cls, src_ids: Sequence[int], dst_ids: Sequence[int], num_tokens: int,
                      num_cached_tokens: int = 0, num_groups: int = 1) -> Request:
         """A request whose groups all use the same block ids (a model with one block table)."""
         return cls(tuple(tuple(src_ids) for _ in range(num_groups)), tuple(tuple(dst_ids) for _ in range(num_groups)),
                    num_tokens, num_cached_tokens)
+
+
+def _groups_of(ids: object, name: str) -> tuple[tuple[int, ...], ...]:
+    """`ids` as one tuple of block ids per KV-cache group; a flat sequence is one group."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
+        raise InvalidRequest(f"{name} must be a list of block ids per KV-cache group, got {type(ids).__name__}")
+    items = list(ids)
+    if all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in items):
+        return (tuple(int(i) for i in items),) if items else ((),)
+    groups = []
+    for g, group in enumerate(items):
+        if isinstance(group, (str, bytes)) or not isinstance(group, (Sequence, np.ndarray)):
+            raise InvalidRequest(f"{name}[{g}] must be a list of block ids, got {type(group).__name__}")
+        for i in group:
+            if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+                raise InvalidRequest(f"{name}[{g}] holds {i!r}; block ids are integers")
+        groups.append(tuple(int(i) for i in group))
+    return tuple(groups)
 
 
 class PlanStats(msgspec.Struct):
