@@ -407,7 +407,7 @@ def bench(
 ) -> None:
     """Our copies vs a plain contiguous copy of the same bytes, side by side in one run."""
     if engine == Engine.vllm:
-        from kvbridge.proofs.vllm.demo import bench_vllm
+        from kvbridge.bench.vllm import bench_vllm
         out = bench_vllm(None, prefill_tp, decode_tp)
         _print_json(out) if as_json else console.print(out)
         return
