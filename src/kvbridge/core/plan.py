@@ -64,21 +64,33 @@ class Request(msgspec.Struct, frozen=True):
                    num_tokens, num_cached_tokens)
 
 
+def _ints(ids: Sequence[object]) -> tuple[int, ...] | None:
+    """`ids` as a tuple of Python ints, or None if one is not an integer (bools are not)."""
+    kinds = set(map(type, ids))
+    if kinds <= {int}:
+        return ids if type(ids) is tuple else tuple(ids)  # type: ignore[return-value]
+    if all(issubclass(k, (int, np.integer)) and k is not bool for k in kinds):
+        return tuple(int(i) for i in ids)  # type: ignore[call-overload]
+    return None
+
+
 def _groups_of(ids: object, name: str) -> tuple[tuple[int, ...], ...]:
     """`ids` as one tuple of block ids per KV-cache group; a flat sequence is one group."""
     if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
         raise InvalidRequest(f"{name} must be a list of block ids per KV-cache group, got {type(ids).__name__}")
-    items = list(ids)
-    if all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in items):
-        return (tuple(int(i) for i in items),) if items else ((),)
+    if len(ids) and not isinstance(ids[0], (Sequence, np.ndarray)):  # a flat list: the one group
+        flat = _ints(ids)
+        if flat is None:
+            raise InvalidRequest(f"{name} holds a value that is not an integer block id")
+        return (flat,)
     groups = []
-    for g, group in enumerate(items):
+    for g, group in enumerate(ids):
         if isinstance(group, (str, bytes)) or not isinstance(group, (Sequence, np.ndarray)):
-            raise InvalidRequest(f"{name}[{g}] must be a list of block ids, got {type(group).__name__}")
-        for i in group:
-            if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
-                raise InvalidRequest(f"{name}[{g}] holds {i!r}; block ids are integers")
-        groups.append(tuple(int(i) for i in group))
+            raise InvalidRequest(f"{name}[{g}] must be a list of block ids, got {group!r}")
+        ints = _ints(group)
+        if ints is None:
+            raise InvalidRequest(f"{name}[{g}] holds a value that is not an integer block id")
+        groups.append(ints)
     return tuple(groups)
 
 
