@@ -41,25 +41,23 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
-import numpy as np
 
 from kvbridge.connector import messages as m
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.handshake import make_hello, validate_peer
+from kvbridge.connector.endpoint import RankEndpoint
+from kvbridge.connector.handshake import validate_peer
 from kvbridge.connector.runs import runs_for
-from kvbridge.connector.transports import agent_name, transport_kind
 from kvbridge.connector.side_channel import (Received, SideChannelClient, SideChannelError, poll_clients)
 from kvbridge.errors import InvalidRequest, KVBridgeError
 from kvbridge.core.integrity import destination_checksums
 from kvbridge.core.layout import EngineLayout
 from kvbridge.transport.cache import RankCache
 from kvbridge.core.plan import Plan, Request
-from kvbridge.core.topology import TransferTopology
 from kvbridge.transport.base import Handle, Transport, XferState
 
 log = logging.getLogger("kvbridge.connector.consumer")
@@ -122,22 +120,16 @@ class _Pending:
     nruns: int = 0
 
 
-class Consumer:
+class Consumer(RankEndpoint):
     """Decode-side connector for one TP rank."""
+
+    role = "decode"
+    kind = "consumer"
 
     def __init__(self, engine_id: str, rank: int, cache: RankCache, transport: Transport, *,
                  mode: m.Mode = "pull", config: ConnectorConfig | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        if mode not in ("pull", "push"):
-            raise KVBridgeError(f"mode must be 'pull' or 'push', got {mode!r}")
-        self.engine_id, self.rank, self.cache, self.transport = engine_id, rank, cache, transport
-        self.mode: m.Mode = mode
-        self.config = config or ConnectorConfig()
-        self.clock = clock
-        self.topology = TransferTopology(engine_id, cache.spec, cache.layout, rank)
-        self.agent_name = agent_name(transport)
-        transport.register(cache.regions)
-        self._metadata = transport.metadata()
+        super().__init__(engine_id, rank, cache, transport, mode=mode, config=config, clock=clock)
         self._identity = f"{engine_id}/{rank}/{uuid.uuid4().hex[:12]}".encode()
         self._engines: dict[str, _Engine] = {}
         self._client_of: dict[int, tuple[str, int]] = {}  # id(client) -> (engine, source rank)
@@ -149,16 +141,8 @@ class Consumer:
         self._finished: OrderedDict[str, RequestResult] = OrderedDict()
         self._out: list[RequestResult] = []
         self._next_heartbeat = self.clock() + self.config.heartbeat_every
-        self.stats: Counter[str] = Counter()
-        self.closed = False
 
     # -- public API -------------------------------------------------------------------------------
-    @property
-    def hello(self) -> m.Hello:
-        return make_hello(self.engine_id, self.rank, "decode", self.mode, self.cache.spec, self.cache.layout,
-                          transport_kind(self.transport), self.agent_name,
-                          self._metadata)
-
     @property
     def prefill_engines(self) -> tuple[str, ...]:
         return tuple(self._engines)
@@ -246,8 +230,7 @@ class Consumer:
             raise InvalidRequest(f"request id {request_id!r} is already known to decode rank {self.rank}")
         if self.mode == "push" and num_tokens is None:
             raise InvalidRequest("push mode needs num_tokens: the prefill side plans the writes with it")
-        ids = tuple(tuple(int(b) for b in g) for g in block_ids)
-        self._check_blocks(ids, num_tokens, request_id)
+        ids = self._checked_blocks(block_ids, num_tokens, request_id, exact=True)
         now = self.clock()
         budget = timeout or self.config.transfer_timeout
         eng = self._engines[engine]
@@ -289,8 +272,7 @@ class Consumer:
             return
         self._expected[request_id] = (engine, self.clock() + (timeout or self.config.transfer_timeout))
         self._expected.move_to_end(request_id)
-        while len(self._expected) > self.config.max_pending:
-            self._expected.popitem(last=False)
+        self._bounded(self._expected)
 
     def abort(self, request_id: str, reason: str = "aborted by the decode engine") -> bool:
         """Cancel a request; its result (a failure) comes from `progress` once its transfers stopped.
@@ -483,8 +465,7 @@ class Consumer:
             self._on_rejoin_reply(client, rec)
             return
         if rec.error is not None:
-            self.stats["refused_frames"] += 1
-            log.warning("decode rank %d refused a frame from %s: %s", self.rank, client.address, rec.error)
+            self._refuse_frame(f" from {client.address}", rec.error)
             return
         engine, s = self._client_of.get(id(client), ("", -1))
         msg = rec.msg
@@ -509,9 +490,7 @@ class Consumer:
             else:
                 since, anns = self._unclaimed.setdefault(msg.request_id, (self.clock(), {}))
                 anns[msg.rank] = msg
-                while len(self._unclaimed) > self.config.max_pending:
-                    self._unclaimed.popitem(last=False)
-                    self.stats["announcements_dropped"] += 1
+                self._bounded(self._unclaimed, "announcements_dropped")
         elif isinstance(msg, m.WriteDone):
             self._on_write_done(msg)
         elif isinstance(msg, m.Abort):
@@ -570,8 +549,7 @@ class Consumer:
             else:
                 self._unclaimed.pop(msg.request_id, None)
                 self._cancelled[msg.request_id] = f"prefill {msg.engine_id!r} rank {msg.rank} aborted: {msg.reason}"
-                while len(self._cancelled) > self.config.max_pending:
-                    self._cancelled.popitem(last=False)
+                self._bounded(self._cancelled)
             return
         req.quiet.add(msg.rank)  # the sender has nothing in flight for this request anymore
         self._fail(req, f"prefill {msg.engine_id!r} rank {msg.rank} aborted: {msg.reason}")
@@ -629,13 +607,11 @@ class Consumer:
             if len(runs) == 0:
                 self._read_done(req, eng, s)
                 continue
-            notify = (m.encode(m.ReadDone(self.engine_id, self.rank, req.request_id), self.config.max_frame_bytes)
-                      if self.config.transport_notify else None)
-            try:
-                req.reads[s] = self.transport.submit(eng.agents[s], "read", runs, notify)
-            except Exception as e:
-                self._fail(req, f"posting the read from prefill rank {s} failed: {type(e).__name__}: {e}")
+            posted = self._post(eng.agents[s], "read", runs, m.ReadDone(self.engine_id, self.rank, req.request_id))
+            if isinstance(posted, str):
+                self._fail(req, f"posting the read from prefill rank {s} failed: {posted}")
                 return
+            req.reads[s] = posted
             req.nbytes += runs.nbytes
             req.nruns += len(runs)
 
@@ -644,10 +620,7 @@ class Consumer:
         for s, handle in req.reads.items():
             if s in req.done:
                 continue
-            try:
-                state = self.transport.poll(handle)
-            except Exception as e:  # noqa: BLE001
-                state, handle.reason = XferState.FAILED, f"poll raised {type(e).__name__}: {e}"
+            state = self._poll(handle)
             if state == XferState.DONE:
                 self._read_done(req, eng, s)
             elif state == XferState.FAILED:
@@ -666,12 +639,7 @@ class Consumer:
             return
         req.failure = reason
         req.stop_deadline = self.clock() + self.config.abort_timeout
-        for s, handle in req.reads.items():
-            if s not in req.done and handle.state == XferState.PENDING:
-                try:
-                    self.transport.abort(handle)
-                except Exception as e:  # noqa: BLE001 - _stop keeps polling it
-                    log.error("decode rank %d: aborting read %d raised %s", self.rank, handle.id, e)
+        self._abort_pending(h for s, h in req.reads.items() if s not in req.done)
         eng = self._engines.get(req.engine)
         if eng is None:
             return
@@ -685,16 +653,7 @@ class Consumer:
     def _stop(self, req: _Pending, eng: _Engine) -> None:
         now = self.clock()
         if self.mode == "pull":
-            pending = []
-            for s, handle in req.reads.items():
-                if s in req.done:
-                    continue
-                try:
-                    state = self.transport.poll(handle) if handle.state == XferState.PENDING else handle.state
-                except Exception:  # noqa: BLE001
-                    state = XferState.PENDING
-                if state == XferState.PENDING:
-                    pending.append(s)
+            pending = self._still_pending(req.reads, skip=req.done)
             if not pending:
                 self._finish(req, ok=False, reason=req.failure or "failed")
             elif now > req.stop_deadline:
@@ -721,8 +680,7 @@ class Consumer:
                             ann.first_token if ann else None, req.nbytes, req.nruns, now - req.started,
                             max(0.0, last - first), quiesced)
         self._finished[req.request_id] = res
-        while len(self._finished) > self.config.max_pending:
-            self._finished.popitem(last=False)
+        self._bounded(self._finished)
         self._out.append(res)
         self.stats["ok" if ok else "failed"] += 1
 
@@ -803,13 +761,12 @@ class Consumer:
                 self.stats["announcements_expired"] += 1
 
     def _transport_notifications(self) -> None:
-        for sender, msg in m.decoded_notifications(self.transport, self.config.max_frame_bytes, self.stats,
-                                                   f"decode rank {self.rank}"):
-            eng = self._engines.get(getattr(msg, "engine_id", ""))
-            if not isinstance(msg, m.WriteDone) or eng is None or eng.agents.get(msg.rank) != sender:
-                self.stats["refused_notifications"] += 1
-                continue
+        for msg in self._notifications(m.WriteDone, self._source_agent):
             self._on_write_done(msg)
+
+    def _source_agent(self, engine: str, rank: int) -> str | None:
+        eng = self._engines.get(engine)
+        return eng.agents.get(rank) if eng is not None else None
 
     # -- helpers ----------------------------------------------------------------------------------
     def _engine_for(self, engine_id: str | None) -> str:
@@ -824,30 +781,9 @@ class Consumer:
                                  f"name one with engine_id=")
         return next(iter(self._engines))
 
-    def _check_blocks(self, ids: tuple[tuple[int, ...], ...], num_tokens: int | None, request_id: str) -> None:
-        spec, layout = self.cache.spec, self.cache.layout
-        if len(ids) != len(spec.groups):
-            raise InvalidRequest(f"request {request_id!r}: block ids for {len(ids)} KV-cache groups, the model has "
-                                 f"{len(spec.groups)}")
-        for g, group in enumerate(ids):
-            arr = np.asarray(group, dtype=np.int64)
-            bad = arr[(arr < 0) | (arr >= layout.num_blocks)]
-            if bad.size:
-                raise InvalidRequest(f"request {request_id!r} group {g}: block id {int(bad[0])} outside "
-                                     f"[0, {layout.num_blocks})")
-            if num_tokens is not None and not spec.group_layer(g).is_recurrent:
-                need = -(-num_tokens // layout.block_size)
-                if len(group) != need:
-                    raise InvalidRequest(f"request {request_id!r} group {g}: {num_tokens} tokens need {need} blocks "
-                                         f"of {layout.block_size}, got {len(group)}")
-
     def _drain(self) -> list[RequestResult]:
         out, self._out = self._out, []
         return out
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise KVBridgeError(f"decode rank {self.rank} consumer is closed")
 
 
 __all__ = ["Consumer", "RequestResult"]
