@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -50,9 +49,9 @@ import msgspec
 from kvbridge.connector import messages as m
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.endpoint import RankEndpoint
-from kvbridge.connector.handshake import validate_peer
 from kvbridge.connector.runs import runs_for
-from kvbridge.connector.side_channel import (Received, SideChannelClient, SideChannelError, poll_clients)
+from kvbridge.connector.side_channel import Received, SideChannelClient, poll_clients
+from kvbridge.connector.sources import SourceEngine, SourceLinks
 from kvbridge.errors import InvalidRequest, KVBridgeError
 from kvbridge.core.integrity import destination_checksums
 from kvbridge.core.layout import EngineLayout
@@ -78,23 +77,6 @@ class RequestResult(msgspec.Struct, frozen=True):
     seconds: float  # from `receive` to the end
     transfer_seconds: float  # from the first transfer posted (or requested) to the last completion
     quiesced: bool = True  # False: a writer did not confirm it stopped; do not reuse the blocks
-
-
-@dataclass
-class _Engine:
-    """A prefill engine this rank completed the handshake with."""
-
-    engine_id: str
-    layout: EngineLayout
-    addresses: tuple[str, ...]
-    sources: tuple[int, ...]
-    clients: dict[int, SideChannelClient] = field(default_factory=dict)
-    agents: dict[int, str] = field(default_factory=dict)
-    lost: set[int] = field(default_factory=set)
-    hellos: dict[int, m.Hello] = field(default_factory=dict)  # each source's Hello at the handshake
-    rejoins: dict[int, tuple[SideChannelClient, float]] = field(default_factory=dict)  # (client, deadline)
-    next_rejoin: dict[int, float] = field(default_factory=dict)
-    replaced: dict[int, str] = field(default_factory=dict)  # sources that came back as another incarnation
 
 
 @dataclass
@@ -130,10 +112,8 @@ class Consumer(RankEndpoint):
                  mode: m.Mode = "pull", config: ConnectorConfig | None = None,
                  clock: Callable[[], float] = time.monotonic):
         super().__init__(engine_id, rank, cache, transport, mode=mode, config=config, clock=clock)
-        self._identity = f"{engine_id}/{rank}/{uuid.uuid4().hex[:12]}".encode()
-        self._engines: dict[str, _Engine] = {}
-        self._client_of: dict[int, tuple[str, int]] = {}  # id(client) -> (engine, source rank)
-        self._rejoining: dict[int, tuple[str, int]] = {}  # id(re-handshake client) -> (engine, source rank)
+        self._links = SourceLinks(self)
+        self._engines = self._links.engines
         self._active: dict[str, _Pending] = {}
         self._unclaimed: OrderedDict[str, tuple[float, dict[int, m.RequestReady]]] = OrderedDict()
         self._cancelled: OrderedDict[str, str] = OrderedDict()
@@ -158,6 +138,18 @@ class Consumer(RankEndpoint):
         """Source ranks of `engine_id` whose side channel is lost (requests needing them fail)."""
         return tuple(sorted(self._engines[engine_id].lost))
 
+    def remote_layout(self, engine_id: str) -> EngineLayout:
+        """The layout prefill engine `engine_id` declared at the handshake."""
+        return self._engines[engine_id].layout
+
+    def touch(self, engine_id: str) -> tuple[int, ...]:
+        """Send an empty `Heartbeat` to every reachable source rank of `engine_id`: a frame of ours
+        after the handshake tells the producer this rank is past it (`Producer.confirmed_ranks`).
+        Returns the source ranks it could not be sent to (side channel full or closed)."""
+        eng = self._engines[engine_id]
+        hb = m.Heartbeat(self.engine_id, self.rank, ())
+        return tuple(s for s, c in eng.clients.items() if s not in eng.lost and not c.send(hb))
+
     def connect(self, address: str, timeout: float | None = None) -> str:
         """Handshake with the prefill engine reachable at `address`; returns its engine id.
 
@@ -166,53 +158,7 @@ class Consumer(RankEndpoint):
         (default `handshake_timeout`) per rank contacted.
         """
         self._check_open()
-        timeout = timeout or self.config.handshake_timeout
-        mine = self.hello
-        opened: list[SideChannelClient] = []
-        try:
-            boot = self._client(address, opened)
-            reply = self._exchange(boot, mine, timeout)
-            validate_peer(self.topology, mine, reply)
-            engine_id = reply.engine_id
-            if engine_id in self._engines:
-                raise m.HandshakeRefused(f"prefill engine {engine_id!r} is already connected to decode rank "
-                                         f"{self.rank}")
-            tp = reply.layout.tp_size
-            if reply.peer_addresses:
-                addresses = reply.peer_addresses
-            elif tp == 1:
-                addresses = (address,)
-            else:
-                raise m.HandshakeRefused(f"prefill engine {engine_id!r} rank {reply.rank} at {address} does not list "
-                                         f"its engine's {tp} rank addresses; connect to its rank 0")
-            sources = self.topology.source_ranks(engine_id)
-            eng = _Engine(engine_id, reply.layout, tuple(addresses), sources)
-            for s in sources:
-                if s == reply.rank:
-                    client, hello = boot, reply
-                else:
-                    client = self._client(addresses[s], opened)
-                    hello = self._exchange(client, mine, timeout)
-                    if (hello.engine_id, hello.rank) != (engine_id, s):
-                        raise m.HandshakeRefused(f"{addresses[s]} answered as {hello.engine_id!r} rank {hello.rank}, "
-                                                 f"expected {engine_id!r} rank {s}")
-                    validate_peer(self.topology, mine, hello)
-                try:
-                    self.transport.connect(hello.agent_name, hello.transport_metadata)
-                except Exception as e:
-                    raise m.HandshakeRefused(f"transport {mine.transport} cannot connect to prefill rank {s} "
-                                             f"({hello.agent_name!r}): {e}") from None
-                eng.clients[s], eng.agents[s], eng.hellos[s] = client, hello.agent_name, hello
-        except BaseException:
-            for c in opened:
-                c.close()
-            raise
-        for c in opened:
-            if all(c is not x for x in eng.clients.values()):
-                c.close()
-        for s, c in eng.clients.items():
-            self._client_of[id(c)] = (engine_id, s)
-        self._engines[engine_id] = eng
+        engine_id = self._links.connect(address, timeout or self.config.handshake_timeout)
         self.stats["handshakes"] += 1
         return engine_id
 
@@ -298,21 +244,16 @@ class Consumer(RankEndpoint):
         """One bounded round of work (waits at most `timeout` s); the requests that ended since last call."""
         if self.closed:
             return self._drain()
-        clients = [c for e in self._engines.values()
-                   for c in (*e.clients.values(), *(r for r, _ in e.rejoins.values()))]
-        for client, rec in poll_clients(clients, timeout):
+        for client, rec in poll_clients(self._links.clients(), timeout):
             self._on_frame(client, rec)
         self._transport_notifications()
-        for eng in list(self._engines.values()):
-            for s, c in eng.clients.items():
-                if c.lost and s not in eng.lost:
-                    eng.lost.add(s)
-                    eng.next_rejoin[s] = self.clock()
-                    self.stats["sources_lost"] += 1
-                    log.warning("decode rank %d: side channel to prefill %r rank %d (%s) lost", self.rank,
-                                eng.engine_id, s, c.address)
-            if eng.lost:
-                self._rejoin(eng)
+        for eng, s in self._links.newly_lost():
+            # A peer that closes with nothing of ours in flight is a normal end (the prefill server
+            # stops once it released everything): worth a warning only when a request needs it.
+            needed = any(r.engine == eng.engine_id and s in r.sources and s not in r.done
+                         for r in self._active.values())
+            log.log(logging.WARNING if needed else logging.INFO, "decode rank %d: side channel to prefill %r rank %d "
+                    "(%s) lost", self.rank, eng.engine_id, s, eng.clients[s].address)
         for req in list(self._active.values()):
             self._advance(req)
         self._heartbeat()
@@ -349,125 +290,17 @@ class Consumer(RankEndpoint):
         while self._active and self.clock() < deadline:
             self.progress(0.01)
         self.closed = True
-        for eng in self._engines.values():
-            for c in eng.clients.values():
-                c.close()
-            for s in list(eng.rejoins):
-                self._drop_rejoin(eng, s)
-
-    # -- handshake helpers ------------------------------------------------------------------------
-    def _client(self, address: str, opened: list[SideChannelClient],
-                identity: bytes | None = None) -> SideChannelClient:
-        client = SideChannelClient(address, identity or self._identity,
-                                   max_frame_bytes=self.config.max_frame_bytes,
-                                   heartbeat_seconds=self.config.side_channel_heartbeat,
-                                   secret=self.config.secret, replay_window=self.config.replay_window)
-        opened.append(client)
-        return client
-
-    def _exchange(self, client: SideChannelClient, mine: m.Hello, timeout: float) -> m.Hello:
-        try:
-            reply = client.request(mine, timeout, (m.Hello,))
-        except SideChannelError as e:
-            raise SideChannelError(f"handshake with prefill at {client.address} failed: {e}") from None
-        if isinstance(reply, m.Error):
-            raise m.HandshakeRefused(f"prefill engine {reply.engine_id!r} rank {reply.rank} at {client.address} "
-                                     f"refused decode {self.engine_id!r} rank {self.rank}: {reply.reason}")
-        assert isinstance(reply, m.Hello)
-        return reply
-
-    # -- rejoining a lost source ------------------------------------------------------------------
-    def _rejoin(self, eng: _Engine) -> None:
-        """Keep one bounded re-handshake in flight per lost source (see the module docstring)."""
-        now = self.clock()
-        for s in sorted(eng.lost):
-            if s in eng.replaced:
-                continue
-            pending = eng.rejoins.get(s)
-            if pending is not None:
-                if now < pending[1]:
-                    continue
-                self._drop_rejoin(eng, s)  # no answer in time: the next attempt uses a new connection
-                eng.next_rejoin[s] = now + min(1.0, self.config.handshake_timeout)
-            if now < eng.next_rejoin.get(s, now):
-                continue
-            # A fresh routing id: the prefill rank's ROUTER may still hold the stale connection.
-            identity = f"{self.engine_id}/{self.rank}/{uuid.uuid4().hex[:12]}".encode()
-            try:
-                client = self._client(eng.addresses[s], [], identity)
-            except SideChannelError as e:
-                log.warning("decode rank %d: cannot reopen the side channel to prefill %r rank %d: %s", self.rank,
-                            eng.engine_id, s, e)
-                eng.next_rejoin[s] = now + self.config.handshake_timeout
-                continue
-            if not client.send(self.hello):
-                client.close()
-                eng.next_rejoin[s] = now + min(1.0, self.config.handshake_timeout)
-                continue
-            eng.rejoins[s] = (client, now + self.config.handshake_timeout)
-            self._rejoining[id(client)] = (eng.engine_id, s)
-            self.stats["rejoin_attempts"] += 1
-
-    def _drop_rejoin(self, eng: _Engine, s: int) -> None:
-        client, _ = eng.rejoins.pop(s, (None, 0.0))
-        if client is not None:
-            self._rejoining.pop(id(client), None)
-            client.close()
-
-    def _on_rejoin_reply(self, client: SideChannelClient, rec: Received) -> None:
-        engine, s = self._rejoining[id(client)]
-        eng = self._engines[engine]
-        msg = rec.msg
-        if rec.error is not None or not isinstance(msg, (m.Hello, m.Error)):
-            self.stats["refused_frames"] += 1
-            return
-        if isinstance(msg, m.Error):
-            log.warning("decode rank %d: prefill %r rank %d refused the re-handshake: %s", self.rank, engine, s,
-                        msg.reason)
-            self._drop_rejoin(eng, s)
-            eng.next_rejoin[s] = self.clock() + self.config.handshake_timeout
-            return
-        known = eng.hellos[s]
-        why = ""
-        if (msg.engine_id, msg.rank) != (engine, s):
-            why = f"{client.address} now answers as {msg.engine_id!r} rank {msg.rank}"
-        elif (msg.agent_name, msg.transport_metadata) != (known.agent_name, known.transport_metadata):
-            why = (f"prefill {engine!r} rank {s} came back as another incarnation (transport agent "
-                   f"{msg.agent_name!r}, was {known.agent_name!r}): a restarted peer needs a new engine id")
-        else:
-            try:
-                validate_peer(self.topology, self.hello, msg)
-            except KVBridgeError as e:
-                why = str(e)
-        if why:
-            client.send(m.Error(self.engine_id, self.rank, f"re-handshake refused: {why}"))  # for its logs
-            self._drop_rejoin(eng, s)
-            eng.replaced[s] = why
-            self.stats["sources_replaced"] += 1
-            log.error("decode rank %d: side channel to prefill %r rank %d stays lost: %s", self.rank, engine, s, why)
-            return
-        eng.rejoins.pop(s)
-        old = eng.clients[s]
-        self._client_of.pop(id(old), None)
-        old.close()
-        eng.clients[s] = client
-        self._client_of[id(client)] = (engine, s)
-        del self._rejoining[id(client)]
-        eng.lost.discard(s)
-        eng.next_rejoin.pop(s, None)
-        self.stats["sources_recovered"] += 1
-        log.warning("decode rank %d: side channel to prefill %r rank %d (%s) is back (same incarnation)", self.rank,
-                    engine, s, client.address)
+        self._links.close()
 
     # -- frames -----------------------------------------------------------------------------------
     def _on_frame(self, client: SideChannelClient, rec: Received) -> None:
-        if id(client) in self._rejoining:
-            self._on_rejoin_reply(client, rec)
+        if self._links.is_rejoin(client):
+            self._links.on_rejoin_reply(client, rec)
             return
         if rec.error is not None:
             self._refuse_frame(f" from {client.address}", rec.error)
             return
-        engine, s = self._client_of.get(id(client), ("", -1))
+        engine, s = self._links.source_of(client)
         msg = rec.msg
         if isinstance(msg, m.Hello):
             self.stats["unexpected_messages"] += 1
@@ -590,7 +423,7 @@ class Consumer(RankEndpoint):
         if req.failure is not None:
             self._stop(req, eng)
 
-    def _start_reads(self, req: _Pending, eng: _Engine) -> None:
+    def _start_reads(self, req: _Pending, eng: SourceEngine) -> None:
         for s in sorted(set(req.announced) - set(req.reads) - req.done):
             ann = req.announced[s]
             if req.plan is None:
@@ -627,7 +460,7 @@ class Consumer(RankEndpoint):
                 self._fail(req, f"read from prefill {req.engine!r} rank {s} failed: {handle.reason or 'no reason'}")
                 return
 
-    def _read_done(self, req: _Pending, eng: _Engine, s: int) -> None:
+    def _read_done(self, req: _Pending, eng: SourceEngine, s: int) -> None:
         req.done.add(s)
         req.last_done = self.clock()
         if not eng.clients[s].send(m.ReadDone(self.engine_id, self.rank, req.request_id)):
@@ -650,7 +483,7 @@ class Consumer(RankEndpoint):
             if not eng.clients[s].send(m.Abort(self.engine_id, self.rank, req.request_id, reason[:4000])):
                 self.stats["send_failures"] += 1
 
-    def _stop(self, req: _Pending, eng: _Engine) -> None:
+    def _stop(self, req: _Pending, eng: SourceEngine) -> None:
         now = self.clock()
         if self.mode == "pull":
             pending = self._still_pending(req.reads, skip=req.done)
