@@ -57,6 +57,7 @@ from kvbridge.core.integrity import destination_checksums
 from kvbridge.core.layout import EngineLayout
 from kvbridge.transport.cache import RankCache
 from kvbridge.core.plan import Plan, Request
+from kvbridge.core.topology import TransferTopology
 from kvbridge.transport.base import Handle, Transport, XferState
 
 log = logging.getLogger("kvbridge.connector.consumer")
@@ -110,8 +111,8 @@ class Consumer(RankEndpoint):
 
     def __init__(self, engine_id: str, rank: int, cache: RankCache, transport: Transport, *,
                  mode: m.Mode = "pull", config: ConnectorConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        super().__init__(engine_id, rank, cache, transport, mode=mode, config=config, clock=clock)
+                 clock: Callable[[], float] = time.monotonic, topology: TransferTopology | None = None):
+        super().__init__(engine_id, rank, cache, transport, mode=mode, config=config, clock=clock, topology=topology)
         self._links = SourceLinks(self)
         self._engines = self._links.engines
         self._active: dict[str, _Pending] = {}

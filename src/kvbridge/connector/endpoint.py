@@ -39,14 +39,16 @@ class RankEndpoint:
     kind: ClassVar[str]  # "producer" | "consumer", for messages
 
     def __init__(self, engine_id: str, rank: int, cache: RankCache, transport: Transport, *, mode: m.Mode,
-                 config: ConnectorConfig | None, clock: Callable[[], float] = time.monotonic):
+                 config: ConnectorConfig | None, clock: Callable[[], float] = time.monotonic,
+                 topology: TransferTopology | None = None):
         if mode not in ("pull", "push"):
             raise KVBridgeError(f"mode must be 'pull' or 'push', got {mode!r}")
         self.engine_id, self.rank, self.cache, self.transport = engine_id, rank, cache, transport
         self.mode: m.Mode = mode
         self.config = config or ConnectorConfig()
         self.clock = clock
-        self.topology = TransferTopology(engine_id, cache.spec, cache.layout, rank)
+        # `topology`: an engine's own subclass (its layouts' rules), for this rank and cache
+        self.topology = topology or TransferTopology(engine_id, cache.spec, cache.layout, rank)
         self.agent_name = agent_name(transport)
         transport.register(cache.regions)
         self._metadata = transport.metadata()

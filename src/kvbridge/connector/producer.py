@@ -48,6 +48,7 @@ from kvbridge.errors import InvalidRequest, KVBridgeError
 from kvbridge.core.integrity import contribution_checksums
 from kvbridge.transport.cache import RankCache
 from kvbridge.core.plan import Request, plan_request
+from kvbridge.core.topology import TransferTopology
 from kvbridge.transport.base import Handle, Transport, XferState
 
 log = logging.getLogger("kvbridge.connector.producer")
@@ -96,8 +97,8 @@ class Producer(RankEndpoint):
     def __init__(self, engine_id: str, rank: int, cache: RankCache, transport: Transport, *,
                  listen: str = "127.0.0.1:0", mode: m.Mode = "pull", config: ConnectorConfig | None = None,
                  on_release: ReleaseCallback | None = None, peer_addresses: Sequence[str] = (),
-                 clock: Callable[[], float] = time.monotonic):
-        super().__init__(engine_id, rank, cache, transport, mode=mode, config=config, clock=clock)
+                 clock: Callable[[], float] = time.monotonic, topology: TransferTopology | None = None):
+        super().__init__(engine_id, rank, cache, transport, mode=mode, config=config, clock=clock, topology=topology)
         self.on_release = on_release
         self.server = SideChannelServer(listen, max_frame_bytes=self.config.max_frame_bytes,
                                         secret=self.config.secret, replay_window=self.config.replay_window)

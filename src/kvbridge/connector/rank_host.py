@@ -259,10 +259,10 @@ class Peer:
 
     def __init__(self, channel: Any, name: str, error_type: type[Exception] = HostError):
         self.channel, self.name, self.error_type = channel, name, error_type
-        self.events: deque[Any] = deque()
+        self.inbox: deque[Any] = deque()
         self.error: str | None = None
 
-    def alive(self) -> bool:
+    def _running(self) -> bool:
         raise NotImplementedError
 
     def exit_code(self) -> int | None:
@@ -275,20 +275,20 @@ class Peer:
             raise self.error_type(f"{self.name}: cannot send {type(msg).__name__}: {e}{self._why()}") from None
 
     def pump(self, timeout: float = 0.0) -> None:
-        """Move every event the child sent into `events` (waits at most `timeout` for the first)."""
+        """Move every event the child sent into `inbox` (waits at most `timeout` for the first)."""
         got = self.channel.recv(timeout)
         for ev in got:
             if isinstance(ev, Failed):
                 self.error = ev.error
-            self.events.append(ev)
+            self.inbox.append(ev)
         if not got and self.channel.eof and timeout > 0:
             time.sleep(min(timeout, 0.01))
 
     def take(self, kind: type | tuple[type, ...]) -> list[Any]:
         """Remove and return the buffered events of `kind`."""
-        out = [e for e in self.events if isinstance(e, kind)]
+        out = [e for e in self.inbox if isinstance(e, kind)]
         if out:
-            self.events = deque(e for e in self.events if not isinstance(e, kind))
+            self.inbox = deque(e for e in self.inbox if not isinstance(e, kind))
         return out
 
     def expect(self, kind: type | tuple[type, ...], timeout: float) -> Any:
@@ -296,13 +296,17 @@ class Peer:
         deadline = time.monotonic() + timeout
         what = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
         while True:
-            for i, e in enumerate(self.events):
+            for i, e in enumerate(self.inbox):
                 if isinstance(e, kind):
-                    del self.events[i]
+                    del self.inbox[i]
                     return e
             if self.error is not None:
                 raise self.error_type(f"{self.name} failed: {self.error}")
-            if not self.alive() and (self.channel.eof or not self.channel.recv(0)):
+            if not self._running():
+                before = len(self.inbox)
+                self.pump(0)
+                if len(self.inbox) > before:
+                    continue  # what it sent before exiting
                 raise self.error_type(f"{self.name} exited (code {self.exit_code()}) before sending {what}")
             left = deadline - time.monotonic()
             if left <= 0:
@@ -316,7 +320,7 @@ class Peer:
     def _why(self) -> str:
         if self.error:
             return f": {self.error}"
-        if not self.alive():
+        if not self._running():
             return f" (process exited with code {self.exit_code()})"
         return ""
 
@@ -341,6 +345,8 @@ class HostProcess(Peer):
 
     def alive(self) -> bool:
         return self.proc.is_alive()
+
+    _running = alive
 
     def exit_code(self) -> int | None:
         return self.proc.exitcode
