@@ -1,22 +1,25 @@
-"""Agents in another process, driven over a pipe: what the transport bench and tests use to put
-the two sides of a transfer in two real processes.
+"""Agents in another process: what the transport bench and tests use to put the two sides of a
+transfer in two real processes.
 
 `AgentHost` owns transport agents and the rank caches they registered and exposes plain
 methods (create, alloc, metadata, connect, submit, wait, ...). `PeerProcess` runs an `AgentHost`
-in a spawned child and forwards calls to it, each with a deadline; the same methods are called
-on a local `AgentHost` for the side in this process.
+in a spawned child (`connector.rank_host`) and forwards each call as a typed message (one
+Struct per method, its result converted to the method's return type), each with a deadline; the
+same methods are called on a local `AgentHost` for the side in this process.
 """
 
 from __future__ import annotations
 
 import importlib
-import multiprocessing as mp
 import os
 import time
-from typing import Any
+from typing import Any, ClassVar, Union
 
+import msgspec
 import numpy as np
 import torch
+
+from kvbridge.connector.rank_host import Emit, HostProcess, one_line, random_fill
 
 from kvbridge.core.layout import EngineLayout
 
@@ -71,7 +74,7 @@ class AgentHost:
             for r in cache.byte_regions():
                 r.fill_(seed)
         else:
-            verify.random_bytes([cache], seed)
+            random_fill([cache], seed)
         if fill == "pattern":
             verify.fill_source([cache], block_ids, num_tokens)
         self.caches[name] = cache
@@ -192,25 +195,192 @@ class AgentHost:
         self.handles.clear()
 
 
-def _child(conn) -> None:
-    torch.set_num_threads(1)
-    host = AgentHost()
-    while True:
-        try:
-            method, args, kwargs = conn.recv()
-        except EOFError:
-            break
-        if method == "exit":
-            host.close_all()
-            conn.send(("ok", None))
-            break
-        if method == "crash":
+# -- the typed calls a `PeerProcess` sends (one per `AgentHost` method it forwards) ---------------
+class Pid(msgspec.Struct, tag="pid"):
+    returns: ClassVar[Any] = int
+
+
+class Create(msgspec.Struct, tag="create"):
+    backend: str
+    name: str
+    options: dict[str, Any] = {}
+    returns: ClassVar[Any] = str
+
+
+class Alloc(msgspec.Struct, tag="alloc"):
+    name: str
+    spec: ModelSpec
+    layout: EngineLayout
+    rank: int
+    fill: str = "random"
+    block_ids: tuple[tuple[int, ...], ...] | None = None
+    num_tokens: int = 0
+    seed: int = 0
+    returns: ClassVar[Any] = int
+
+
+class AllocBytes(msgspec.Struct, tag="alloc_bytes"):
+    name: str
+    nbytes: int
+    value: int
+    returns: ClassVar[Any] = int
+
+
+class CheckBytes(msgspec.Struct, tag="check_bytes"):
+    name: str
+    index: int
+    value: int
+    returns: ClassVar[Any] = bool
+
+
+class Metadata(msgspec.Struct, tag="metadata"):
+    name: str
+    returns: ClassVar[Any] = bytes
+
+
+class Connect(msgspec.Struct, tag="connect"):
+    name: str
+    peer: str
+    metadata: bytes
+    returns: ClassVar[Any] = None
+
+
+class SetAttrs(msgspec.Struct, tag="set"):
+    name: str
+    attrs: dict[str, Any]
+    returns: ClassVar[Any] = None
+
+
+class GetAttr(msgspec.Struct, tag="get"):
+    name: str
+    attr: str
+    returns: ClassVar[Any] = Any
+
+
+class RunTimed(msgspec.Struct, tag="run_timed"):
+    batch: list[tuple[str, str, str, Runs]]
+    timeout: float = 300.0
+    returns: ClassVar[Any] = float
+
+
+class RunAt(msgspec.Struct, tag="run_at"):
+    batch: list[tuple[str, str, str, Runs]]
+    start_at: float
+    timeout: float = 300.0
+    returns: ClassVar[Any] = tuple[float, float]
+
+
+class Submit(msgspec.Struct, tag="submit"):
+    name: str
+    peer: str
+    op: str
+    runs: Runs
+    notify: bytes | None = None
+    returns: ClassVar[Any] = int
+
+
+class Wait(msgspec.Struct, tag="wait"):
+    name: str
+    ids: list[int]
+    timeout: float = 60.0
+    returns: ClassVar[Any] = list[tuple[str, str]]
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    name: str
+    hid: int
+    returns: ClassVar[Any] = tuple[str, str]
+
+
+class Notifications(msgspec.Struct, tag="notifications"):
+    name: str
+    count: int = 0
+    timeout: float = 10.0
+    returns: ClassVar[Any] = list[tuple[str, bytes]]
+
+
+class SendNotification(msgspec.Struct, tag="send_notification"):
+    name: str
+    peer: str
+    message: bytes
+    returns: ClassVar[Any] = None
+
+
+class Snapshot(msgspec.Struct, tag="snapshot"):
+    name: str
+    returns: ClassVar[Any] = None
+
+
+class Verify(msgspec.Struct, tag="verify"):
+    name: str
+    request: Request
+    returns: ClassVar[Any] = list[str]
+
+
+class Unchanged(msgspec.Struct, tag="unchanged"):
+    name: str
+    returns: ClassVar[Any] = list[str]
+
+
+class CloseAgent(msgspec.Struct, tag="close_agent"):
+    name: str
+    returns: ClassVar[Any] = None
+
+
+class Crash(msgspec.Struct, tag="crash"):
+    """Exit at once (code 17), as in a crash."""
+
+    returns: ClassVar[Any] = None
+
+
+CALLS: dict[str, type] = {c.__struct_config__.tag: c for c in (
+    Pid, Create, Alloc, AllocBytes, CheckBytes, Metadata, Connect, SetAttrs, GetAttr, RunTimed, RunAt, Submit, Wait, Abort, Notifications,
+    SendNotification, Snapshot, Verify, Unchanged, CloseAgent, Crash)}
+Call = Union[tuple(CALLS.values())]
+
+
+class Returned(msgspec.Struct, tag="returned"):
+    value: Any = None
+
+
+class Raised(msgspec.Struct, tag="raised"):
+    error: str  # one line; the child goes on serving
+
+
+class AgentService:  # pragma: no cover - runs in the child
+    """An `AgentHost` answering typed calls (`rank_host.serve` runs it)."""
+
+    requests = Call
+
+    def __init__(self, args: Any, emit: Emit):
+        torch.set_num_threads(1)
+        self.host, self.emit = AgentHost(), emit
+
+    def step(self) -> float:
+        return 0.05  # nothing of its own to do: wait for the next call
+
+    def handle(self, call: Any) -> None:
+        if isinstance(call, Crash):
             os._exit(17)
+        if isinstance(call, Pid):
+            self.emit(Returned(os.getpid()))
+            return
+        fields = msgspec.structs.asdict(call)
+        if isinstance(call, (Create, SetAttrs)):  # keyword arguments of their own
+            extra = call.options if isinstance(call, Create) else call.attrs
+            fields = {k: v for k, v in fields.items() if k not in ("options", "attrs")} | extra
         try:
-            conn.send(("ok", getattr(host, method)(*args, **kwargs)))
-        except Exception as e:  # sent back and raised in the parent
-            conn.send(("err", f"{type(e).__name__}: {e}"))
-    os._exit(0)
+            value = getattr(self.host, call.__struct_config__.tag)(**fields)
+        except Exception as e:  # noqa: BLE001 - sent back and raised in the parent
+            self.emit(Raised(one_line(e)))
+            return
+        self.emit(Returned(value))
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        self.host.close_all()
 
 
 class PeerError(RuntimeError):
@@ -218,14 +388,12 @@ class PeerError(RuntimeError):
 
 
 class PeerProcess:
-    """An `AgentHost` in a spawned child; `call(method, ...)` runs it there."""
+    """An `AgentHost` in a spawned child; `call(method, ...)` runs it there (a typed call each)."""
 
     def __init__(self, start_timeout: float = 120.0):
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_child, args=(child,), daemon=True)
-        self.process.start()
-        child.close()
+        self._host = HostProcess("kvbridge.testing.peer:AgentService", None, Union[Returned, Raised],
+                                 name="agent host", error_type=PeerError)
+        self.process = self._host.proc
         self.pid = self.call("pid", timeout=start_timeout)
 
     def call(self, method: str, *args: Any, timeout: float = 120.0, **kwargs: Any) -> Any:
@@ -237,15 +405,26 @@ class PeerProcess:
 
     def begin(self, method: str, *args: Any, **kwargs: Any) -> None:
         """Start `method` in the child without waiting; `finish` collects its result."""
-        self._conn.send((method, args, kwargs))
+        kind = CALLS.get(method)
+        if kind is None:
+            raise AttributeError(f"AgentHost has no remote method {method!r}")
+        if kind in (Create, SetAttrs):  # (backend, name, **options) / (name, **attrs)
+            call: Any = kind(*args, kwargs)
+        else:
+            call = kind(*args, **kwargs)
+        self._returns = kind.returns
+        self._host.send(call)
 
     def finish(self, timeout: float = 120.0) -> Any:
-        if not self._conn.poll(timeout):
-            raise TimeoutError(f"peer process {self.process.pid}: no answer within {timeout} s")
-        status, value = self._conn.recv()
-        if status == "err":
-            raise PeerError(value)
-        return value
+        try:
+            got = self._host.expect((Returned, Raised), timeout)
+        except PeerError as e:
+            if "within" in str(e):
+                raise TimeoutError(f"peer process {self.process.pid}: no answer within {timeout} s") from None
+            raise
+        if isinstance(got, Raised):
+            raise PeerError(got.error)
+        return None if self._returns is None else msgspec.convert(got.value, self._returns)
 
     def __getattr__(self, method: str):
         if method.startswith("_"):
@@ -254,18 +433,13 @@ class PeerProcess:
 
     def kill(self) -> None:
         """SIGKILL the child (a crash: no cleanup runs there)."""
-        self.process.kill()
-        self.process.join(10)
+        self._host.kill()
 
     def close(self) -> None:
         if self.process.is_alive():
-            try:
-                self.call("exit", timeout=30)
-            except Exception:
-                self.process.kill()
-        self.process.join(10)
-        if self.process.is_alive():
-            self.process.kill()
+            self._host.ask_stop()
+            self.process.join(30)
+        self._host.stop(10)
 
 
 def runs_between(plan, src_rank: int, dst_rank: int, op: str) -> Runs:
