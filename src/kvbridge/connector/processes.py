@@ -107,40 +107,52 @@ class Incoming(msgspec.Struct, frozen=True):
 
 
 class Load(msgspec.Struct, tag="load"):
+    """Prefill: overwrite the cache with these region bytes (what the prefill pass computed)."""
+
     regions: list[np.ndarray]
 
 
 class Add(msgspec.Struct, tag="add"):
+    """Prefill: lease these requests (answered with `Added`)."""
+
     requests: list[Lease]
 
 
 class Directory(msgspec.Struct, tag="directory"):
+    """Prefill rank 0: every rank's side-channel address, listed in its Hello."""
+
     addresses: list[str]
 
 
 class Abort(msgspec.Struct, tag="abort"):
+    """Either side: abort a request (answered with `Aborted`)."""
+
     request_id: str
     reason: str
 
 
 class GetStats(msgspec.Struct, tag="get_stats"):
-    pass
+    """The connector's counters (answered with `Stats`)."""
 
 
 class GetFigures(msgspec.Struct, tag="get_figures"):
-    pass
+    """Open descriptors and what the transport agent holds, for leak checks (`Figures`)."""
 
 
 class GetRegions(msgspec.Struct, tag="get_regions"):
-    pass
+    """A copy of the cache's region bytes (`Regions`)."""
 
 
 class Connect(msgspec.Struct, tag="connect"):
+    """Decode: handshake with the prefill engine at `address` (`Connected` or `ConnectFailed`)."""
+
     address: str
     timeout: float
 
 
 class Receive(msgspec.Struct, tag="receive"):
+    """Decode: receive these requests (answered with `Receiving`; each ends as a `Result`)."""
+
     requests: list[Incoming]
 
 
@@ -166,6 +178,8 @@ class Handshake(msgspec.Struct, tag="handshake"):
 
 
 class Released(msgspec.Struct, tag="released"):
+    """The producer released a request's blocks (once per request)."""
+
     request_id: str
     reason: str
 
@@ -175,7 +189,7 @@ class Result(msgspec.Struct, tag="result"):
 
 
 class Loaded(msgspec.Struct, tag="loaded"):
-    pass
+    """The cache holds the bytes of `Load`."""
 
 
 class Added(msgspec.Struct, tag="added"):
@@ -183,10 +197,12 @@ class Added(msgspec.Struct, tag="added"):
 
 
 class DirectorySet(msgspec.Struct, tag="directory_set"):
-    pass
+    """Rank 0 lists the engine's addresses in its Hello from now on."""
 
 
 class Aborted(msgspec.Struct, tag="aborted"):
+    """`aborted`: whether the request was still active on this rank."""
+
     request_id: str
     aborted: bool
 

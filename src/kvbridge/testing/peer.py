@@ -11,8 +11,10 @@ same methods are called on a local `AgentHost` for the side in this process.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import time
+import typing
 from typing import Any, ClassVar, Union
 
 import msgspec
@@ -195,136 +197,23 @@ class AgentHost:
         self.handles.clear()
 
 
-# -- the typed calls a `PeerProcess` sends (one per `AgentHost` method it forwards) ---------------
-class Pid(msgspec.Struct, tag="pid"):
-    returns: ClassVar[Any] = int
-
-
-class Create(msgspec.Struct, tag="create"):
-    backend: str
-    name: str
-    options: dict[str, Any] = {}
-    returns: ClassVar[Any] = str
-
-
-class Alloc(msgspec.Struct, tag="alloc"):
-    name: str
-    spec: ModelSpec
-    layout: EngineLayout
-    rank: int
-    fill: str = "random"
-    block_ids: tuple[tuple[int, ...], ...] | None = None
-    num_tokens: int = 0
-    seed: int = 0
-    returns: ClassVar[Any] = int
-
-
-class AllocBytes(msgspec.Struct, tag="alloc_bytes"):
-    name: str
-    nbytes: int
-    value: int
-    returns: ClassVar[Any] = int
-
-
-class CheckBytes(msgspec.Struct, tag="check_bytes"):
-    name: str
-    index: int
-    value: int
-    returns: ClassVar[Any] = bool
-
-
-class Metadata(msgspec.Struct, tag="metadata"):
-    name: str
-    returns: ClassVar[Any] = bytes
-
-
-class Connect(msgspec.Struct, tag="connect"):
-    name: str
-    peer: str
-    metadata: bytes
-    returns: ClassVar[Any] = None
-
-
-class SetAttrs(msgspec.Struct, tag="set"):
-    name: str
-    attrs: dict[str, Any]
-    returns: ClassVar[Any] = None
-
-
-class GetAttr(msgspec.Struct, tag="get"):
-    name: str
-    attr: str
-    returns: ClassVar[Any] = Any
-
-
-class RunTimed(msgspec.Struct, tag="run_timed"):
-    batch: list[tuple[str, str, str, Runs]]
-    timeout: float = 300.0
-    returns: ClassVar[Any] = float
-
-
-class RunAt(msgspec.Struct, tag="run_at"):
-    batch: list[tuple[str, str, str, Runs]]
-    start_at: float
-    timeout: float = 300.0
-    returns: ClassVar[Any] = tuple[float, float]
-
-
-class Submit(msgspec.Struct, tag="submit"):
-    name: str
-    peer: str
-    op: str
-    runs: Runs
-    notify: bytes | None = None
-    returns: ClassVar[Any] = int
-
-
-class Wait(msgspec.Struct, tag="wait"):
-    name: str
-    ids: list[int]
-    timeout: float = 60.0
-    returns: ClassVar[Any] = list[tuple[str, str]]
-
-
-class Abort(msgspec.Struct, tag="abort"):
-    name: str
-    hid: int
-    returns: ClassVar[Any] = tuple[str, str]
-
-
-class Notifications(msgspec.Struct, tag="notifications"):
-    name: str
-    count: int = 0
-    timeout: float = 10.0
-    returns: ClassVar[Any] = list[tuple[str, bytes]]
-
-
-class SendNotification(msgspec.Struct, tag="send_notification"):
-    name: str
-    peer: str
-    message: bytes
-    returns: ClassVar[Any] = None
-
-
-class Snapshot(msgspec.Struct, tag="snapshot"):
-    name: str
-    returns: ClassVar[Any] = None
-
-
-class Verify(msgspec.Struct, tag="verify"):
-    name: str
-    request: Request
-    returns: ClassVar[Any] = list[str]
-
-
-class Unchanged(msgspec.Struct, tag="unchanged"):
-    name: str
-    returns: ClassVar[Any] = list[str]
-
-
-class CloseAgent(msgspec.Struct, tag="close_agent"):
-    name: str
-    returns: ClassVar[Any] = None
+# -- the typed calls a `PeerProcess` sends: one Struct per `AgentHost` method, from its signature --
+def _call_struct(method: Any) -> type:
+    """A Struct tagged with the method's name whose fields are its parameters (typed by its
+    annotations; `**kwargs` become `options`), with the method's return type as `returns`."""
+    hints = typing.get_type_hints(method)
+    fields: list[tuple] = []
+    for name, param in list(inspect.signature(method).parameters.items())[1:]:
+        if param.kind is param.VAR_KEYWORD:
+            fields.append(("options", dict[str, Any], {}))
+        elif param.default is param.empty:
+            fields.append((name, hints[name]))
+        else:
+            fields.append((name, hints[name], param.default))
+    struct = msgspec.defstruct("".join(w.title() for w in method.__name__.split("_")), fields,
+                               tag=method.__name__, module=__name__)
+    struct.returns = hints.get("return")
+    return struct
 
 
 class Crash(msgspec.Struct, tag="crash"):
@@ -333,9 +222,10 @@ class Crash(msgspec.Struct, tag="crash"):
     returns: ClassVar[Any] = None
 
 
-CALLS: dict[str, type] = {c.__struct_config__.tag: c for c in (
-    Pid, Create, Alloc, AllocBytes, CheckBytes, Metadata, Connect, SetAttrs, GetAttr, RunTimed, RunAt, Submit, Wait, Abort, Notifications,
-    SendNotification, Snapshot, Verify, Unchanged, CloseAgent, Crash)}
+FORWARDED = ("pid", "create", "alloc", "alloc_bytes", "check_bytes", "metadata", "connect", "set", "get", "run_timed",
+             "run_at", "submit", "wait", "abort", "notifications", "send_notification", "snapshot", "verify",
+             "unchanged", "close_agent")
+CALLS: dict[str, type] = {name: _call_struct(getattr(AgentHost, name)) for name in FORWARDED} | {"crash": Crash}
 Call = Union[tuple(CALLS.values())]
 
 
@@ -362,13 +252,8 @@ class AgentService:  # pragma: no cover - runs in the child
     def handle(self, call: Any) -> None:
         if isinstance(call, Crash):
             os._exit(17)
-        if isinstance(call, Pid):
-            self.emit(Returned(os.getpid()))
-            return
         fields = msgspec.structs.asdict(call)
-        if isinstance(call, (Create, SetAttrs)):  # keyword arguments of their own
-            extra = call.options if isinstance(call, Create) else call.attrs
-            fields = {k: v for k, v in fields.items() if k not in ("options", "attrs")} | extra
+        fields |= fields.pop("options", {})  # the method's own **kwargs
         try:
             value = getattr(self.host, call.__struct_config__.tag)(**fields)
         except Exception as e:  # noqa: BLE001 - sent back and raised in the parent
@@ -408,8 +293,8 @@ class PeerProcess:
         kind = CALLS.get(method)
         if kind is None:
             raise AttributeError(f"AgentHost has no remote method {method!r}")
-        if kind in (Create, SetAttrs):  # (backend, name, **options) / (name, **attrs)
-            call: Any = kind(*args, kwargs)
+        if "options" in kind.__struct_fields__:  # the method takes **kwargs
+            call: Any = kind(*args, options=kwargs)
         else:
             call = kind(*args, **kwargs)
         self._returns = kind.returns
