@@ -36,9 +36,8 @@ The decode engine (its scheduler) aggregates its ranks' results, like vLLM's
 `KVOutputAggregator`: the request is usable when every rank reports ok.
 
 Size: about 620 lines, one state machine (a request from `receive` to its `RequestResult`) whose
-transitions read best together; what it shares
-with the prefill side is in `endpoint.py`, its side channels (handshake, loss, rejoin) in
-`sources.py`.
+transitions read best together; what it shares with the prefill side is in `endpoint.py`, its
+side channels (handshake, loss, rejoin) in `sources.py`.
 """
 
 from __future__ import annotations
