@@ -257,8 +257,10 @@ def _host_main(conn: Any, target: str, args: Any, max_lifetime: float | None) ->
 class Peer:
     """The parent's end of a hosted process: buffered events, waits with deadlines."""
 
-    def __init__(self, channel: Any, name: str, error_type: type[Exception] = HostError):
+    def __init__(self, channel: Any, name: str, error_type: type[Exception] = HostError,
+                 timeout_type: type[Exception] | None = None):
         self.channel, self.name, self.error_type = channel, name, error_type
+        self.timeout_type = timeout_type or error_type  # what a missed deadline raises
         self.inbox: deque[Any] = deque()
         self.error: str | None = None
 
@@ -310,7 +312,7 @@ class Peer:
                 raise self.error_type(f"{self.name} exited (code {self.exit_code()}) before sending {what}")
             left = deadline - time.monotonic()
             if left <= 0:
-                raise self.error_type(f"{self.name} sent no {what} within {timeout:.1f} s")
+                raise self.timeout_type(f"{self.name} sent no {what} within {timeout:.1f} s")
             self.pump(min(left, 0.05))
 
     def call(self, request: Any, kind: type | tuple[type, ...], timeout: float) -> Any:
@@ -329,7 +331,8 @@ class HostProcess(Peer):
     """A `Service` (named by import path) in a child process of `context`, over a pipe."""
 
     def __init__(self, target: str, args: Any, events: Any, *, context: Any = None, name: str = "",
-                 max_lifetime: float | None = None, error_type: type[Exception] = HostError):
+                 max_lifetime: float | None = None, error_type: type[Exception] = HostError,
+                 timeout_type: type[Exception] | None = None):
         ctx = context or mp.get_context("spawn")
         conn, child = ctx.Pipe()
         name = name or target
@@ -337,7 +340,7 @@ class HostProcess(Peer):
                                 name=f"kvbridge-{name.replace(' ', '-')}"[:60], daemon=True)
         self.proc.start()
         child.close()
-        super().__init__(PipeChannel(conn, union_of(events, Stopped, Failed)), name, error_type)
+        super().__init__(PipeChannel(conn, union_of(events, Stopped, Failed)), name, error_type, timeout_type)
 
     @property
     def pid(self) -> int | None:

@@ -277,7 +277,7 @@ class PeerProcess:
 
     def __init__(self, start_timeout: float = 120.0):
         self._host = HostProcess("kvbridge.testing.peer:AgentService", None, Union[Returned, Raised],
-                                 name="agent host", error_type=PeerError)
+                                 name="agent host", error_type=PeerError, timeout_type=TimeoutError)
         self.process = self._host.proc
         self.pid = self.call("pid", timeout=start_timeout)
 
@@ -301,12 +301,7 @@ class PeerProcess:
         self._host.send(call)
 
     def finish(self, timeout: float = 120.0) -> Any:
-        try:
-            got = self._host.expect((Returned, Raised), timeout)
-        except PeerError as e:
-            if "within" in str(e):
-                raise TimeoutError(f"peer process {self.process.pid}: no answer within {timeout} s") from None
-            raise
+        got = self._host.expect((Returned, Raised), timeout)
         if isinstance(got, Raised):
             raise PeerError(got.error)
         return None if self._returns is None else msgspec.convert(got.value, self._returns)
