@@ -35,7 +35,7 @@ its side channel gone). If a writer does not confirm in time the result says so
 The decode engine (its scheduler) aggregates its ranks' results, like vLLM's
 `KVOutputAggregator`: the request is usable when every rank reports ok.
 
-Size: about 620 lines, one state machine (a request from `receive` to its `RequestResult`) whose
+Length: about 620 lines, one state machine (a request from `receive` to its `RequestResult`) whose
 transitions read best together; what it shares with the prefill side is in `endpoint.py`, its
 side channels (handshake, loss, rejoin) in `sources.py`.
 """

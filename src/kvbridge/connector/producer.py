@@ -29,7 +29,7 @@ blocking wait) until the transport reports them stopped. Any ending other than c
 `Abort` to every reader, which both fails the request on the decode side early and tells a push
 target that this writer is quiet.
 
-Size: about 560 lines, one state machine (a lease from `add_request` to `on_release`) whose
+Length: about 560 lines, one state machine (a lease from `add_request` to `on_release`) whose
 transitions read best together; what it shares with the decode side is in `endpoint.py`.
 """
 

@@ -264,7 +264,7 @@ def multiprocess_soak(transport: str = "shm", requests: int = 2000, in_flight: i
     /dev/shm segments are sampled at the end of each quarter of the requests; the segments are
     counted again after the processes stopped. Bounded by `time_limit` seconds.
     """
-    from kvbridge.proofs.connector_demo import DecodeEngine, PrefillEngine
+    from kvbridge.proofs.rank_engines import DecodeEngine, PrefillEngine
     from kvbridge.connector import processes as rp
     from kvbridge.connector.processes import process_context, stop_all
     cfg = ConnectorConfig(lease_seconds=120, transfer_timeout=120, abort_timeout=5, handshake_timeout=30,
