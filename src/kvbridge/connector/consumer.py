@@ -51,6 +51,7 @@ import numpy as np
 from kvbridge.connector import messages as m
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.handshake import make_hello, validate_peer
+from kvbridge.connector.secrets import authenticate_transport
 from kvbridge.connector.runs import runs_for
 from kvbridge.connector.transports import agent_name, transport_kind
 from kvbridge.connector.side_channel import (Received, SideChannelClient, SideChannelError, poll_clients)
@@ -137,6 +138,7 @@ class Consumer:
         self.topology = TransferTopology(engine_id, cache.spec, cache.layout, rank)
         self.agent_name = agent_name(transport)
         transport.register(cache.regions)
+        self._notes_trusted = authenticate_transport(transport, self.config.secret, self.config.replay_window)
         self._metadata = transport.metadata()
         self._identity = f"{engine_id}/{rank}/{uuid.uuid4().hex[:12]}".encode()
         self._engines: dict[str, _Engine] = {}
@@ -804,7 +806,7 @@ class Consumer:
 
     def _transport_notifications(self) -> None:
         for sender, msg in m.decoded_notifications(self.transport, self.config.max_frame_bytes, self.stats,
-                                                   f"decode rank {self.rank}"):
+                                                   f"decode rank {self.rank}", self._notes_trusted):
             eng = self._engines.get(getattr(msg, "engine_id", ""))
             if not isinstance(msg, m.WriteDone) or eng is None or eng.agents.get(msg.rank) != sender:
                 self.stats["refused_notifications"] += 1

@@ -43,6 +43,7 @@ import numpy as np
 from kvbridge.connector import messages as m
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.handshake import describe, make_hello, validate_peer
+from kvbridge.connector.secrets import authenticate_transport
 from kvbridge.connector.runs import runs_for
 from kvbridge.connector.transports import agent_name, transport_kind
 from kvbridge.connector.side_channel import Received, SideChannelServer
@@ -107,6 +108,7 @@ class Producer:
         self.topology = TransferTopology(engine_id, cache.spec, cache.layout, rank)
         self.agent_name = agent_name(transport)
         transport.register(cache.regions)
+        self._notes_trusted = authenticate_transport(transport, self.config.secret, self.config.replay_window)
         self._metadata = transport.metadata()
         self.server = SideChannelServer(listen, max_frame_bytes=self.config.max_frame_bytes,
                                         secret=self.config.secret, replay_window=self.config.replay_window)
@@ -538,7 +540,7 @@ class Producer:
     # -- helpers ----------------------------------------------------------------------------------
     def _transport_notifications(self) -> None:
         for sender, msg in m.decoded_notifications(self.transport, self.config.max_frame_bytes, self.stats,
-                                                   f"prefill rank {self.rank}"):
+                                                   f"prefill rank {self.rank}", self._notes_trusted):
             if not isinstance(msg, m.ReadDone):
                 self.stats["unexpected_notifications"] += 1
                 continue

@@ -370,6 +370,12 @@ class Agent:
     def _engine_notify(self, peer: str, message: bytes) -> None:
         self._channel.send(peer, NOTIFY, message)
 
+    def authenticate(self, secret: bytes | None, replay_window: float = 300.0) -> bool:
+        """HMAC this agent's channel (`transport.notify`); True when its notifications are all
+        authenticated (False where the engine carries them itself: NIXL's notifications)."""
+        self._channel.authenticate(secret, replay_window)
+        return bool(secret) and not self.attaches_notify
+
     def _engine_notifications(self) -> list[tuple[str, bytes]]:
         return []
 
