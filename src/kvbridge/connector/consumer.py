@@ -49,6 +49,7 @@ import msgspec
 import numpy as np
 
 from kvbridge.connector import messages as m
+from kvbridge.connector.admission import BlockOwners, written_blocks
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.handshake import make_hello, validate_peer
 from kvbridge.connector.secrets import authenticate_transport
@@ -139,6 +140,8 @@ class Consumer:
         self.agent_name = agent_name(transport)
         transport.register(cache.regions)
         self._notes_trusted = authenticate_transport(transport, self.config.secret, self.config.replay_window)
+        self._owners = BlockOwners(f"decode rank {rank}")  # destination blocks of in-flight requests
+        self._recurrent = [cache.spec.group_layer(g).is_recurrent for g in range(len(cache.spec.groups))]
         self._metadata = transport.metadata()
         self._identity = f"{engine_id}/{rank}/{uuid.uuid4().hex[:12]}".encode()
         self._engines: dict[str, _Engine] = {}
@@ -254,6 +257,8 @@ class Consumer:
         budget = timeout or self.config.transfer_timeout
         eng = self._engines[engine]
         req = _Pending(request_id, engine, ids, num_tokens, int(num_cached_tokens), now, now + budget, eng.sources)
+        self._owners.admit(request_id, written_blocks(ids, req.num_cached_tokens, self.cache.layout.block_size,
+                                                      self._recurrent))
         self._expected.pop(request_id, None)
         self._active[request_id] = req
         self.stats["requests"] += 1
@@ -714,6 +719,7 @@ class Consumer:
     def _finish(self, req: _Pending, ok: bool, reason: str, quiesced: bool = True) -> None:
         if self._active.pop(req.request_id, None) is None:
             return
+        self._owners.release(req.request_id)
         now = self.clock()
         ann = next(iter(req.announced.values()), None)
         first = req.first_post if req.first_post is not None else now

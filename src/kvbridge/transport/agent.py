@@ -70,6 +70,7 @@ import torch
 from kvbridge.errors import InvalidRequest, KVBridgeError
 from kvbridge.transport.base import Handle, Op, Runs, XferState
 from kvbridge.transport.local import copy_addresses_serial, copy_runs, int64_array
+from kvbridge.transport.peer_meta import check_agent_meta
 from kvbridge.transport.notify import CONTROL, NOTIFY, Channel, PeerUnreachable
 
 META_VERSION = 1
@@ -424,8 +425,9 @@ class Agent:
         self._check_open()
         try:
             meta = _meta_decoder.decode(metadata)
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise InvalidRequest(f"{self.name}: metadata for peer {peer!r} is not kvbridge agent metadata: {e}")
+        check_agent_meta(self.name, peer, meta)  # untrusted: bounded before any engine call
         if meta.version != META_VERSION:
             raise InvalidRequest(f"{self.name}: peer {peer!r} speaks metadata version {meta.version}, "
                                  f"this agent {META_VERSION}")
