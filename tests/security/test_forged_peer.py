@@ -235,7 +235,8 @@ def test_forged_peers_get_nothing_and_a_real_client_is_served_after(world, tmp_p
             ("another user's segment" if root else "a segment of ours of another size",
              _hello(spec, [foreign[1]], [4096] if root else [8192]), "owned by uid" if root else "bytes, the peer"),
             ("a wrong size", _hello(spec, [foreign[2]], [4096]), "100 bytes, the peer registered 4096"),
-            ("a region outside its segment", _hello(spec, [foreign[2]], [100], region_bytes=4096), "outside its segment"),
+            ("a region outside its segment", _hello(spec, [foreign[2]], [100], region_bytes=4096),
+             "outside its segment"),
             ("TP 1,000,000", _hello(spec, [foreign[2]], [100], tp=1_000_000), "tp_size 1000000: the bound is"),
         ]
         for what, hello, expect in hostile:

@@ -8,7 +8,7 @@ and the sender learns it as a `PeerUnreachable` error within the timeout. Delive
 per (sender, receiver) pair.
 
 Authentication (`authenticate(secret)`, which the connector calls with its side-channel
-secret): every message then carries a fourth frame, an HMAC over sender, kind and payload with
+secret): every message then carries a fourth frame, an HMAC over sender, receiver, kind and payload with
 replay refusal (`transport.frame_auth`), and `recv` drops (and counts in `refused`) any message
 without a fresh valid MAC, before its payload is looked at. Without it, anyone who can reach the
 PULL port can inject notifications and staging control messages under any sender name.
@@ -103,7 +103,7 @@ class Channel:
             try:
                 parts = [self._name_bytes, bytes([kind]), payload]
                 if self._auth is not None:
-                    parts.append(self._auth.sign(b"%d:%s\0" % (kind, self._name_bytes) + payload))
+                    parts.append(self._auth.sign(b"%d:%s>%s\0" % (kind, self._name_bytes, peer.encode()) + payload))
                 s.send_multipart(parts, copy=len(payload) < 65536)
             except zmq.Again:
                 raise PeerUnreachable(
@@ -135,7 +135,7 @@ class Channel:
         if len(frames) != 4 or len(frames[1]) != 1:
             return False
         try:
-            auth.verify(b"%d:%s\0" % (frames[1][0], frames[0]) + frames[2], frames[3])
+            auth.verify(b"%d:%s>%s\0" % (frames[1][0], frames[0], self._name_bytes) + frames[2], frames[3])
         except FrameAuthError:
             return False
         return True
