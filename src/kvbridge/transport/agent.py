@@ -425,7 +425,7 @@ class Agent:
         self._check_open()
         try:
             meta = _meta_decoder.decode(metadata)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (msgspec.DecodeError, ValueError) as e:  # (invalid UTF-8 in a string is a UnicodeDecodeError)
             raise InvalidRequest(f"{self.name}: metadata for peer {peer!r} is not kvbridge agent metadata: {e}")
         check_agent_meta(self.name, peer, meta)  # untrusted: bounded before any engine call
         if meta.version != META_VERSION:

@@ -297,7 +297,7 @@ class ShmTransport(Agent):
             raise InvalidRequest(f"{self.name}: shm peer {peer!r} runs on another host ({meta.host_id[:200]})")
         try:
             eng = msgspec.msgpack.decode(meta.engine, type=_ShmEngine)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (msgspec.DecodeError, ValueError) as e:  # (invalid UTF-8 in a name is a UnicodeDecodeError)
             raise InvalidRequest(f"{self.name}: shm metadata of peer {peer!r} refused: {e}") from None
         paths = _check_layout(self.name, peer, meta, eng)
         segs = []
