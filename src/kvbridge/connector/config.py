@@ -42,7 +42,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     """End-to-end integrity: each prefill rank sends, with a request's announcement, its share
     of the logical checksum (`kvbridge.core.integrity`) of what each decode rank must receive; the
     decode rank recomputes over what landed and fails the request on a mismatch. Covers requests
-    without a prefix-cache hit (`num_cached_tokens == 0`); others are counted as skipped."""
+    without a prefix-cache hit (`num_cached_tokens == 0`); others are counted as skipped. Off by
+    default: it costs 76-154x the transfer it checks (`bench/checksum.py`, docs/security.md)."""
     secret: bytes | None = None
     """Shared secret authenticating the side channel (and the transport's notification channel):
     every frame carries an HMAC-SHA256 over the frame, a per-connection session id, a counter and
