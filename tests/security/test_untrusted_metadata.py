@@ -190,3 +190,19 @@ def test_secret_file_rules(tmp_path) -> None:
     with pytest.raises(ConfigError, match="contradict"):
         ConnectorConfig(secret=secret, insecure=True)
     assert ConnectorConfig(insecure=True).secret is None
+
+
+@pytest.mark.parametrize("kind", ["shm", "nixl"])
+def test_connector_trusts_transport_notifications_only_when_they_carry_a_mac(kind) -> None:
+    from kvbridge.connector.secrets import authenticate_transport
+    from kvbridge.connector.transports import make_transport, unavailable_reason
+    why = unavailable_reason(kind)
+    if why:
+        pytest.skip(why)
+    t = make_transport(kind, f"trust-{kind}-{uuid.uuid4().hex[:6]}")
+    try:
+        assert authenticate_transport(t, None) is True  # insecure: nothing to trust or distrust
+        # shm's notifications travel on the HMAC'd channel; NIXL carries its own, without a MAC
+        assert authenticate_transport(t, generate_secret()) is (kind == "shm")
+    finally:
+        t.close()
