@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector.secrets import generate_secret
 from kvbridge.connector.consumer import Consumer, RequestResult
 from kvbridge.connector.producer import Producer
 from kvbridge.connector.transports import allocate_cache, make_transport, unavailable_reason
@@ -27,6 +28,8 @@ from kvbridge.core.plan import Request
 from kvbridge.core.spec import ModelSpec
 from kvbridge.proofs.verify import (clone_caches, expected_destination, fill_source, mismatch_report, random_bytes,
                              random_request)
+
+SECRET = generate_secret()  # per test run, shared by both engines of every cluster here
 
 SPEC = ModelSpec.uniform(2, 6, 16, "bfloat16", name="six-heads")  # TP 1, 2, 3, 6 all shard it
 
@@ -65,7 +68,7 @@ class Cluster:
                  prefill_config: ConnectorConfig | None = None, seed: int = 0, prefill_id: str = "prefill",
                  decode_id: str = "decode", decode_spec: ModelSpec | None = None):
         self.spec, self.prefill, self.decode, self.mode = spec, prefill, decode, mode
-        self.config = config or ConnectorConfig(lease_seconds=5, transfer_timeout=5, abort_timeout=1)
+        self.config = config or ConnectorConfig(lease_seconds=5, transfer_timeout=5, abort_timeout=1, secret=SECRET)
         self.released: list[tuple[int, str, str]] = []
         self.results: dict[tuple[int, str], RequestResult] = {}
         self.src = [allocate_cache(transport, spec, prefill, r, "test-p") for r in range(prefill.tp_size)]

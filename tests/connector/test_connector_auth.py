@@ -21,7 +21,8 @@ DEC = EngineLayout(tp_size=1, block_size=16, num_blocks=64)
 
 
 def _cfg(secret: bytes | None) -> ConnectorConfig:
-    return ConnectorConfig(lease_seconds=5, transfer_timeout=5, abort_timeout=1, handshake_timeout=1.5, secret=secret)
+    return ConnectorConfig(lease_seconds=5, transfer_timeout=5, abort_timeout=1, handshake_timeout=1.5, secret=secret,
+                           insecure=secret is None)
 
 
 def _recv_all(server: SideChannelServer, n: int, timeout: float = 2.0):

@@ -17,6 +17,7 @@ from connector_harness import SPEC, disjoint_requests
 
 from kvbridge.connector import processes as rp
 from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector.secrets import generate_secret
 from kvbridge.proofs.rank_engines import DecodeEngine, PrefillEngine
 from kvbridge.connector.processes import process_context
 from kvbridge.core.layout import EngineLayout
@@ -24,7 +25,9 @@ from kvbridge.transport.cache import RankCache
 from kvbridge.core.plan import Request
 from kvbridge.proofs.verify import expected_destination, fill_source, mismatch_report
 
-CFG = ConnectorConfig(lease_seconds=4, transfer_timeout=3, abort_timeout=1, handshake_timeout=5)
+SECRET = generate_secret()  # per test run, shared by both engines of every cluster here
+
+CFG = ConnectorConfig(lease_seconds=4, transfer_timeout=3, abort_timeout=1, handshake_timeout=5, secret=SECRET)
 PRE = EngineLayout(tp_size=2, block_size=16, num_blocks=64)
 DEC = EngineLayout(tp_size=1, block_size=8, num_blocks=128, kv_order="NHD")
 DEC_FILL = 1001  # DecodeEngine's default: rank r starts as random bytes from seed 1001 + r

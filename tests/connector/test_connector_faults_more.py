@@ -25,14 +25,17 @@ from test_connector_faults import CFG, _adds, _receives, _releases, _requests, _
 from kvbridge.connector import messages as m
 from kvbridge.connector import processes as rp
 from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector.secrets import generate_secret
 from kvbridge.connector.producer import Producer
 from kvbridge.connector.transports import make_transport
 from kvbridge.core.layout import EngineLayout
 
+SECRET = generate_secret()  # per test run, shared by both engines of every cluster here
+
 FD_SLACK = 4
 _FD_AFTER: list[int] = []
 FAST = ConnectorConfig(lease_seconds=2, transfer_timeout=2, abort_timeout=1, handshake_timeout=5,
-                       side_channel_heartbeat=0.2)
+                       side_channel_heartbeat=0.2, secret=SECRET)
 
 
 def _figures(tag: str) -> tuple[int, int]:

@@ -19,9 +19,12 @@ from connector_harness import Cluster, Workload, snapshot
 
 from kvbridge.connector import messages as m
 from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector.secrets import generate_secret
 from kvbridge.core.layout import EngineLayout
 
-CFG = ConnectorConfig(lease_seconds=5, transfer_timeout=3, abort_timeout=1)
+SECRET = generate_secret()  # per test run, shared by both engines of every cluster here
+
+CFG = ConnectorConfig(lease_seconds=5, transfer_timeout=3, abort_timeout=1, secret=SECRET)
 
 
 def L(tp: int, blocks: int = 64, block: int = 16) -> EngineLayout:
@@ -81,7 +84,9 @@ def test_plan_beyond_the_requests_blocks_refused() -> None:
 
 
 def test_messages_before_a_handshake_and_garbage_stream_are_refused_and_service_continues() -> None:
-    cl = Cluster(L(2), L(1), config=CFG)
+    # Unauthenticated: the raw peer's garbage must reach the decoder (tests/security covers the
+    # same stream against an authenticated server).
+    cl = Cluster(L(2), L(1), config=ConnectorConfig(lease_seconds=5, transfer_timeout=3, abort_timeout=1, insecure=True))
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)

@@ -12,9 +12,12 @@ import pytest
 from connector_harness import Cluster, Workload
 
 from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector.secrets import generate_secret
 from kvbridge.core.layout import EngineLayout
 
-CFG = ConnectorConfig(lease_seconds=5, transfer_timeout=5, abort_timeout=1, checksum=True)
+SECRET = generate_secret()  # per test run, shared by both engines of every cluster here
+
+CFG = ConnectorConfig(lease_seconds=5, transfer_timeout=5, abort_timeout=1, checksum=True, secret=SECRET)
 
 
 def _flip_source_byte(cluster: Cluster, workload: Workload, rid: str) -> None:
@@ -102,7 +105,7 @@ def test_checksum_required_but_prefill_sends_none_fails_clearly() -> None:
     pre = EngineLayout(tp_size=1, block_size=16, num_blocks=32)
     dec = EngineLayout(tp_size=1, block_size=16, num_blocks=32)
     cluster = Cluster(pre, dec, config=CFG, prefill_config=ConnectorConfig(lease_seconds=5, transfer_timeout=5,
-                                                                          abort_timeout=1))
+                                                                          abort_timeout=1, secret=SECRET))
     try:
         cluster.connect()
         work = Workload(cluster, 1, seed=3)

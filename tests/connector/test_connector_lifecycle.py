@@ -15,9 +15,12 @@ from connector_harness import SPEC, Cluster, Workload, require, snapshot
 
 from kvbridge.connector import messages as m
 from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector.secrets import generate_secret
 from kvbridge.errors import InvalidRequest
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.spec import ModelSpec
+
+SECRET = generate_secret()  # per test run, shared by both engines of every cluster here
 
 
 def L(tp: int, block: int = 16, blocks: int = 96, **kw) -> EngineLayout:  # noqa: N802
@@ -96,7 +99,7 @@ def test_requests_announced_before_receive_are_claimed(cluster_factory) -> None:
 
 
 def test_decode_rank_that_never_reads_is_released_after_the_lease_exactly_once(cluster_factory) -> None:
-    cfg = ConnectorConfig(lease_seconds=0.6, transfer_timeout=5, abort_timeout=1)
+    cfg = ConnectorConfig(lease_seconds=0.6, transfer_timeout=5, abort_timeout=1, secret=SECRET)
     cl = cluster_factory(L(1), L(2), config=cfg)
     cl.connect()
     work = Workload(cl, 1, seed=1)
@@ -121,7 +124,8 @@ def test_decode_rank_that_never_reads_is_released_after_the_lease_exactly_once(c
 
 def test_heartbeats_extend_the_lease(cluster_factory) -> None:
     """Lease 0.6 s, heartbeats every 0.1 s: decode rank 1 reads 1.5 s late and still finds the blocks."""
-    cfg = ConnectorConfig(lease_seconds=0.6, heartbeat_interval=0.1, transfer_timeout=5, abort_timeout=1)
+    cfg = ConnectorConfig(lease_seconds=0.6, heartbeat_interval=0.1, transfer_timeout=5, abort_timeout=1,
+                          secret=SECRET)
     cl = cluster_factory(L(1), L(2), config=cfg)
     cl.connect()
     work = Workload(cl, 1, seed=2)
@@ -141,7 +145,7 @@ def test_heartbeats_extend_the_lease(cluster_factory) -> None:
 
 
 def test_expectation_expires_and_an_expected_abort_releases_early(cluster_factory) -> None:
-    cfg = ConnectorConfig(lease_seconds=5, heartbeat_interval=0.1, transfer_timeout=5, abort_timeout=1)
+    cfg = ConnectorConfig(lease_seconds=5, heartbeat_interval=0.1, transfer_timeout=5, abort_timeout=1, secret=SECRET)
     cl = cluster_factory(L(1), L(1), config=cfg)
     cl.connect()
     work = Workload(cl, 1, seed=3)
@@ -157,7 +161,8 @@ def test_expectation_expires_and_an_expected_abort_releases_early(cluster_factor
 
 
 def test_heartbeats_stop_and_lease_expires_without_them(cluster_factory) -> None:
-    cfg = ConnectorConfig(lease_seconds=0.5, heartbeat_interval=0.1, transfer_timeout=5, abort_timeout=1)
+    cfg = ConnectorConfig(lease_seconds=0.5, heartbeat_interval=0.1, transfer_timeout=5, abort_timeout=1,
+                          secret=SECRET)
     cl = cluster_factory(L(1), L(1), config=cfg)
     cl.connect()
     work = Workload(cl, 1, seed=2)
@@ -168,7 +173,7 @@ def test_heartbeats_stop_and_lease_expires_without_them(cluster_factory) -> None
 
 
 def test_consumer_deadline_names_the_missing_source_and_aborts(cluster_factory) -> None:
-    cfg = ConnectorConfig(lease_seconds=10, transfer_timeout=1.0, abort_timeout=1)
+    cfg = ConnectorConfig(lease_seconds=10, transfer_timeout=1.0, abort_timeout=1, secret=SECRET)
     cl = cluster_factory(L(2), L(1, 8, 192), config=cfg)
     cl.connect()
     work = Workload(cl, 2, seed=4)

@@ -39,6 +39,7 @@ from test_connector_two_hosts import _ip, namespaces  # noqa: F401 - the fixture
 
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.spec import ModelSpec
+from kvbridge.connector.secrets import generate_secret
 
 SIDE = Path(__file__).with_name("link_cut_side.py")
 SPEC_ARGS = (2, 6, 16, "bfloat16")
@@ -50,7 +51,8 @@ WRITE_TIMEOUT = 3.0  # the prefill side's transport deadline: a write into the d
 # ZMTP heartbeats every 1 s: a side channel is declared lost after 3 s of silence, generous for
 # I/O threads on a loaded 2-core host, and short beside the 5 s transfer timeout.
 DECODE_CONFIG = {"transfer_timeout": TIMEOUT, "lease_seconds": LEASE, "abort_timeout": 1.0,
-                 "handshake_timeout": 10.0, "side_channel_heartbeat": 1.0}
+                 "handshake_timeout": 10.0, "side_channel_heartbeat": 1.0,
+                 "secret": generate_secret().decode()}  # both sides share a per-run secret
 PREFILL_CONFIG = {**DECODE_CONFIG, "transfer_timeout": WRITE_TIMEOUT}
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 from connector_harness import require
 
+from kvbridge.connector.secrets import generate_secret
+
 SCRIPT = textwrap.dedent("""
     import json, sys
     if __name__ == "__main__":
@@ -101,6 +103,7 @@ def test_prefill_server_and_decode_client_in_two_namespaces(namespaces, tmp_path
     script = tmp_path / "side.py"
     script.write_text(SCRIPT)
     common = {"transport": transport, "mode": mode, "model": "tiny-llama", "prompt_len": 21, "seed": 5,
+              "secret": generate_secret().decode(),  # the two halves share a per-run secret
               "num_requests": 2, "timeout": 100}
     server = _start(ns_a, script, "prefill", {**common, "listen": f"{addr_a}:5600",
                                               "prefill": {"tp_size": 2, "num_blocks": 16}})

@@ -212,20 +212,23 @@ def atheris_unavailable() -> str | None:
     return None
 
 
-def run_atheris(runs: int, max_seconds: int, workdir: str, wall_timeout: float | None = None) -> dict:
+def run_atheris(runs: int, max_seconds: int, workdir: str, wall_timeout: float | None = None,
+                script: str | None = None) -> dict:
     """Run this harness in a child process, bounded by `runs` inputs (0: no bound) and
     `max_seconds` of fuzzing, under a hard wall clock (`wall_timeout`, default `max_seconds`
     plus time for the child to import torch on a loaded host). A hang is a child still running
     at the wall clock (killed, `hung`), or libFuzzer's per-input `-timeout` (30 s) firing.
 
     Returns runs executed and seconds as libFuzzer counted them, the exit status, the crash
-    artifacts it wrote (none expected) and the tail of its output."""
+    artifacts it wrote (none expected) and the tail of its output. `script`: another harness
+    with the same command line (default this one)."""
     import re
     import subprocess
     import time
     corpus = os.path.join(workdir, "corpus")
     os.makedirs(corpus, exist_ok=True)
-    cmd = [sys.executable, os.path.abspath(__file__), f"-runs={runs if runs > 0 else -1}",
+    script = os.path.abspath(script or __file__)
+    cmd = [sys.executable, script, f"-runs={runs if runs > 0 else -1}",
            f"-max_total_time={max_seconds}", "-timeout=30", "-rss_limit_mb=4096", "-print_final_stats=1",
            f"-artifact_prefix={os.path.join(workdir, '')}", corpus]
     wall = wall_timeout if wall_timeout is not None else max_seconds + 300.0
@@ -243,7 +246,7 @@ def run_atheris(runs: int, max_seconds: int, workdir: str, wall_timeout: float |
     return {"runs": int(done[1]) if done else 0, "seconds": int(done[2]) if done else None, "rc": rc,
             "hung": hung, "crashes": crashes, "wall_seconds": time.monotonic() - t0,
             "corpus_files": len(os.listdir(corpus)), "tail": "\n".join(lines[-40:]),
-            "command": " ".join(["tests/fuzz/fuzz_messages.py", *cmd[2:-2], "CORPUS"])}
+            "command": " ".join([f"tests/fuzz/{os.path.basename(script)}", *cmd[2:-2], "CORPUS"])}
 
 
 def main(argv: list[str]) -> None:

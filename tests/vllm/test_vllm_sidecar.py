@@ -25,6 +25,7 @@ from kvbridge.core.spec import ModelSpec
 from kvbridge.transport.shm import SharedSegment
 
 SPEC = vllm_cpu_spec(ModelSpec.uniform(2, 2, 32, "float32", name="tiny"))
+SECRET = "sidecar-test-secret-0123456789"  # both sidecars of a test share it
 
 
 class Engine:
@@ -45,7 +46,7 @@ class Engine:
         return Init(engine_id, self.rank, produce, not produce, SPEC, EngineLayout(**msgspec.structs.asdict(self.layout)),
                     self.seg.path, self.seg.nbytes, self.offsets,
                     Settings(side_channel_port=port, lease_seconds=20, transfer_timeout=20, handshake_timeout=10,
-                             **settings))
+                             secret=SECRET, **settings))
 
 
 def wait(clients, want, timeout=60.0):
@@ -107,4 +108,4 @@ def test_settings_name_unknown_and_bad_fields():
         Settings.from_extra({"side_chanel_port": 1})
     with pytest.raises(ConfigError, match="mode"):
         Settings.from_extra({"mode": "teleport"})
-    assert Settings.from_extra({"side_channel_port": 6000}).side_channel_port == 6000
+    assert Settings.from_extra({"side_channel_port": 6000, "insecure": True}).side_channel_port == 6000

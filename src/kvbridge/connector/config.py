@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from kvbridge.connector.messages import MAX_FRAME_BYTES
+from kvbridge.connector.secrets import resolve_secret
 from kvbridge.errors import ConfigError
 
 
@@ -41,12 +42,19 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     """End-to-end integrity: each prefill rank sends, with a request's announcement, its share
     of the logical checksum (`kvbridge.core.integrity`) of what each decode rank must receive; the
     decode rank recomputes over what landed and fails the request on a mismatch. Covers requests
-    without a prefix-cache hit (`num_cached_tokens == 0`); others are counted as skipped."""
+    without a prefix-cache hit (`num_cached_tokens == 0`); others are counted as skipped. Off by
+    default: it costs 76-154x the transfer it checks (`bench/checksum.py`, docs/security.md)."""
     secret: bytes | None = None
-    """Shared secret authenticating the side channel: every frame carries an HMAC-SHA256 over
-    the frame, a per-connection session id, a counter and a timestamp. When set, frames without
-    a valid MAC (or replayed: counter not increasing, timestamp outside `replay_window`) are
-    refused; a peer without a secret refuses our MAC'd frames, naming the cause."""
+    """Shared secret authenticating the side channel (and the transport's notification channel):
+    every frame carries an HMAC-SHA256 over the frame, a per-connection session id, a counter and
+    a timestamp; frames without a valid MAC (or replayed: counter not increasing, timestamp outside
+    `replay_window`) are refused before they are parsed. Required unless `insecure` (or
+    `secret_file`); see docs/security.md."""
+    secret_file: str | None = None
+    """Path of a file holding the secret, read once here (mode 0600, ours, no symlink); the config
+    then carries the bytes in `secret` and `secret_file` is None."""
+    insecure: bool = False
+    """Run the side channel unauthenticated: any host that reaches the port can act as a peer."""
     replay_window: float = 300.0
     """Seconds an authenticated frame's timestamp may differ from the receiver's clock."""
 
@@ -60,8 +68,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, name)
             if value is not None and not 0 < value < 7 * 24 * 3600:
                 raise ConfigError(f"{name} must be None or a finite number of seconds > 0, got {value}")
-        if self.secret is not None and len(self.secret) < 16:
-            raise ConfigError(f"secret must be at least 16 bytes, got {len(self.secret)}")
+        resolved = resolve_secret(self.secret, self.secret_file, self.insecure)  # read once, then carried
+        msgspec.structs.force_setattr(self, "secret", resolved)
+        msgspec.structs.force_setattr(self, "secret_file", None)
         if not 0 < self.replay_window < 7 * 24 * 3600:
             raise ConfigError(f"replay_window must be a finite number of seconds > 0, got {self.replay_window}")
         if self.max_frame_bytes < 4096:

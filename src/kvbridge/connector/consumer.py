@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvbridge.connector import messages as m
+from kvbridge.connector.admission import BlockOwners, written_blocks
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.endpoint import RankEndpoint
 from kvbridge.connector.runs import runs_for
@@ -119,6 +120,8 @@ class Consumer(RankEndpoint):
         super().__init__(engine_id, rank, cache, transport, mode=mode, config=config, clock=clock, topology=topology)
         self._links = SourceLinks(self)
         self._engines = self._links.engines
+        self._owners = BlockOwners(f"decode rank {rank}")  # destination blocks of in-flight requests
+        self._recurrent = [cache.spec.group_layer(g).is_recurrent for g in range(len(cache.spec.groups))]
         self._active: dict[str, _Pending] = {}
         self._unclaimed: OrderedDict[str, tuple[float, dict[int, m.RequestReady]]] = OrderedDict()
         self._cancelled: OrderedDict[str, str] = OrderedDict()
@@ -186,6 +189,8 @@ class Consumer(RankEndpoint):
         budget = timeout or self.config.transfer_timeout
         eng = self._engines[engine]
         req = _Pending(request_id, engine, ids, num_tokens, int(num_cached_tokens), now, now + budget, eng.sources)
+        self._owners.admit(request_id, written_blocks(ids, req.num_cached_tokens, self.cache.layout.block_size,
+                                                      self._recurrent))
         self._expected.pop(request_id, None)
         self._active[request_id] = req
         self.stats["requests"] += 1
@@ -509,6 +514,7 @@ class Consumer(RankEndpoint):
     def _finish(self, req: _Pending, ok: bool, reason: str, quiesced: bool = True) -> None:
         if self._active.pop(req.request_id, None) is None:
             return
+        self._owners.release(req.request_id)
         now = self.clock()
         ann = next(iter(req.announced.values()), None)
         first = req.first_post if req.first_post is not None else now

@@ -22,6 +22,7 @@ from kvbridge.connector import messages as m
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.handshake import make_hello
 from kvbridge.connector.transports import agent_name, transport_kind
+from kvbridge.connector.secrets import authenticate_transport
 from kvbridge.errors import InvalidRequest, KVBridgeError
 from kvbridge.core.topology import TransferTopology
 from kvbridge.transport.base import Handle, Runs, Transport, XferState
@@ -51,6 +52,7 @@ class RankEndpoint:
         self.topology = topology or TransferTopology(engine_id, cache.spec, cache.layout, rank)
         self.agent_name = agent_name(transport)
         transport.register(cache.regions)
+        self._notes_trusted = authenticate_transport(transport, self.config.secret, self.config.replay_window)
         self._metadata = transport.metadata()
         self.stats: Counter[str] = Counter()
         self.closed = False
@@ -110,7 +112,7 @@ class RankEndpoint:
         they name (`agent_of(engine, rank)`); others are counted and dropped."""
         out = []
         for sender, msg in m.decoded_notifications(self.transport, self.config.max_frame_bytes, self.stats,
-                                                   self.who):
+                                                   self.who, self._notes_trusted):
             if not isinstance(msg, kind):
                 self.stats["unexpected_notifications"] += 1
             elif agent_of(msg.engine_id, msg.rank) != sender:

@@ -10,6 +10,7 @@ every refusal into a `HandshakeRefused` whose message names the local and the re
 
 from __future__ import annotations
 
+from kvbridge.connector.peer_bounds import check_hello_bounds
 from kvbridge.connector.messages import Fingerprint, HandshakeRefused, Hello, Mode, Role, layout_name
 from kvbridge.errors import KVBridgeError
 from kvbridge.core.layout import EngineLayout
@@ -28,6 +29,7 @@ def make_hello(engine_id: str, rank: int, role: Role, mode: Mode, spec: ModelSpe
 def validate_peer(topology: TransferTopology, mine: Hello, peer: Hello) -> EngineTransferInfo:
     """Refuse or register `peer` in `topology`; returns the registered engine info."""
     who = f"remote {peer.engine_id!r} rank {peer.rank}"
+    check_hello_bounds(peer)  # before any work that scales with what the peer declares
     if peer.role == mine.role:
         raise HandshakeRefused(f"role clash: local {mine.engine_id!r} is a {mine.role} engine and so is {who}")
     if peer.mode != mine.mode:

@@ -281,13 +281,18 @@ __all__ = [
 
 
 def decoded_notifications(transport: Any, max_frame_bytes: int, stats: dict[str, int],
-                          who: str) -> list[tuple[str, Message]]:
+                          who: str, trusted: bool = True) -> list[tuple[str, Message]]:
     """The transport's pending notifications, decoded; undecodable ones are counted in
-    `stats["refused_notifications"]` and logged, and a failing transport yields none (logged)."""
+    `stats["refused_notifications"]` and logged, and a failing transport yields none (logged).
+    Untrusted ones (a secret is configured but the engine's notifications carry no MAC) are
+    drained and counted in `stats["unauthenticated_notifications"]`: the side-channel copy counts."""
     try:
         notes = transport.notifications()
     except Exception as e:  # noqa: BLE001 - a broken channel must not stop the engine's loop
         _log.error("%s: transport notifications failed: %s", who, e)
+        return []
+    if not trusted:
+        stats["unauthenticated_notifications"] += len(notes)
         return []
     out = []
     for sender, payload in notes:

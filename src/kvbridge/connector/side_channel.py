@@ -36,12 +36,7 @@ Addresses are `host:port`, `[ipv6]:port` or `tcp://...`; port 0 binds an ephemer
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
-import struct
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -50,6 +45,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvbridge.connector.messages import MAX_FRAME_BYTES, FrameTooLarge, Message, ProtocolError, decode, encode
 from kvbridge.errors import KVBridgeError
+from kvbridge.transport.frame_auth import AUTH_BYTES, FrameAuth as _FrameAuth
 
 
 class SideChannelError(KVBridgeError, RuntimeError):
@@ -60,50 +56,11 @@ class AuthenticationError(ProtocolError):
     """A frame refused by side-channel authentication (no MAC, bad MAC, replay, unexpected MAC)."""
 
 
-_AUTH = struct.Struct(">16sQd")
-AUTH_BYTES = _AUTH.size + 32
-MAX_SESSIONS = 65536
-
-
-class FrameAuth:
-    """HMAC-SHA256 signing and replay checking of one socket's frames (see the module docstring)."""
+class FrameAuth(_FrameAuth):
+    """`transport.frame_auth.FrameAuth` raising this module's `AuthenticationError`."""
 
     def __init__(self, secret: bytes, outgoing: bytes, incoming: bytes, replay_window: float = 300.0):
-        self.secret, self.outgoing, self.incoming = secret, outgoing, incoming
-        self.replay_window = replay_window
-        self.session = os.urandom(16)
-        self.counter = 0
-        self._last: OrderedDict[bytes, int] = OrderedDict()  # peer session -> last counter accepted
-
-    def _mac(self, direction: bytes, header: bytes, frame: bytes) -> bytes:
-        return hmac.new(self.secret, direction + header + frame, hashlib.sha256).digest()
-
-    def sign(self, frame: bytes) -> bytes:
-        self.counter += 1
-        header = _AUTH.pack(self.session, self.counter, time.time())
-        return header + self._mac(self.outgoing, header, frame)
-
-    def verify(self, frame: bytes, auth: bytes) -> None:
-        """Raise `AuthenticationError` unless `auth` is a fresh, valid MAC of `frame`."""
-        if len(auth) != AUTH_BYTES:
-            raise AuthenticationError(f"malformed authentication part ({len(auth)} bytes, expected {AUTH_BYTES})")
-        header, mac = auth[:_AUTH.size], auth[_AUTH.size:]
-        if not hmac.compare_digest(mac, self._mac(self.incoming, header, frame)):
-            raise AuthenticationError("bad HMAC: the peer does not share this side channel's secret, or the frame "
-                                      "was altered")
-        session, counter, stamp = _AUTH.unpack(header)
-        skew = abs(time.time() - stamp)
-        if not skew <= self.replay_window:
-            raise AuthenticationError(f"replayed or stale frame refused: timestamp {skew:.0f} s away from this "
-                                      f"host's clock (window {self.replay_window:.0f} s)")
-        last = self._last.get(session)
-        if last is not None and counter <= last:
-            raise AuthenticationError(f"replayed frame refused: counter {counter} of session {session.hex()[:8]} "
-                                      f"is not above the last accepted ({last})")
-        self._last[session] = counter
-        self._last.move_to_end(session)
-        while len(self._last) > MAX_SESSIONS:
-            self._last.popitem(last=False)
+        super().__init__(secret, outgoing, incoming, replay_window, AuthenticationError)
 
 
 def _auth(secret: bytes | None, outgoing: bytes, incoming: bytes, replay_window: float) -> FrameAuth | None:

@@ -42,6 +42,7 @@ from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.processes import process_context
 from kvbridge.connector.rank_host import random_fill
 from kvbridge.connector.side_channel import parse_address
+from kvbridge.connector.secrets import generate_secret
 from kvbridge.errors import ConfigError, InvalidRequest
 from kvbridge.core.layout import EngineLayout
 from kvbridge.transport.cache import RankCache
@@ -344,19 +345,33 @@ def _first_tokens(results: dict[int, dict[str, dict[str, Any]]], ids: list[str])
 # -------------------------------------------------------------------------------------------------
 # Entry points
 # -------------------------------------------------------------------------------------------------
+def _demo_config(config: ConnectorConfig | None, timeout: float, secret: bytes | str | None,
+                 secret_file: str | Path | None, insecure: bool) -> ConnectorConfig:
+    """The demo's connector config: `config` as given, or timeouts from `timeout` and the secret."""
+    if config is not None:
+        if secret is not None or secret_file is not None or insecure:
+            raise InvalidRequest("give the secret in `config` or as secret/secret_file/insecure, not both")
+        return config
+    return ConnectorConfig(transfer_timeout=min(60.0, timeout), lease_seconds=min(60.0, timeout),
+                           secret=secret.encode() if isinstance(secret, str) else secret,
+                           secret_file=None if secret_file is None else str(secret_file), insecure=insecure)
+
+
 def run_multiprocess_demo(transport: str = "shm", model: str = "tiny-llama", prompt: Sequence[int] | int | None = None,
                           new_tokens: int = 8, seed: int = 0, prefill: EngineLayout | None = None,
                           decode: EngineLayout | None = None, mode: Mode = "pull",
                           dump_decode_cache: str | Path | None = None, *, prompt_ids: Sequence[int] | None = None,
                           prompt_len: int | None = None, num_requests: int = 1, config: ConnectorConfig | None = None,
-                          timeout: float = 120.0) -> MultiProcessDemoResult:
+                          timeout: float = 120.0, secret: bytes | str | None = None,
+                          insecure: bool = False) -> MultiProcessDemoResult:
     """Prefill on P rank processes, move the KV cache with `transport` to D decode rank processes,
     decode there; compare with monolithic `generate` (see the module docstring).
 
     `prompt` / `prompt_ids` / `prompt_len` as in `local_demo.run_demo` (request i > 0 draws its random
     prompt from `seed + i`). All `num_requests` requests are in flight at once. Every wait is
     bounded by `timeout` seconds; a rank process that fails raises `RankProcessError` with its
-    traceback, while a request that fails is reported in the result (`requests`, `ok`).
+    traceback, while a request that fails is reported in the result (`requests`, `ok`). Both
+    engines share `secret` (a fresh one per run when neither it, `config` nor `insecure` is given).
     """
     if mode not in ("pull", "push"):
         raise InvalidRequest(f"mode must be 'pull' or 'push', got {mode!r}")
@@ -366,7 +381,9 @@ def run_multiprocess_demo(transport: str = "shm", model: str = "tiny-llama", pro
     work = _workload(model, prompt, prompt_ids, prompt_len, seed, num_requests)
     prefill = _sized_layout(prefill, work.spec, work.lengths, 1, "prefill")
     decode = _sized_layout(decode, work.spec, work.lengths, 2, "decode")
-    config = config or ConnectorConfig(transfer_timeout=min(60.0, timeout), lease_seconds=min(60.0, timeout))
+    if secret is None and not insecure:
+        secret = generate_secret()  # both halves are ours: hand the per-run secret to each
+    config = _demo_config(config, timeout, secret, None, insecure)
     _check_transport(transport)
     rng = random.Random(seed)
     src_tables = _block_tables(work.spec, prefill, work.lengths, rng)
@@ -414,13 +431,15 @@ def run_prefill_server(listen: str = "127.0.0.1:5600", *, transport: str = "shm"
                        prompt: Sequence[int] | int | None = None, prompt_ids: Sequence[int] | None = None,
                        prompt_len: int | None = None, seed: int = 0, prefill: EngineLayout | None = None,
                        mode: Mode = "pull", num_requests: int = 1, config: ConnectorConfig | None = None,
-                       timeout: float = 120.0, on_listening: Any = None) -> PrefillServerResult:
+                       timeout: float = 120.0, on_listening: Any = None, secret: bytes | str | None = None,
+                       secret_file: str | Path | None = None, insecure: bool = False) -> PrefillServerResult:
     """The prefill half of the two-host demo: P rank processes, rank 0 listening on `listen`.
 
     Runs every request's prefill, leases the blocks, waits (at most `timeout` s) for a decode
     engine to connect, lets it receive every request, and returns once each rank released each
     request (or the leases expired). `on_listening(address)` is called once rank 0 listens.
-    The decode side must use the same model, prompt arguments, seed and `num_requests`.
+    The decode side must use the same model, prompt arguments, seed and `num_requests`, and the
+    same `secret` / `secret_file` content (or both `insecure=True`; one of the three is required).
     """
     if mode not in ("pull", "push"):
         raise InvalidRequest(f"mode must be 'pull' or 'push', got {mode!r}")
@@ -430,7 +449,7 @@ def run_prefill_server(listen: str = "127.0.0.1:5600", *, transport: str = "shm"
         raise InvalidRequest(f"listen on a concrete address (peers connect to what rank 0 advertises), got {listen!r}")
     work = _workload(model, prompt, prompt_ids, prompt_len, seed, num_requests)
     prefill = _sized_layout(prefill, work.spec, work.lengths, 1, "prefill")
-    config = config or ConnectorConfig(transfer_timeout=min(60.0, timeout), lease_seconds=min(60.0, timeout))
+    config = _demo_config(config, timeout, secret, secret_file, insecure)
     _check_transport(transport)
     src_tables = _block_tables(work.spec, prefill, work.lengths, random.Random(seed))
     pre = PrefillEngine(process_context(), transport, "prefill", work.spec, prefill, mode, listen, config,
@@ -458,19 +477,21 @@ def run_decode_client(prefill: str = "127.0.0.1:5600", *, transport: str = "shm"
                       prompt_len: int | None = None, new_tokens: int = 8, seed: int = 0,
                       decode: EngineLayout | None = None, mode: Mode = "pull", num_requests: int = 1,
                       dump_decode_cache: str | Path | None = None, config: ConnectorConfig | None = None,
-                      host: str | None = None, timeout: float = 120.0) -> MultiProcessDemoResult:
+                      host: str | None = None, timeout: float = 120.0, secret: bytes | str | None = None,
+                      secret_file: str | Path | None = None, insecure: bool = False) -> MultiProcessDemoResult:
     """The decode half of the two-host demo: D rank processes that connect to `prefill`
     (host:port of the prefill server's rank 0), receive every request and prove it by decoding.
 
     `host` is this side's transport address (default: the local address on the route to the
-    prefill host). The handshake waits up to `timeout` s for the server to come up.
+    prefill host). The handshake waits up to `timeout` s for the server to come up. The secret
+    arguments are those of `run_prefill_server`, and must match the server's.
     """
     if mode not in ("pull", "push"):
         raise InvalidRequest(f"mode must be 'pull' or 'push', got {mode!r}")
     t0 = time.monotonic()
     work = _workload(model, prompt, prompt_ids, prompt_len, seed, num_requests)
     decode = _sized_layout(decode, work.spec, work.lengths, 2, "decode")
-    config = config or ConnectorConfig(transfer_timeout=min(60.0, timeout), lease_seconds=min(60.0, timeout))
+    config = _demo_config(config, timeout, secret, secret_file, insecure)
     _check_transport(transport)
     dst_tables = _block_tables(work.spec, decode, work.lengths, random.Random(seed + 7919))
     host = host or local_address_towards(prefill)

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 from kvbridge.connector import messages as m
 from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector.secrets import generate_secret
 from kvbridge.connector.consumer import Consumer
 from kvbridge.connector.producer import Producer
 from kvbridge.connector.transports import allocate_cache, make_transport
@@ -139,7 +140,8 @@ def _soak(transport: str, requests: int, in_flight: int, seed: int, time_limit: 
     quarter. Bounded by `time_limit` seconds (the result says if it ran out).
     """
     cfg = ConnectorConfig(lease_seconds=20, transfer_timeout=20, abort_timeout=2, checksum=True,
-                          side_channel_heartbeat=LOADED_HOST_HEARTBEAT)
+                          side_channel_heartbeat=LOADED_HOST_HEARTBEAT,
+                          secret=generate_secret())
     slot_blocks = 2  # up to 32 tokens of 16
     rng = random.Random(seed)
     t0 = time.monotonic()
@@ -194,7 +196,8 @@ def _soak(transport: str, requests: int, in_flight: int, seed: int, time_limit: 
 def garbage_frames(count: int = 500, seed: int = 0) -> dict:
     """Random, truncated and mis-shaped frames into a live prefill rank, then a real request."""
     import zmq
-    cfg = ConnectorConfig(lease_seconds=5, transfer_timeout=5, abort_timeout=1, checksum=True)
+    cfg = ConnectorConfig(lease_seconds=5, transfer_timeout=5, abort_timeout=1, checksum=True,
+                          secret=generate_secret())
     pair = Pair("shm", 1, 1, 8, cfg, tag=f"garbage{seed}")
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
@@ -268,7 +271,8 @@ def multiprocess_soak(transport: str = "shm", requests: int = 2000, in_flight: i
     from kvbridge.connector import processes as rp
     from kvbridge.connector.processes import process_context, stop_all
     cfg = ConnectorConfig(lease_seconds=120, transfer_timeout=120, abort_timeout=5, handshake_timeout=30,
-                          checksum=True, side_channel_heartbeat=LOADED_HOST_HEARTBEAT)
+                          checksum=True, side_channel_heartbeat=LOADED_HOST_HEARTBEAT,
+                          secret=generate_secret())
     slot_blocks = 2  # up to 32 tokens of 16
     rng = random.Random(seed)
     tag = f"soakmp{seed}{transport}"

@@ -70,6 +70,7 @@ import torch
 from kvbridge.errors import InvalidRequest, KVBridgeError
 from kvbridge.transport.base import Handle, Op, Runs, XferState
 from kvbridge.transport.local import copy_addresses_serial, copy_runs, int64_array
+from kvbridge.transport.peer_meta import check_agent_meta
 from kvbridge.transport.notify import CONTROL, NOTIFY, Channel, PeerUnreachable
 
 META_VERSION = 1
@@ -370,6 +371,12 @@ class Agent:
     def _engine_notify(self, peer: str, message: bytes) -> None:
         self._channel.send(peer, NOTIFY, message)
 
+    def authenticate(self, secret: bytes | None, replay_window: float = 300.0) -> bool:
+        """HMAC this agent's channel (`transport.notify`); True when its notifications are all
+        authenticated (False where the engine carries them itself: NIXL's notifications)."""
+        self._channel.authenticate(secret, replay_window)
+        return bool(secret) and not self.attaches_notify
+
     def _engine_notifications(self) -> list[tuple[str, bytes]]:
         return []
 
@@ -418,8 +425,9 @@ class Agent:
         self._check_open()
         try:
             meta = _meta_decoder.decode(metadata)
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, ValueError) as e:  # (invalid UTF-8 in a string is a UnicodeDecodeError)
             raise InvalidRequest(f"{self.name}: metadata for peer {peer!r} is not kvbridge agent metadata: {e}")
+        check_agent_meta(self.name, peer, meta)  # untrusted: bounded before any engine call
         if meta.version != META_VERSION:
             raise InvalidRequest(f"{self.name}: peer {peer!r} speaks metadata version {meta.version}, "
                                  f"this agent {META_VERSION}")

@@ -43,6 +43,7 @@ import numpy as np
 from kvbridge.errors import InvalidRequest
 from kvbridge.transport.agent import Agent, AgentMeta, RegionInfo, TransferFailed
 from kvbridge.transport.base import Op
+from kvbridge.transport.peer_meta import check_endpoint
 
 
 def import_mooncake():
@@ -109,7 +110,9 @@ class MooncakeTransport(Agent):
         return self.session.encode()
 
     def _engine_connect(self, peer: str, meta: AgentMeta) -> np.ndarray:
-        self._sessions[peer] = meta.engine.decode()
+        session = meta.engine.decode("ascii", errors="replace")
+        check_endpoint(f"tcp://{session}", f"{self.name}: Mooncake session of peer {peer!r}")  # untrusted: host:port
+        self._sessions[peer] = session
         return np.array([r.addr for r in meta.regions], np.int64)
 
     def _engine_disconnect(self, peer: str) -> None:

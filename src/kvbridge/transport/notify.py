@@ -7,6 +7,13 @@ peer with no live connection (dead, never started, unreachable) is refused inste
 and the sender learns it as a `PeerUnreachable` error within the timeout. Delivery is in order
 per (sender, receiver) pair.
 
+Authentication (`authenticate(secret)`, which the connector calls with its side-channel
+secret): every message then carries a fourth frame, an HMAC over sender, receiver, kind and payload with
+replay refusal (`transport.frame_auth`), and `recv` drops (and counts in `refused`) any message
+without a fresh valid MAC, before its payload is looked at. Without it, anyone who can reach the
+PULL port can inject notifications and staging control messages under any sender name.
+Frames above `MAX_MESSAGE_BYTES` are dropped by ZMQ before they are buffered.
+
 Threading: sends may come from any thread (one lock per channel); `recv` is meant for a single
 consumer thread (the agent's service thread).
 
@@ -22,11 +29,18 @@ import threading
 import zmq
 
 from kvbridge.errors import KVBridgeError
+from kvbridge.transport.frame_auth import FrameAuth, FrameAuthError
 
 NOTIFY = 0
 """A user notification (`Transport.send_notification`, or a transfer's `notify`)."""
 CONTROL = 1
 """A transport-internal control message (staging protocol)."""
+
+
+MAX_MESSAGE_BYTES = 64 << 20
+"""Bound of one channel message (a staged window's descriptors are at most a few MiB)."""
+_DIRECTION = b"kvbridge-ch1"
+MAX_BATCH = 4096
 
 
 class PeerUnreachable(KVBridgeError, ConnectionError):
@@ -44,6 +58,7 @@ class Channel:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self._push: dict[str, zmq.Socket] = {}
@@ -51,6 +66,14 @@ class Channel:
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
         self._closed = False
+        self._auth: FrameAuth | None = None
+        self.refused = 0
+        """Messages dropped: malformed, or failing authentication."""
+
+    def authenticate(self, secret: bytes | None, replay_window: float = 300.0) -> None:
+        """Sign every message from now on and accept only signed ones (None: neither)."""
+        with self._lock:
+            self._auth = FrameAuth(secret, _DIRECTION, _DIRECTION, replay_window) if secret else None
 
     def connect(self, peer: str, endpoint: str) -> None:
         with self._lock:
@@ -78,7 +101,10 @@ class Channel:
             if s is None:
                 raise PeerUnreachable(f"{self.name}: no channel to peer {peer!r} (not connected)")
             try:
-                s.send_multipart([self._name_bytes, bytes([kind]), payload], copy=len(payload) < 65536)
+                parts = [self._name_bytes, bytes([kind]), payload]
+                if self._auth is not None:
+                    parts.append(self._auth.sign(b"%d:%s>%s\0" % (kind, self._name_bytes, peer.encode()) + payload))
+                s.send_multipart(parts, copy=len(payload) < 65536)
             except zmq.Again:
                 raise PeerUnreachable(
                     f"{self.name}: peer {peer!r} accepted no message within {self._send_timeout_ms} ms "
@@ -91,13 +117,28 @@ class Channel:
         out: list[tuple[str, int, bytes]] = []
         if self._closed or not self._poller.poll(timeout_ms):
             return out
-        while True:
+        for _ in range(MAX_BATCH):  # a flood cannot keep one call from returning
             try:
                 frames = self._pull.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return out
-            if len(frames) == 3 and len(frames[1]) == 1:
+            if self._accept(frames):
                 out.append((frames[0].decode(errors="replace"), frames[1][0], frames[2]))
+            else:
+                self.refused += 1
+        return out
+
+    def _accept(self, frames: list[bytes]) -> bool:
+        auth = self._auth
+        if auth is None:
+            return len(frames) == 3 and len(frames[1]) == 1
+        if len(frames) != 4 or len(frames[1]) != 1:
+            return False
+        try:
+            auth.verify(b"%d:%s>%s\0" % (frames[1][0], frames[0], self._name_bytes) + frames[2], frames[3])
+        except FrameAuthError:
+            return False
+        return True
 
     def close(self) -> None:
         with self._lock:

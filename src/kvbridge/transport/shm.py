@@ -2,7 +2,8 @@
 
 Regions live in POSIX shared memory: files under /dev/shm, one per rank cache
 (`allocate_shared`), mapped `MAP_SHARED` and wrapped as torch tensors. An agent's metadata names
-each region's file and offset; `connect` maps the peer's files, so a transfer is the compiled
+each region's segment (by file name in /dev/shm, never a path) and offset; `connect` maps the
+peer's segments, so a transfer is the compiled
 run copier (`local.copy_runs`) between this process's regions and its mappings of the peer's:
 reads copy remote -> local, writes local -> remote. The copy runs on a worker thread (in pieces
 of at most 64 MiB, so an abort waits for one piece at most); `submit` returns at once.
@@ -14,6 +15,12 @@ that registered it closes (mappings stay valid until the tensors die), at interp
 segment whose owning process (its pid is in the file name) no longer exists.
 
 A peer on another host, or whose process exited, fails transfers with that reason.
+
+Peer metadata is untrusted (docs/security.md): `connect` maps only files named like a segment
+kvbridge creates (`kvbridge-PID-TAG-HEX` in /dev/shm), opened with `O_NOFOLLOW`, regular, with
+one link, owned by this user and of exactly the size the peer registered, and only when every
+region the peer describes lies inside its segment; a name of this agent's own segments is
+refused. Any other file is never opened for writing (`open_peer_segment`).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import glob
 import mmap
 import os
 import re
+import stat
 import threading
 import uuid
 import weakref
@@ -51,14 +59,20 @@ def _unlink(path: str) -> None:
 
 
 class SharedSegment:
-    """One file in /dev/shm mapped read-write and shared; `tensor` is its bytes."""
+    """One file in /dev/shm mapped read-write and shared; `tensor` is its bytes.
+
+    `SharedSegment(n, prefix)` creates one (mode 0600, `O_EXCL`). `SharedSegment(n, path=...)`
+    maps an existing one only if it is a kvbridge segment (`check_segment_name`) opened without
+    following links, a regular file with one link, owned by this user, of exactly the size its
+    creator gave it; anything else raises `InvalidRequest` before the file is mapped.
+    """
 
     def __init__(self, nbytes: int, name_prefix: str = "seg", path: str | None = None):
         self.nbytes = int(nbytes)
         if path is None:
             tag = re.sub(r"[^A-Za-z0-9_.-]", "_", name_prefix)[:64]
             path = os.path.join(SHM_DIR, f"{_PREFIX}{os.getpid()}-{tag}-{uuid.uuid4().hex[:12]}")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             self.owner = True
             self._finalizer = weakref.finalize(self, _unlink, path)
             try:
@@ -68,7 +82,7 @@ class SharedSegment:
                 self._finalizer()
                 raise
         else:
-            fd = os.open(path, os.O_RDWR)
+            fd = open_peer_segment(path, self.nbytes)
             self.owner = False
             self._finalizer = None
         try:
@@ -87,6 +101,48 @@ class SharedSegment:
         """Remove the name (no new process can map it); existing mappings stay valid."""
         if self._finalizer is not None:
             self._finalizer()
+
+
+_NAME = re.compile(re.escape(_PREFIX) + r"[1-9][0-9]{0,9}-[A-Za-z0-9_.-]{0,64}-[0-9a-f]{12}")
+MAX_SEGMENT_BYTES = 1 << 44
+"""Bound of one peer segment (16 TiB: above any host's memory)."""
+MAX_PEER_SEGMENTS = 256
+MAX_PEER_REGIONS = 1 << 16
+
+
+def check_segment_name(path: str) -> str:
+    """`path` if it names a segment kvbridge creates (`/dev/shm/kvbridge-PID-TAG-HEX`), else
+    `InvalidRequest`: no other directory, no `..`, no other file of /dev/shm."""
+    if not isinstance(path, str) or os.path.dirname(path) != SHM_DIR or not _NAME.fullmatch(os.path.basename(path)):
+        raise InvalidRequest(f"shm segment {str(path)[:300]!r} refused: not a kvbridge segment name "
+                             f"({SHM_DIR}/{_PREFIX}PID-TAG-HEX)")
+    return path
+
+
+def open_peer_segment(path: str, nbytes: int) -> int:
+    """A read-write descriptor of the kvbridge segment `path` of exactly `max(nbytes, 1)` bytes,
+    checked as `SharedSegment` says; `FileNotFoundError` when it is gone, else `InvalidRequest`."""
+    check_segment_name(path)
+    if not 0 <= nbytes <= MAX_SEGMENT_BYTES:
+        raise InvalidRequest(f"shm segment {path}: size {nbytes} outside [0, {MAX_SEGMENT_BYTES}]")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise InvalidRequest(f"shm segment {path} refused: {e.strerror or e} (symlinks are not followed)") from None
+    try:
+        st = os.fstat(fd)
+        why = ("not a regular file" if not stat.S_ISREG(st.st_mode) else
+               f"owned by uid {st.st_uid}, not by this user ({os.geteuid()})" if st.st_uid != os.geteuid() else
+               f"{st.st_nlink} links (a segment has one)" if st.st_nlink != 1 else
+               f"{st.st_size} bytes, the peer registered {max(nbytes, 1)}" if st.st_size != max(nbytes, 1) else "")
+        if why:
+            raise InvalidRequest(f"shm segment {path} refused: {why}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 _SEGMENTS: dict[str, SharedSegment] = {}  # this process's own segments, by path
@@ -173,10 +229,35 @@ def _segment_of(addr: int, nbytes: int) -> SharedSegment | None:
 
 
 class _ShmEngine(msgspec.Struct, array_like=True):
-    paths: list[str]
+    names: list[str]  # segment file names in SHM_DIR (names, never paths)
     sizes: list[int]
     region_segment: list[int]
     region_offset: list[int]
+
+
+def _check_layout(name: str, peer: str, meta: AgentMeta, eng: _ShmEngine) -> list[str]:
+    """The paths of the peer's segments; refuses shm metadata whose segments are not kvbridge's
+    or whose regions leave them: every number is bounded and checked before a file is opened
+    (peer metadata is untrusted)."""
+    who = f"{name}: shm peer {peer!r}"
+    if not 1 <= len(eng.names) <= MAX_PEER_SEGMENTS or len(eng.sizes) != len(eng.names):
+        raise InvalidRequest(f"{who} lists {len(eng.names)} segments ({len(eng.sizes)} sizes); 1..{MAX_PEER_SEGMENTS}")
+    if len(set(eng.names)) != len(eng.names):
+        raise InvalidRequest(f"{who} lists a segment twice")
+    paths = []
+    for seg_name, size in zip(eng.names, eng.sizes):
+        paths.append(check_segment_name(os.path.join(SHM_DIR, seg_name)))  # a "/" in the name fails here
+        if not 0 <= size <= MAX_SEGMENT_BYTES:
+            raise InvalidRequest(f"{who}: segment {seg_name[:300]!r} size {size} outside [0, {MAX_SEGMENT_BYTES}]")
+    n = len(meta.regions)
+    if not n <= MAX_PEER_REGIONS or len(eng.region_segment) != n or len(eng.region_offset) != n:
+        raise InvalidRequest(f"{who} describes {n} regions with {len(eng.region_segment)} segment indices and "
+                             f"{len(eng.region_offset)} offsets (at most {MAX_PEER_REGIONS}, all equal)")
+    for i, (region, s, o) in enumerate(zip(meta.regions, eng.region_segment, eng.region_offset)):
+        if not 0 <= s < len(eng.names) or not 0 <= o or not 0 <= region.nbytes or o + region.nbytes > eng.sizes[s]:
+            raise InvalidRequest(f"{who}: region {i} ({region.nbytes} B at offset {o} of segment {s}) lies outside "
+                                 "its segment")
+    return paths
 
 
 class ShmTransport(Agent):
@@ -207,25 +288,34 @@ class ShmTransport(Agent):
         self._region_seg.append((self._own.index(seg), info.addr - seg.addr))
 
     def _engine_metadata(self) -> bytes:
-        return msgspec.msgpack.encode(_ShmEngine([s.path for s in self._own], [s.nbytes for s in self._own],
+        return msgspec.msgpack.encode(_ShmEngine([os.path.basename(s.path) for s in self._own],
+                                                 [s.nbytes for s in self._own],
                                                  [i for i, _ in self._region_seg], [o for _, o in self._region_seg]))
 
     def _engine_connect(self, peer: str, meta: AgentMeta) -> np.ndarray:
         if meta.host_id != host_id():
-            raise InvalidRequest(f"{self.name}: shm peer {peer!r} runs on another host ({meta.host_id})")
-        eng = msgspec.msgpack.decode(meta.engine, type=_ShmEngine)
+            raise InvalidRequest(f"{self.name}: shm peer {peer!r} runs on another host ({meta.host_id[:200]})")
+        try:
+            eng = msgspec.msgpack.decode(meta.engine, type=_ShmEngine)
+        except (msgspec.DecodeError, ValueError) as e:  # (invalid UTF-8 in a name is a UnicodeDecodeError)
+            raise InvalidRequest(f"{self.name}: shm metadata of peer {peer!r} refused: {e}") from None
+        paths = _check_layout(self.name, peer, meta, eng)
         segs = []
-        for path, size in zip(eng.paths, eng.sizes):
+        for path, size in zip(paths, eng.sizes):
             seg = self._maps.get(path) or _own_segment(path)
+            if seg is not None and (seg.nbytes != size or seg in self._own):
+                why = "of this agent" if seg in self._own else f"with size {size}, it has {seg.nbytes}"
+                raise InvalidRequest(f"{self.name}: shm peer {peer!r} names segment {path} {why}")
             if seg is None:
                 try:
                     seg = SharedSegment(size, path=path)
                 except FileNotFoundError:
                     raise InvalidRequest(f"{self.name}: shm segment {path} of peer {peer!r} no longer exists "
                                          "(the peer closed or exited)") from None
-            self._maps[path] = seg
             segs.append(seg)
-        self._peer_paths[peer] = list(eng.paths)
+        for path, seg in zip(paths, segs):
+            self._maps[path] = seg
+        self._peer_paths[peer] = paths
         return np.array([segs[s].addr + o for s, o in zip(eng.region_segment, eng.region_offset)], np.int64)
 
     def _engine_disconnect(self, peer: str) -> None:

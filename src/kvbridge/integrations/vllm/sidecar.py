@@ -74,12 +74,20 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     handshake_timeout: float = 120.0
     heartbeat_seconds: float = 10.0  # ZMQ heartbeats of the side channel; a peer silent 3x this long is lost
     stats_path: str = ""  # append one JSON line per transfer event (demos and benchmarks)
+    # The side channel's shared secret (docs/security.md): a file (mode 0600) or the text itself,
+    # the same on both engines; `insecure: true` runs it unauthenticated. One of them is required.
+    secret_file: str = ""
+    secret: str = ""
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("pull", "push"):
             raise ConfigError(f"KVBridgeConnector mode must be 'pull' or 'push', got {self.mode!r}")
         if not 0 < self.side_channel_port < 65536:
             raise ConfigError(f"KVBridgeConnector side_channel_port must be in 1..65535, got {self.side_channel_port}")
+        if not (self.secret_file or self.secret or self.insecure):
+            raise ConfigError("KVBridgeConnector needs a side-channel secret: set kv_connector_extra_config "
+                              "secret_file (or secret), the same on both engines, or insecure: true")
 
     def connector_config(self) -> ConnectorConfig:
         # transport_notify=False: completion goes over the side channel only. The transport's
@@ -88,7 +96,8 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         # 2000 ms").
         return ConnectorConfig(lease_seconds=self.lease_seconds, transfer_timeout=self.transfer_timeout,
                                handshake_timeout=self.handshake_timeout, side_channel_heartbeat=self.heartbeat_seconds,
-                               transport_notify=False)
+                               transport_notify=False, secret=self.secret.encode() or None,
+                               secret_file=self.secret_file or None, insecure=self.insecure)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:

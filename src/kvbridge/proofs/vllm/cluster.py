@@ -17,14 +17,17 @@ import random
 import select
 import signal
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvbridge.connector.secrets import write_secret_file
 from kvbridge.errors import ConfigError, KVBridgeError
 
 REPO = Path(__file__).resolve().parents[4]
@@ -284,6 +287,13 @@ class Cluster:
         self._tag = uuid.uuid4().hex[:8]
         self._promised: set[int] = set()
 
+    def _secret_file(self) -> str:
+        """A per-cluster side-channel secret in a 0600 file (a command line would show it in `ps`)."""
+        path = self.work / f"kvbridge-secret-{self._tag}"
+        if not path.exists():
+            write_secret_file(path)
+        return str(path)
+
     def engine_id(self, name: str) -> str:
         return f"{name}-{self._tag}"
 
@@ -304,7 +314,7 @@ class Cluster:
             # Ports below the ephemeral range, free now; a bind race with another process is retried (`wait_ready`).
             port = self._ports(tp) if role != "kv_consumer" else 5570
             kv = kvbridge_transfer_config(role, eid, port, transport=self.transport, mode=self.mode,
-                                          stats_path=str(self.stats))
+                                          stats_path=str(self.stats), secret_file=self._secret_file())
         elif role is not None:
             kv = nixl_transfer_config(role, eid)
             if role != "kv_consumer":
