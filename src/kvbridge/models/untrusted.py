@@ -3,8 +3,8 @@
 A config comes from a model directory someone else wrote. Before it reaches a transformers
 config class (which may loop over `num_hidden_layers`, allocate per-layer lists, or coerce types
 silently), every value is checked here: the document must be a JSON object of bounded size and
-depth, with no NaN/infinity and no integer wider than 64 bits anywhere, and every field that
-sizes the cache must be a plain positive int within a sane bound (a bool, a float such as 32.0,
+depth, with no integer wider than 64 bits anywhere, and every field that sizes the cache
+must be a plain positive int within a sane bound (a bool, a float such as 32.0,
 a string or a list where an int belongs is refused, never coerced). Each failure is one line
 (`ConfigError`), which the CLI turns into exit 2.
 """
@@ -12,7 +12,6 @@ a string or a list where an int belongs is refused, never coerced). Each failure
 from __future__ import annotations
 
 import json
-import math
 import unicodedata
 from pathlib import Path
 from typing import Any
@@ -68,17 +67,11 @@ def load_config(config: dict[str, Any] | str | Path) -> dict[str, Any]:
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MiB; not a model config")
     try:
-        cfg = json.loads(raw, parse_constant=_reject_constant)
-    except ConfigError:
-        raise
+        cfg = json.loads(raw)  # NaN/Infinity parse (transformers writes time_step_limit as Infinity); sizes refuse them
     except (ValueError, RecursionError) as e:  # JSONDecodeError, int digit limit, UTF-8 errors
         raise ConfigError(f"{path} is not valid JSON: {_one_line(str(e))}") from None
     check_config(cfg, str(path))
     return cfg
-
-
-def _reject_constant(name: str) -> Any:
-    raise ConfigError(f"config.json holds {name}, which is not a number a config may hold")
 
 
 def check_config(cfg: Any, where: str = "config") -> None:
@@ -106,8 +99,6 @@ def _walk(value: Any, path: str, depth: int, count: list[int]) -> None:
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             _walk(v, f"{path}[{i}]", depth + 1, count)
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"config field {safe_text(path)} is {value}, not a finite number")
     elif isinstance(value, int) and not isinstance(value, bool) and not -MAX_INT <= value < MAX_INT:
         raise ConfigError(f"config field {safe_text(path)} is an integer of {len(str(abs(value))) if abs(value) < 10 ** 4000 else 'thousands of'} digits")
 
