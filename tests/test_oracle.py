@@ -19,8 +19,10 @@ from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from kvbridge.errors import ConfigError, InvalidRequest
-from kvbridge.proofs.hf import (BUILTIN_MODELS, cache_differences, export_cache, import_cache, load_model, make_prompt_ids,
-                         replica_mismatches, run_demo, spec_for)
+from kvbridge.proofs.hf_cache import cache_differences, export_cache, import_cache, replica_mismatches
+from kvbridge.proofs.local_demo import run_demo
+from kvbridge.proofs.proof import make_prompt_ids
+from kvbridge.proofs.tiny_models import BUILTIN_MODELS, load_model, spec_for
 from kvbridge.core.layout import EngineLayout
 from kvbridge.transport.cache import RankCache
 from kvbridge.core.plan import plan_request

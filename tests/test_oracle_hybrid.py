@@ -23,9 +23,11 @@ import torch
 from safetensors.torch import load_file
 
 from kvbridge.errors import ConfigError, InvalidRequest
-from kvbridge.proofs.hf import (BUILTIN_MODELS, HYBRID_MODELS, _greedy_config, cache_differences, export_cache,
-                         hf_state_shapes, import_cache, load_model, make_prompt_ids, replica_mismatches, run_demo,
-                         spec_for, vllm_block_size)
+from kvbridge.proofs.hf_cache import cache_differences, export_cache, import_cache, replica_mismatches
+from kvbridge.proofs.hf_states import hf_state_shapes
+from kvbridge.proofs.local_demo import run_demo, vllm_block_size
+from kvbridge.proofs.proof import greedy_config, make_prompt_ids
+from kvbridge.proofs.tiny_models import BUILTIN_MODELS, HYBRID_MODELS, load_model, spec_for
 from kvbridge.core.layout import EngineLayout
 from kvbridge.transport.cache import RankCache
 from kvbridge.core.plan import plan_request
@@ -410,7 +412,7 @@ def test_decoding_consumes_the_moved_state(model: str) -> None:
     token check sees the state, not only the attention cache."""
     n, new = 30, 6
     m, config, spec, ids, ref, dst, request = _pipeline(model, n, L(1), L(2))
-    m.generation_config = _greedy_config()
+    m.generation_config = greedy_config()
     with torch.inference_mode():
         want = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new)[0, n:].tolist()
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from kvbridge._lazy import lazy_exports
 from kvbridge.errors import ConfigError, IncompatibleEngines, InvalidRequest, KVBridgeError, ShardingError
 
-__version__ = "0.1.0"
+from kvbridge._version import __version__
 
 _EXPORTS = {
     "Addressing": "kvbridge.core.layout", "EngineLayout": "kvbridge.core.layout",

@@ -84,11 +84,11 @@ def load_spec(model: str) -> ModelSpec:
     path = Path(model)
     if path.exists():
         return spec_from_hf_config(path)
-    from kvbridge.proofs import hf
-    if model in hf.BUILTIN_MODELS:
-        return hf.spec_for(hf.BUILTIN_MODELS[model]())
+    from kvbridge.proofs.tiny_models import BUILTIN_MODELS, spec_for
+    if model in BUILTIN_MODELS:
+        return spec_for(BUILTIN_MODELS[model]())
     from kvbridge.errors import ConfigError
-    names = ", ".join(list(PRESETS) + list(hf.BUILTIN_MODELS))
+    names = ", ".join(list(PRESETS) + list(BUILTIN_MODELS))
     raise ConfigError(f"unknown model {model!r}: give a config.json path, a model directory or one of: {names}")
 
 
@@ -193,8 +193,8 @@ def demo(
                                        dump_decode_cache=dump_decode_cache, timeout=timeout)
             ok = result.match
         elif transport == Transport.local:
-            from kvbridge.proofs import hf
-            result = hf.run_demo(model, prompt_ids=ids, prompt_len=prompt_len, new_tokens=new_tokens, seed=seed,
+            from kvbridge.proofs.local_demo import run_demo
+            result = run_demo(model, prompt_ids=ids, prompt_len=prompt_len, new_tokens=new_tokens, seed=seed,
                                  prefill=prefill_shape, decode=decode_shape, dump_decode_cache=dump_decode_cache,
                                  num_cached_tokens=num_cached_tokens)
             ok = result.match
@@ -407,7 +407,7 @@ def bench(
 ) -> None:
     """Our copies vs a plain contiguous copy of the same bytes, side by side in one run."""
     if engine == Engine.vllm:
-        from kvbridge.proofs.vllm.demo import bench_vllm
+        from kvbridge.bench.vllm import bench_vllm
         out = bench_vllm(None, prefill_tp, decode_tp)
         _print_json(out) if as_json else console.print(out)
         return

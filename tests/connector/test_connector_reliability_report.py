@@ -9,7 +9,7 @@ import pathlib
 import test_connector_soak
 import test_connector_soak_multiprocess
 
-from kvbridge.connector import reliability
+from kvbridge.testing import reliability
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

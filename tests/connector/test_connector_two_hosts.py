@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent("""
     import json, sys
     if __name__ == "__main__":
         role, args = sys.argv[1], json.loads(sys.argv[2])
-        from kvbridge.connector import demo
+        from kvbridge.proofs import connector_demo as demo
         from kvbridge.core.layout import EngineLayout
         for key in ("prefill", "decode"):
             if isinstance(args.get(key), dict):

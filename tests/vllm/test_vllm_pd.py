@@ -31,7 +31,7 @@ import time
 
 import pytest
 
-from kvbridge.proofs.vllm.demo import Cluster
+from kvbridge.proofs.vllm.cluster import Cluster
 from kvbridge.proofs.vllm.model import make_tiny_llama
 
 pytestmark = pytest.mark.vllm

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.proofs.vllm.demo import free_ports
+from kvbridge.proofs.vllm.cluster import free_ports
 from kvbridge.integrations.vllm.layout import vllm_cpu_layout, vllm_cpu_spec
 from kvbridge.integrations.vllm.sidecar import (Init, Received, Recv, Released, Send, Settings, SidecarClient,
                                                 SidecarError)

@@ -104,7 +104,7 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @classmethod
     def of(cls, spec: ModelSpec, layout: EngineLayout) -> Fingerprint:
-        from kvbridge import __version__
+        from kvbridge._version import __version__
         return cls(spec.fingerprint(), spec.dtype, layout_name(layout), layout.kernel_size, __version__)
 
     def check_compatible(self, other: Fingerprint, mine: str = "local", theirs: str = "remote") -> None:

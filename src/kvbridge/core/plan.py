@@ -46,12 +46,52 @@ class Request(msgspec.Struct, frozen=True):
     num_tokens: int
     num_cached_tokens: int = 0
 
+    def __post_init__(self) -> None:
+        """Accept lists, and a flat id list as the one group of a single-group model."""
+        for name in ("src_block_ids", "dst_block_ids"):
+            msgspec.structs.force_setattr(self, name, _groups_of(getattr(self, name), name))
+        for name in ("num_tokens", "num_cached_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise InvalidRequest(f"{name} must be an integer, got {value!r}")
+            msgspec.structs.force_setattr(self, name, int(value))
+
     @classmethod
     def single_group(cls, src_ids: Sequence[int], dst_ids: Sequence[int], num_tokens: int,
                      num_cached_tokens: int = 0, num_groups: int = 1) -> Request:
         """A request whose groups all use the same block ids (a model with one block table)."""
         return cls(tuple(tuple(src_ids) for _ in range(num_groups)), tuple(tuple(dst_ids) for _ in range(num_groups)),
                    num_tokens, num_cached_tokens)
+
+
+def _ints(ids: Sequence[object]) -> tuple[int, ...] | None:
+    """`ids` as a tuple of Python ints, or None if one is not an integer (bools are not)."""
+    kinds = set(map(type, ids))
+    if kinds <= {int}:
+        return ids if type(ids) is tuple else tuple(ids)  # type: ignore[return-value]
+    if all(issubclass(k, (int, np.integer)) and k is not bool for k in kinds):
+        return tuple(int(i) for i in ids)  # type: ignore[call-overload]
+    return None
+
+
+def _groups_of(ids: object, name: str) -> tuple[tuple[int, ...], ...]:
+    """`ids` as one tuple of block ids per KV-cache group; a flat sequence is one group."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
+        raise InvalidRequest(f"{name} must be a list of block ids per KV-cache group, got {type(ids).__name__}")
+    if len(ids) and not isinstance(ids[0], (Sequence, np.ndarray)):  # a flat list: the one group
+        flat = _ints(ids)
+        if flat is None:
+            raise InvalidRequest(f"{name} holds a value that is not an integer block id")
+        return (flat,)
+    groups = []
+    for g, group in enumerate(ids):
+        if isinstance(group, (str, bytes)) or not isinstance(group, (Sequence, np.ndarray)):
+            raise InvalidRequest(f"{name}[{g}] must be a list of block ids, got {group!r}")
+        ints = _ints(group)
+        if ints is None:
+            raise InvalidRequest(f"{name}[{g}] holds a value that is not an integer block id")
+        groups.append(ints)
+    return tuple(groups)
 
 
 class PlanStats(msgspec.Struct):

@@ -1,10 +1,10 @@
 """The multi-process proof: every prefill rank and every decode rank is its own process.
 
-`run_multiprocess_demo` keeps `hf.run_demo`'s proof and changes everything around it into what
-a deployment has:
+`run_multiprocess_demo` keeps `local_demo.run_demo`'s proof (`proof.prove_cache`) and changes
+everything around it into what a deployment has:
 
 1. The parent loads the model, runs each request's prefill once (the engine's forward pass)
-   and writes the resulting KV cache into each prefill rank's paged layout (`hf.export_cache`,
+   and writes the resulting KV cache into each prefill rank's paged layout (`hf_cache.export_cache`,
    one head shard per rank). Each prefill rank *process* owns its registered cache and
    receives its shard over a pipe, as a TP worker would compute it.
 2. Each decode rank process handshakes with the prefill engine over the ZMQ side channel
@@ -46,6 +46,7 @@ from kvbridge.core.layout import EngineLayout
 from kvbridge.transport.cache import RankCache
 from kvbridge.core.plan import Request, plan_request
 from kvbridge.core.spec import ModelSpec
+from kvbridge.proofs.results import DisaggregationResult
 
 Mode = str  # "pull" | "push"
 
@@ -54,26 +55,11 @@ Mode = str  # "pull" | "push"
 # Results
 # -------------------------------------------------------------------------------------------------
 @dataclass
-class MultiProcessDemoResult:
-    """Outcome of a multi-process run; the fields of `hf.DemoResult` plus the lifecycle's."""
+class MultiProcessDemoResult(DisaggregationResult):
+    """Outcome of a multi-process run: a disaggregation proof of every request (`bytes_moved`: every
+    request, every rank pair; `transfer_seconds`: the slowest request, first transfer posted -> last
+    byte landed on one decode rank) plus the lifecycle's."""
 
-    model: str
-    spec: str
-    prefill: str
-    decode: str
-    prompt_len: int
-    new_tokens: int
-    tokens_reference: list[int]
-    tokens_disaggregated: list[int]
-    match: bool
-    cache_equal: bool
-    replicas_equal: bool
-    bytes_moved: int  # what the plans move (every request, every rank pair)
-    num_runs: int
-    transfer_seconds: float  # slowest request: first transfer posted -> last byte landed, on one decode rank
-    plan_seconds: float
-    cache_differences: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
     transport: str = "shm"
     mode: str = "pull"
     num_requests: int = 1
@@ -88,18 +74,13 @@ class MultiProcessDemoResult:
 
     @property
     def ok(self) -> bool:
-        return (self.match and self.cache_equal and self.replicas_equal and self.requests_ok == self.num_requests
-                and self.released_exactly_once)
+        return super().ok and self.requests_ok == self.num_requests and self.released_exactly_once
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ok": self.ok}
-
-    def summary(self) -> str:
-        verdict = "OK" if self.ok else "MISMATCH"
-        return (f"{verdict}: {self.model} prefill [{self.prefill}] -> decode [{self.decode}] over {self.transport} "
-                f"({self.mode}), {self.processes} processes, {self.requests_ok}/{self.num_requests} requests; tokens "
-                f"{'match' if self.match else 'differ'}, cache {'bit-exact' if self.cache_equal else 'differs'}; "
-                f"{self.bytes_moved} B in {self.num_runs} runs (slowest transfer {self.transfer_seconds * 1e3:.2f} ms)")
+    def describe(self) -> str:
+        return (f"{self.model} prefill [{self.prefill}] -> decode [{self.decode}] over {self.transport} "
+                f"({self.mode}), {self.processes} processes, {self.requests_ok}/{self.num_requests} requests; "
+                f"{self.verdicts()}; {self.bytes_moved} B in {self.num_runs} runs (slowest transfer "
+                f"{self.transfer_seconds * 1e3:.2f} ms)")
 
 
 @dataclass
@@ -142,15 +123,15 @@ def _torch_threads(n: int) -> Iterator[None]:
 
 def _model_config(model: str) -> Any:
     """The model's transformers config without loading weights (for spec and vocabulary)."""
-    from kvbridge.proofs import hf
-    if model in hf.BUILTIN_MODELS:
-        config = hf.BUILTIN_MODELS[model]()
+    from kvbridge.proofs.tiny_models import BUILTIN_MODELS
+    if model in BUILTIN_MODELS:
+        config = BUILTIN_MODELS[model]()
     elif Path(model).is_dir():
         from transformers import AutoConfig
         config = AutoConfig.from_pretrained(model, local_files_only=True)
     else:
         raise ConfigError(f"unknown model {model!r}: not a local model directory; builtin models: "
-                          f"{', '.join(hf.BUILTIN_MODELS)}")
+                          f"{', '.join(BUILTIN_MODELS)}")
     config.name_or_path = model
     return config
 
@@ -171,7 +152,8 @@ class _Workload:
 
 def _workload(model: str, prompt: Sequence[int] | int | None, prompt_ids: Sequence[int] | None,
               prompt_len: int | None, seed: int, num_requests: int) -> _Workload:
-    from kvbridge.proofs import hf
+    from kvbridge.proofs.proof import make_prompt_ids
+    from kvbridge.proofs.tiny_models import spec_for
     if prompt is not None and prompt_ids is not None:
         raise InvalidRequest("give the prompt once: positional `prompt` or `prompt_ids`, not both")
     if num_requests < 1:
@@ -179,9 +161,9 @@ def _workload(model: str, prompt: Sequence[int] | int | None, prompt_ids: Sequen
     if prompt is None:
         prompt = prompt_ids if prompt_ids is not None else (32 if prompt_len is None else prompt_len)
     config = _model_config(model)
-    spec = hf.spec_for(config, torch.float32)
+    spec = spec_for(config, torch.float32)
     vocab = int(config.get_text_config().vocab_size)
-    prompts = [hf.make_prompt_ids(prompt, vocab, seed + i) for i in range(num_requests)]
+    prompts = [make_prompt_ids(prompt, vocab, seed + i) for i in range(num_requests)]
     return _Workload(model, spec, [f"req-{seed}-{i}" for i in range(num_requests)], prompts)
 
 
@@ -412,9 +394,10 @@ class DecodeEngine:
 def _prefill(model_name: str, seed: int, work: _Workload, layout: EngineLayout,
              tables: list[tuple[tuple[int, ...], ...]], fill_seed: int) -> tuple[list[int], list[list[np.ndarray]]]:
     """Run every request's prefill; returns first tokens and each prefill rank's region bytes."""
-    from kvbridge.proofs import hf
+    from kvbridge.proofs.hf_cache import export_cache
+    from kvbridge.proofs.tiny_models import load_model
     with _torch_threads(1):
-        model, _ = hf.load_model(model_name, seed)
+        model, _ = load_model(model_name, seed)
         staging = RankCache.allocate_engine(work.spec, layout, fill=None)
         for r, c in enumerate(staging):
             _random_fill([c], fill_seed + r)  # the same bytes the rank process starts with
@@ -423,7 +406,7 @@ def _prefill(model_name: str, seed: int, work: _Workload, layout: EngineLayout,
             input_ids = torch.tensor([ids], dtype=torch.long)
             out = model(input_ids, attention_mask=torch.ones_like(input_ids), use_cache=True)
             firsts.append(int(out.logits[0, -1].argmax()))
-            hf.export_cache(out.past_key_values, work.spec, staging, table, len(ids))
+            export_cache(out.past_key_values, work.spec, staging, table, len(ids))
     return firsts, [[r.numpy().copy() for r in c.byte_regions()] for c in staging]
 
 
@@ -515,7 +498,7 @@ def run_multiprocess_demo(transport: str = "shm", model: str = "tiny-llama", pro
     """Prefill on P rank processes, move the KV cache with `transport` to D decode rank processes,
     decode there; compare with monolithic `generate` (see the module docstring).
 
-    `prompt` / `prompt_ids` / `prompt_len` as in `hf.run_demo` (request i > 0 draws its random
+    `prompt` / `prompt_ids` / `prompt_len` as in `local_demo.run_demo` (request i > 0 draws its random
     prompt from `seed + i`). All `num_requests` requests are in flight at once. Every wait is
     bounded by `timeout` seconds; a rank process that fails raises `RankProcessError` with its
     traceback, while a request that fails is reported in the result (`requests`, `ok`).

@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache
 
 from kvbridge.errors import InvalidRequest
-from kvbridge.proofs.hf import cache_differences, export_cache, import_cache, load_model, replica_mismatches, spec_for
+from kvbridge.proofs.hf_cache import export_cache
+from kvbridge.proofs.proof import CacheProof, greedy_config, prove_cache, reference_tokens
+from kvbridge.proofs.results import ProofResult
+from kvbridge.proofs.tiny_models import load_model, spec_for
 from kvbridge.core.layout import EngineLayout
 from kvbridge.transport.cache import RankCache
 from kvbridge.offload.keys import chained_block_hashes, group_keys
@@ -41,9 +44,9 @@ from kvbridge.proofs.verify import random_bytes
 
 
 @dataclass
-class OffloadDemoResult:
-    model: str
-    spec: str
+class OffloadDemoResult(ProofResult):
+    """Outcome of one store-evict-load round trip against the plain `generate` reference."""
+
     store_engine: str
     load_engine: str
     pool: str
@@ -69,12 +72,8 @@ class OffloadDemoResult:
     def ok(self) -> bool:
         return self.match and self.cache_equal and self.replicas_equal and self.hit_tokens == self.prefix_len
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ok": self.ok}
-
-    def summary(self) -> str:
-        verdict = "OK" if self.ok else "MISMATCH"
-        return (f"{verdict}: {self.model}, store [{self.store_engine}] -> {self.pool} -> load [{self.load_engine}]; "
+    def describe(self) -> str:
+        return (f"{self.model}, store [{self.store_engine}] -> {self.pool} -> load [{self.load_engine}]; "
                 f"{self.hit_tokens}/{self.prefix_len} prefix tokens hit, {self.stored_blocks} blocks stored "
                 f"({self.bytes_stored} B), {self.loaded_blocks} loaded ({self.bytes_loaded} B); tokens "
                 f"{'match' if self.match else 'differ'}, prefix cache {'bit-exact' if self.cache_equal else 'differs'}")
@@ -135,10 +134,6 @@ def _ids(tables: list[list[int]]) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(t) for t in tables)
 
 
-def _greedy() -> GenerationConfig:
-    return GenerationConfig(do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=None, bos_token_id=None)
-
-
 @torch.inference_mode()
 def run_offload_demo(model: str = "tiny-gemma2", seed: int = 0, prompt_len: int = 40, prefix_len: int | None = None,
                      suffix_len: int = 8, new_tokens: int = 8, block_size: int = 4, block_size_factor: int = 2,
@@ -152,7 +147,7 @@ def run_offload_demo(model: str = "tiny-gemma2", seed: int = 0, prompt_len: int 
     `after_store` may inspect (or, in tests, corrupt) the pool between the two requests.
     """
     net, config = load_model(model, seed)
-    net.generation_config = _greedy()
+    net.generation_config = greedy_config()
     spec = spec_for(config, next(net.parameters()).dtype)
     vocab = int(config.get_text_config().vocab_size)
     obs = block_size * block_size_factor  # tokens per offloaded block (the key granularity)
@@ -225,17 +220,12 @@ def run_offload_demo(model: str = "tiny-gemma2", seed: int = 0, prompt_len: int 
         after_store(pool)
 
     # --- request B: look up the shared prefix, load it into new device blocks, decode -------------------
-    reference = net.generate(torch.tensor([prompt_b]), attention_mask=torch.ones(1, len(prompt_b), dtype=torch.long),
-                             max_new_tokens=new_tokens)[0, len(prompt_b):].tolist()
     keys_b = [group_keys(chained_block_hashes(prompt_b, obs), g) for g in range(len(spec.groups))]
     hit = request_hits(keys_b, windows, obs, len(prompt_b), manager.lookup_key) or 0
     manager.touch([k for ks in keys_b for k in ks])
     tables_b: list[list[int]] = [[] for _ in spec.groups]
     loaded_blocks = bytes_loaded = 0
     load_seconds = 0.0
-    differences: list[str] = []
-    replicas: list[str] = []
-    tokens: list[int] = []
     if hit:
         load_engine.grow(tables_b, hit)
         load_keys, gpu_spec = load_job(tables_b, keys_b, hit, load_layout.block_size, load_engine.factor)
@@ -245,25 +235,24 @@ def run_offload_demo(model: str = "tiny-gemma2", seed: int = 0, prompt_len: int 
         (res,) = [r for r in load_engine.worker.get_finished() if r.job_id == job_id]
         manager.complete_load(load_keys)
         loaded_blocks, bytes_loaded, load_seconds = len(load_keys), res.bytes, res.seconds
-        imported = import_cache(load_engine.caches, _ids(tables_b), hit, config)
-        if hit == prefix_len:
-            differences = cache_differences(stored_prefix, imported)
-        replicas = replica_mismatches(load_engine.caches, _ids(tables_b), hit)
-        out_ids = net.generate(torch.tensor([prompt_b]), attention_mask=torch.ones(1, len(prompt_b), dtype=torch.long),
-                               past_key_values=imported, max_new_tokens=new_tokens)
-        tokens = out_ids[0, len(prompt_b):].tolist()
+        # A partial hit is compared with a forward over the tokens it holds.
+        proof = prove_cache(net, prompt_b, load_engine.caches, _ids(tables_b), new_tokens, num_cached=hit,
+                            reference_cache=stored_prefix if hit == prefix_len else None)
+    else:
+        proof = CacheProof(reference_tokens(net, prompt_b, new_tokens), [], [], [])
     events = manager.take_events()
     for engine in {id(store_engine): store_engine, id(load_engine): load_engine}.values():
         engine.worker.shutdown()
     return OffloadDemoResult(
         model=model, spec=spec.describe(), store_engine=store_layout.describe(), load_engine=load_layout.describe(),
         pool=pool.describe(), prompt_len=prompt_len, prefix_len=prefix_len, new_tokens=new_tokens, hit_tokens=hit,
-        tokens_reference=reference, tokens_offload=tokens, match=tokens == reference, cache_equal=bool(hit) and
-        not differences, replicas_equal=not replicas, stored_blocks=stored_blocks, loaded_blocks=loaded_blocks,
+        tokens_reference=proof.tokens_reference, tokens_offload=proof.tokens_disaggregated, match=proof.match,
+        cache_equal=bool(hit) and proof.cache_equal, replicas_equal=proof.replicas_equal,
+        stored_blocks=stored_blocks, loaded_blocks=loaded_blocks,
         bytes_stored=bytes_stored, bytes_loaded=bytes_loaded, store_seconds=store_seconds, load_seconds=load_seconds,
         events={"stored": sum(len(e.keys) for e in events if not e.removed),
                 "removed": sum(len(e.keys) for e in events if e.removed)},
-        differences=differences + replicas)
+        differences=proof.cache_differences + proof.replica_mismatches)
 
 
 __all__ = ["OffloadDemoResult", "run_offload_demo"]

@@ -1,11 +1,11 @@
-"""kvbridge inside vLLM 0.32 (CPU): a KV connector, a prefill/decode demo, a benchmark.
+"""kvbridge inside vLLM 0.32 (CPU): a KV connector and vLLM's cache layouts.
 
 * `KVBridgeConnector` (`connector.py`, imports vLLM): name it in `--kv-transfer-config` with
   `"kv_connector_module_path": "kvbridge.integrations.vllm"`; see docs/vllm.md.
-* `run_vllm_demo`, `bench_vllm` (`demo.py`, no vLLM import): start vLLM instances as
-  subprocesses of the vLLM environment (`.venv-vllm`, `make vllm-env`), so they can be called
-  from kvbridge's own environment (the CLI).
 * `VllmCpuLayout` (`layout.py`): vLLM CPU attention's paged cache as a kvbridge layout.
+* `sidecar.py`: the process that moves the bytes for a vLLM worker.
+
+The P/D demo and bench that start vLLM instances live beside the library, in `kvbridge.proofs.vllm`.
 """
 
 from __future__ import annotations
@@ -37,9 +37,7 @@ def _llvmlite_vars_safe() -> None:
 
 _llvmlite_vars_safe()
 
-from kvbridge.proofs.vllm.demo import bench_vllm, run_vllm_demo, vllm_python
-from kvbridge.integrations.vllm.layout import VllmCpuLayout, as_vllm_cpu, vllm_cpu_layout
-from kvbridge.proofs.vllm.model import make_tiny_llama
+from kvbridge.integrations.vllm.layout import VllmCpuLayout, as_vllm_cpu, vllm_cpu_layout  # noqa: E402
 
 
 def __getattr__(name: str) -> Any:
@@ -49,5 +47,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["KVBridgeConnector", "VllmCpuLayout", "as_vllm_cpu", "bench_vllm", "make_tiny_llama", "run_vllm_demo",
-           "vllm_cpu_layout", "vllm_python"]
+__all__ = ["KVBridgeConnector", "VllmCpuLayout", "as_vllm_cpu", "vllm_cpu_layout"]

@@ -1,0 +1,389 @@
+"""transformers caches <-> the paged rank caches of a TP engine.
+
+A plan is only right if a model that decodes from the moved cache produces exactly what it
+would have produced without the move. This is the bridge that experiment needs: `export_cache`
+writes a batch-1 prefill `DynamicCache` into the prefill engine's paged rank caches (each rank
+its head shard, through the layout's addressing, as a serving engine's attention kernel would),
+`import_cache` rebuilds a `DynamicCache` from the decode engine's ranks (each head from the first
+rank that holds it), `cache_differences` and `replica_mismatches` compare bit for bit.
+
+Attention K/V go by token position; recurrent state (`hf_states` maps it to spec components)
+goes to the request's recurrent slot, the last block id of the recurrent group. Export writes
+every component of every prefill rank there; import takes each unit from the first decode rank
+that holds it and rebuilds the transformers cache as a prefill would have left it
+(`has_previous_state` set).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
+
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.spec import LayerSpec, ModelSpec, normalize_dtype
+from kvbridge.errors import ConfigError, InvalidRequest
+from kvbridge.proofs.hf_states import hf_state_tensors, state_components
+from kvbridge.transport.cache import TORCH_DTYPES, RankCache
+
+BlockIds = tuple[tuple[int, ...], ...]
+
+
+def _is_linear(layer: Any) -> bool:
+    return isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def _is_attention(layer: Any) -> bool:
+    return isinstance(layer, CacheLayerMixin)
+
+
+def _check_layer_kind(layer: Any, lspec: LayerSpec, li: int) -> None:
+    """The transformers cache layer must hold what the spec says: K/V or recurrent state, not both."""
+    if _is_linear(layer) and _is_attention(layer):
+        raise ConfigError(f"layer {li}: transformers cache layer {type(layer).__name__} holds attention K/V and "
+                          f"recurrent state in one layer; kvbridge describes a layer as one or the other")
+    if lspec.is_recurrent and not _is_linear(layer):
+        raise ConfigError(f"layer {li}: the spec says recurrent ({lspec.recurrent_type}) but transformers caches it "
+                          f"as {type(layer).__name__}")
+    if not lspec.is_recurrent and _is_linear(layer):
+        raise ConfigError(f"layer {li}: the spec says {lspec.kind!r} attention but transformers caches it as "
+                          f"{type(layer).__name__} (recurrent state)")
+
+
+def _cached_length(layer: Any) -> int:
+    """Tokens the layer has seen (a sliding layer's cumulative length, not what it still holds)."""
+    return int(getattr(layer, "cumulative_length", None) or layer.get_seq_length())
+
+
+def _check_layer(cache: DynamicCache, spec: ModelSpec, li: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's [H, T, D] key and value tensors, after checking them against the spec."""
+    lspec = spec.layers[li]
+    layer = cache.layers[li]
+    if lspec.kind == "mla" and not lspec.value_dim:
+        raise ConfigError(f"layer {li} describes MLA as one latent row (the engine view); transformers keeps the "
+                          f"latent and the rope part apart: build the spec with view='transformers'")
+    if lspec.kind not in ("full", "sliding", "mla"):
+        raise ConfigError(f"layer {li} is a {lspec.kind!r} layer; the transformers bridge moves attention "
+                          f"K/V (full, sliding, MLA latent) here")
+    _check_layer_kind(layer, lspec, li)
+    if bool(getattr(layer, "is_sliding", False)) != (lspec.kind == "sliding"):
+        raise ConfigError(f"layer {li}: transformers cache layer {type(layer).__name__} "
+                          f"(is_sliding={getattr(layer, 'is_sliding', False)}) but the spec says {lspec.kind!r}")
+    if getattr(layer, "keys", None) is None or not getattr(layer, "is_initialized", True):
+        raise InvalidRequest(f"layer {li} of the cache is empty; run a prefill with use_cache=True first")
+    keys, values = layer.keys, layer.values
+    if keys.dim() != 4 or keys.shape[0] != 1:
+        raise InvalidRequest(f"layer {li}: expected keys [1, heads, tokens, dim] (batch 1), got {tuple(keys.shape)}")
+    want_k = (lspec.num_kv_heads, lspec.key_dim)
+    want_v = (lspec.num_kv_heads, lspec.value_dim)
+    if (keys.shape[1], keys.shape[3]) != want_k or (values.shape[1], values.shape[3]) != want_v:
+        raise ConfigError(f"layer {li}: cache keys {tuple(keys.shape)} / values {tuple(values.shape)} do not match "
+                          f"the spec's {lspec.num_kv_heads} heads of dim {lspec.key_dim}/{lspec.value_dim}")
+    if keys.dtype != values.dtype or normalize_dtype(str(keys.dtype)) != spec.dtype:
+        raise ConfigError(f"layer {li}: cache dtype {keys.dtype}/{values.dtype}, spec dtype {spec.dtype}")
+    seen = _cached_length(layer)
+    if seen != num_tokens:
+        raise InvalidRequest(f"layer {li} has seen {seen} tokens, the request says {num_tokens}")
+    held = keys.shape[2]
+    first = lspec.tokens_kept(num_tokens)
+    if held != num_tokens - first or values.shape[2] != held:
+        raise ConfigError(
+            f"layer {li} ({lspec.kind}, window {lspec.window}, sliding_window "
+            f"{getattr(layer, 'sliding_window', None)} in transformers) holds {held} of {num_tokens} tokens, "
+            f"kvbridge keeps {num_tokens - first} (positions from {first})")
+    return keys[0], values[0]
+
+
+
+def _check_caches(caches: Sequence[RankCache], spec: ModelSpec, block_ids: BlockIds) -> None:
+    if len(block_ids) != len(spec.groups):
+        raise InvalidRequest(f"{len(block_ids)} block-id lists for {len(spec.groups)} KV-cache groups")
+    for rc in caches:
+        if rc.spec.fingerprint() != spec.fingerprint():
+            raise ConfigError(f"rank {rc.rank} cache was allocated for another geometry ({rc.spec.describe()})")
+
+
+def _state_slot(spec: ModelSpec, layout: EngineLayout, block_ids: BlockIds, li: int) -> int:
+    """A request's recurrent slot: the last block id of the layer's group (vLLM puts placeholders before it)."""
+    ids = block_ids[spec.layer_group[li]]
+    if not ids:
+        raise InvalidRequest(f"layer {li}: the recurrent group has no block ids")
+    if not 0 <= ids[-1] < layout.num_blocks:
+        raise InvalidRequest(f"layer {li}: state block id {ids[-1]} outside [0, {layout.num_blocks})")
+    return int(ids[-1])
+
+
+def export_tokens(cache: DynamicCache, spec: ModelSpec, caches: Sequence[RankCache], block_ids: BlockIds,
+                  num_tokens: int, start: int = 0, stop: int | None = None) -> None:
+    """Write the attention K/V of positions `[start, stop)` (default all) of a batch-1 prefill cache
+    of `num_tokens` tokens into paged rank caches; positions before a sliding window are skipped.
+
+    Each rank gets its own head shard of every attention layer, through the layout's addressing,
+    the way a serving engine's attention kernel would have written them.
+    """
+    if len(cache.layers) != spec.num_layers:
+        raise ConfigError(f"cache has {len(cache.layers)} layers, spec {spec.num_layers}")
+    _check_caches(caches, spec, block_ids)
+    stop = num_tokens if stop is None else stop
+    if not 0 <= start <= stop <= num_tokens:
+        raise InvalidRequest(f"need 0 <= start <= stop <= {num_tokens}, got {start} and {stop}")
+    for li in range(spec.num_layers):
+        if spec.layers[li].is_recurrent:
+            continue
+        kv = _check_layer(cache, spec, li, num_tokens)
+        first = spec.layers[li].tokens_kept(num_tokens)
+        lo = max(first, start)
+        if lo >= stop:
+            continue
+        positions = np.arange(lo, stop, dtype=np.int64)
+        ids = np.asarray(block_ids[spec.layer_group[li]], dtype=np.int64)
+        for rc in caches:
+            for ci, tensor in enumerate(kv):
+                h0, nh = int(rc.addr.first_head[li, ci]), int(rc.addr.heads[li, ci])
+                rc.write_tokens(li, ci, ids, positions, tensor[h0:h0 + nh, lo - first:stop - first].transpose(0, 1))
+
+
+def export_states(cache: DynamicCache, spec: ModelSpec, caches: Sequence[RankCache], block_ids: BlockIds) -> None:
+    """Write every recurrent layer's state into each rank's shard of each component, at the
+    request's slot (the last block id of the layer's group)."""
+    if len(cache.layers) != spec.num_layers:
+        raise ConfigError(f"cache has {len(cache.layers)} layers, spec {spec.num_layers}")
+    _check_caches(caches, spec, block_ids)
+    for li in range(spec.num_layers):
+        if not spec.layers[li].is_recurrent:
+            continue
+        _check_layer_kind(cache.layers[li], spec.layers[li], li)
+        comps = state_components(cache.layers[li], spec, li)
+        for rc in caches:
+            slot = _state_slot(spec, rc.layout, block_ids, li)
+            for ci, full in enumerate(comps):
+                u0, nu = int(rc.addr.first_head[li, ci]), int(rc.addr.heads[li, ci])
+                rc.write_state(li, ci, slot, full[u0:u0 + nu])
+
+
+def export_cache(cache: DynamicCache, spec: ModelSpec, caches: Sequence[RankCache], block_ids: BlockIds,
+                 num_tokens: int) -> None:
+    """Write a batch-1 prefill cache into the prefill engine's paged rank caches: attention K/V at
+    the positions each layer keeps (`[tokens_kept(N), N)`) and recurrent state at its slot."""
+    export_tokens(cache, spec, caches, block_ids, num_tokens)
+    export_states(cache, spec, caches, block_ids)
+
+
+def _check_rank_order(caches: Sequence[RankCache]) -> None:
+    if not caches:
+        raise InvalidRequest("no rank caches to import from")
+    layout = caches[0].layout
+    if [c.rank for c in caches] != list(range(layout.tp_size)):
+        got = [c.rank for c in caches]
+        raise InvalidRequest(f"need the {layout.tp_size} rank caches in rank order, got ranks {got}")
+
+
+def gather_kv(caches: Sequence[RankCache], block_ids: BlockIds,
+              num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Every attention layer's global `[H, N, D]` keys and values from the decode ranks (None for
+    recurrent layers).
+
+    Each head is read from the first rank that holds it; positions before a sliding window are
+    zeros (the engine does not keep them and transformers drops them).
+    """
+    _check_rank_order(caches)
+    spec = caches[0].spec
+    if len(block_ids) != len(spec.groups):
+        raise InvalidRequest(f"{len(block_ids)} block-id lists for {len(spec.groups)} KV-cache groups")
+    dtype = caches[0].regions[0].dtype
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for li, lspec in enumerate(spec.layers):
+        if lspec.is_recurrent:
+            out.append(None)
+            continue
+        first = lspec.tokens_kept(num_tokens)
+        positions = np.arange(first, num_tokens, dtype=np.int64)
+        ids = np.asarray(block_ids[spec.layer_group[li]], dtype=np.int64)
+        pair = []
+        for ci, comp in enumerate(lspec.components):
+            full = torch.zeros(comp.heads, num_tokens, comp.dim, dtype=dtype)
+            have = np.zeros(comp.heads, dtype=bool)
+            for rc in caches:
+                h0, nh = int(rc.addr.first_head[li, ci]), int(rc.addr.heads[li, ci])
+                need = [h for h in range(h0, h0 + nh) if not have[h]]
+                if not need or not len(positions):
+                    have[need] = True
+                    continue
+                rows = rc.read_tokens(li, ci, ids, positions)  # [T, nh, D]
+                for h in need:
+                    full[h, first:] = rows[:, h - h0]
+                have[need] = True
+            if not have.all():
+                raise InvalidRequest(f"layer {li} component {ci}: heads {np.flatnonzero(~have).tolist()} on no rank")
+            pair.append(full)
+        out.append((pair[0], pair[1]))
+    return out
+
+
+def gather_states(caches: Sequence[RankCache], block_ids: BlockIds) -> dict[int, list[torch.Tensor]]:
+    """Every recurrent layer's state components `[units, dim]` from the decode ranks, each unit from
+    the first rank that holds it, at the request's slot."""
+    _check_rank_order(caches)
+    spec = caches[0].spec
+    if len(block_ids) != len(spec.groups):
+        raise InvalidRequest(f"{len(block_ids)} block-id lists for {len(spec.groups)} KV-cache groups")
+    out: dict[int, list[torch.Tensor]] = {}
+    for li, lspec in enumerate(spec.layers):
+        if not lspec.is_recurrent:
+            continue
+        comps = []
+        for ci, comp in enumerate(lspec.components):
+            full = torch.zeros(comp.heads, comp.dim, dtype=TORCH_DTYPES[spec.component_dtype(comp)])
+            have = np.zeros(comp.heads, dtype=bool)
+            for rc in caches:
+                u0, nu = int(rc.addr.first_head[li, ci]), int(rc.addr.heads[li, ci])
+                need = [u for u in range(u0, u0 + nu) if not have[u]]
+                if need:
+                    rows = rc.read_state(li, ci, _state_slot(spec, rc.layout, block_ids, li))
+                    full[need] = rows[[u - u0 for u in need]]
+                    have[need] = True
+            if not have.all():
+                raise InvalidRequest(f"layer {li} {comp.name}: units {np.flatnonzero(~have).tolist()} on no rank")
+            comps.append(full)
+        out[li] = comps
+    return out
+
+
+def replica_mismatches(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: int) -> list[str]:
+    """Heads (or state units) that two decode ranks both hold but with different bytes."""
+    spec = caches[0].spec
+    out = []
+    for li, lspec in enumerate(spec.layers):
+        positions = np.arange(lspec.tokens_kept(num_tokens), num_tokens, dtype=np.int64)
+        if not lspec.is_recurrent and not len(positions):
+            continue
+        ids = np.asarray(block_ids[spec.layer_group[li]], dtype=np.int64)
+        for ci, comp in enumerate(lspec.components):
+            seen: dict[int, tuple[int, torch.Tensor]] = {}
+            for rc in caches:
+                h0, nh = int(rc.addr.first_head[li, ci]), int(rc.addr.heads[li, ci])
+                if lspec.is_recurrent:
+                    rows = rc.read_state(li, ci, _state_slot(spec, rc.layout, block_ids, li), as_int=True)
+                else:
+                    rows = rc.read_tokens(li, ci, ids, positions, as_int=True).transpose(0, 1)
+                for h in range(h0, h0 + nh):
+                    if h not in seen:
+                        seen[h] = (rc.rank, rows[h - h0])
+                    elif not torch.equal(seen[h][1], rows[h - h0]):
+                        what = f"{comp.name} unit" if lspec.is_recurrent else f"comp {ci} head"
+                        out.append(f"layer {li} {what} {h}: rank {rc.rank} differs from rank {seen[h][0]}")
+    return out
+
+
+def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: int,
+                 config: PretrainedConfig) -> DynamicCache:
+    """A `DynamicCache` for `config` holding the decode ranks' paged cache of `num_tokens` tokens.
+
+    Sliding layers get all N positions (zeros before the window) so that their cumulative length
+    is N, which is what transformers uses for positions and masks; the layer crops itself.
+    Recurrent layers get their conv and recurrent state through transformers' own prefill path
+    (`update_conv_state` / `update_recurrent_state`), which also marks `has_previous_state`, so
+    the next forward continues with the single-token update exactly as after a prefill.
+    """
+    _check_rank_order(caches)
+    spec = caches[0].spec
+    cache = DynamicCache(config=config)
+    if len(cache.layers) not in (0, spec.num_layers) or (not cache.layers and spec.has_recurrent):
+        raise ConfigError(f"config makes a cache of {len(cache.layers)} layers, the rank caches have {spec.num_layers}")
+    states = gather_states(caches, block_ids)
+    for li, kv in enumerate(gather_kv(caches, block_ids, num_tokens)):
+        lspec = spec.layers[li]
+        if cache.layers:
+            _check_layer_kind(cache.layers[li], lspec, li)
+        if kv is not None:
+            cache.update(kv[0][None], kv[1][None], li)
+            continue
+        conv, rec = hf_state_tensors(lspec, states[li])
+        cache.update_conv_state(conv, li, conv_kernel_size=lspec.conv_rows)
+        if rec is not None:
+            cache.update_recurrent_state(rec, li)
+    for li, layer in enumerate(cache.layers):
+        if spec.layers[li].is_recurrent:
+            if not cache.has_previous_state(li):
+                raise InvalidRequest(f"imported layer {li} did not take its recurrent state")
+            continue
+        if layer.get_seq_length() != num_tokens:
+            raise InvalidRequest(f"imported layer {li} reports {layer.get_seq_length()} tokens, expected {num_tokens}")
+        if bool(getattr(layer, "is_sliding", False)) != (spec.layers[li].kind == "sliding"):
+            raise ConfigError(f"layer {li}: config builds {type(layer).__name__}, spec says {spec.layers[li].kind!r}")
+    if any(not x.is_recurrent for x in spec.layers) and cache.get_seq_length() != num_tokens:
+        raise InvalidRequest(f"imported cache reports {cache.get_seq_length()} tokens, expected {num_tokens}")
+    return cache
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Integer view of the same bytes, so that equality is bitwise (NaN == NaN, -0.0 != 0.0)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(ints[t.element_size()])
+
+
+def _layer_tensors(layer: Any) -> dict[str, torch.Tensor | None]:
+    """What a cache layer holds, by the names `save_cache` writes."""
+    out: dict[str, torch.Tensor | None] = {}
+    if _is_attention(layer):
+        out["keys"], out["values"] = layer.keys, layer.values
+    if _is_linear(layer):
+        for name in ("conv_states", "recurrent_states"):
+            for i, t in getattr(layer, name).items():
+                out[name if i == 0 else f"{name}.{i}"] = t
+    return out
+
+
+def cache_differences(a: DynamicCache, b: DynamicCache) -> list[str]:
+    """Layers where two caches differ in kind, length, shape or any bit of what they hold
+    (keys, values, conv states, recurrent states)."""
+    if len(a.layers) != len(b.layers):
+        return [f"layer count {len(a.layers)} != {len(b.layers)}"]
+    out = []
+    for li, (x, y) in enumerate(zip(a.layers, b.layers)):
+        if (_is_linear(x), _is_attention(x)) != (_is_linear(y), _is_attention(y)):
+            out.append(f"layer {li}: {type(x).__name__} != {type(y).__name__}")
+            continue
+        if _is_attention(x) and _cached_length(x) != _cached_length(y):
+            out.append(f"layer {li}: length {_cached_length(x)} != {_cached_length(y)}")
+            continue
+        if _is_linear(x) and dict(x.has_previous_state) != dict(y.has_previous_state):
+            out.append(f"layer {li}: has_previous_state {x.has_previous_state} != {y.has_previous_state}")
+        tx, ty = _layer_tensors(x), _layer_tensors(y)
+        for name in sorted(set(tx) | set(ty)):
+            s, t = tx.get(name), ty.get(name)
+            if s is None or t is None:
+                if (s is None) != (t is None):
+                    out.append(f"layer {li} {name}: {'missing' if s is None else 'present'} != "
+                               f"{'missing' if t is None else 'present'}")
+            elif s.shape != t.shape or s.dtype != t.dtype:
+                out.append(f"layer {li} {name}: {tuple(s.shape)} {s.dtype} != {tuple(t.shape)} {t.dtype}")
+            elif not torch.equal(_bits(s), _bits(t)):
+                n = int((_bits(s) != _bits(t)).sum())
+                out.append(f"layer {li} {name}: {n} of {s.numel()} elements differ")
+    return out
+
+
+def save_cache(cache: DynamicCache, path: str | Path) -> None:
+    """safetensors file with what each layer holds, as transformers holds it: attention layers
+    `layers.{i}.keys` / `layers.{i}.values` `[1, H, tokens_held, D]`; recurrent layers
+    `layers.{i}.conv_states` `[1, conv_dim, kernel]` and `layers.{i}.recurrent_states` (Mamba2
+    `[1, heads, head_dim, d_state]`, GDN `[1, v_heads, k_head_dim, v_head_dim]`; none for short conv)."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for li, layer in enumerate(cache.layers):
+        for name, t in _layer_tensors(layer).items():
+            if t is not None:
+                tensors[f"layers.{li}.{name}"] = t.detach().contiguous().cpu()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path))
+
+
+__all__ = ["BlockIds", "cache_differences", "export_cache", "export_states", "export_tokens", "gather_kv",
+           "gather_states", "import_cache", "replica_mismatches", "save_cache"]

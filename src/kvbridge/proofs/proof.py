@@ -1,0 +1,149 @@
+"""The proof every demo makes: a model that decodes from the moved cache does what it would have done.
+
+However the cache got to the decode ranks (planned and copied in one process, sent between rank
+processes over a transport, stored to a CPU pool and loaded back), the proof is the same four
+steps, and `prove_cache` is the one place they are written:
+
+1. reference: plain greedy `generate` on the prompt, and the cache a monolithic forward leaves;
+2. import: rebuild a transformers `DynamicCache` from the decode ranks' paged caches;
+3. compare: bit for bit with the reference cache, and every replicated head (or state unit)
+   across the ranks that hold it;
+4. continue: greedy decoding from the imported cache; the tokens must equal the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import torch
+from transformers import DynamicCache, GenerationConfig, PreTrainedModel
+
+from kvbridge.errors import InvalidRequest
+from kvbridge.proofs.hf_cache import BlockIds, cache_differences, import_cache, replica_mismatches, save_cache
+from kvbridge.transport.cache import RankCache
+
+
+class CacheProof(msgspec.Struct, frozen=True):
+    """What `prove_cache` found for one request (the field names are the decode job's reply keys)."""
+
+    tokens_reference: list[int]
+    tokens_disaggregated: list[int]
+    cache_differences: list[str]
+    replica_mismatches: list[str]
+
+    @property
+    def match(self) -> bool:
+        return self.tokens_disaggregated == self.tokens_reference
+
+    @property
+    def cache_equal(self) -> bool:
+        return not self.cache_differences
+
+    @property
+    def replicas_equal(self) -> bool:
+        return not self.replica_mismatches
+
+
+def greedy_config() -> GenerationConfig:
+    """Plain greedy decoding: no EOS stop, no penalties or processors from a checkpoint's defaults."""
+    return GenerationConfig(do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+
+
+def make_prompt_ids(prompt: Sequence[int] | int, vocab_size: int, seed: int) -> list[int]:
+    """The prompt: given ids (checked against the vocab) or that many random ids from `seed`."""
+    if isinstance(prompt, (int, np.integer)) and not isinstance(prompt, bool):
+        if prompt < 1:
+            raise InvalidRequest(f"prompt length must be >= 1, got {prompt}")
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randint(0, vocab_size, (int(prompt),), generator=gen).tolist()
+    ids = [int(t) for t in prompt]
+    if not ids:
+        raise InvalidRequest("empty prompt")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"prompt ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def _input(ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    input_ids = torch.tensor([list(ids)], dtype=torch.long)
+    return input_ids, torch.ones_like(input_ids)
+
+
+@torch.inference_mode()
+def reference_tokens(model: PreTrainedModel, prompt_ids: Sequence[int], new_tokens: int) -> list[int]:
+    """Monolithic greedy `generate`: the tokens every disaggregated path must reproduce."""
+    input_ids, mask = _input(prompt_ids)
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens)[0, len(prompt_ids):].tolist()
+    if len(out) != new_tokens:
+        raise InvalidRequest(f"reference generate stopped after {len(out)} of {new_tokens} tokens")
+    return out
+
+
+@torch.inference_mode()
+def prefill(model: PreTrainedModel, prompt_ids: Sequence[int]) -> tuple[DynamicCache, int]:
+    """One forward over the prompt, as a prefill engine runs it: its cache and the greedy first token."""
+    input_ids, mask = _input(prompt_ids)
+    out = model(input_ids, attention_mask=mask, use_cache=True)
+    return out.past_key_values, int(out.logits[0, -1].argmax())
+
+
+@torch.inference_mode()
+def continue_greedy(model: PreTrainedModel, prompt_ids: Sequence[int], cache: DynamicCache, num_cached: int,
+                    new_tokens: int, first_token: int | None = None) -> list[int]:
+    """Greedy tokens after the prompt, decoded from `cache`, which holds the first `num_cached` prompt tokens.
+
+    A cache of the whole prompt continues from `first_token`, the token the prefill engine sampled
+    (without it there is nothing to continue from: no tokens, which fails the proof). A cache of a
+    strict prefix (a prefix-cache hit) lets `generate` compute the rest of the prompt first.
+    """
+    n = len(prompt_ids)
+    if num_cached < n:
+        if first_token is not None:
+            raise InvalidRequest(f"a first token follows the whole prompt, the cache holds {num_cached} of {n}")
+        input_ids, mask = _input(prompt_ids)
+        return model.generate(input_ids, attention_mask=mask, past_key_values=cache,
+                              max_new_tokens=new_tokens)[0, n:].tolist()
+    if first_token is None:
+        return []
+    tokens = [int(first_token)]
+    if new_tokens > 1:
+        input_ids, mask = _input([*prompt_ids, int(first_token)])
+        rest = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens - 1)
+        tokens += rest[0, n + 1:].tolist()
+    return tokens
+
+
+@torch.inference_mode()
+def prove_cache(model: PreTrainedModel, prompt_ids: Sequence[int], caches: Sequence[RankCache], block_ids: BlockIds,
+                new_tokens: int, *, num_cached: int | None = None, reference_cache: DynamicCache | None = None,
+                first_token: int | None = None, dump: str | Path | None = None) -> CacheProof:
+    """Prove the decode ranks' cache of one request (the module docstring's four steps).
+
+    `caches` are the decode engine's ranks in rank order and `block_ids` the request's block ids per
+    KV-cache group; they hold the first `num_cached` prompt tokens (default: all). `reference_cache`
+    is the cache to compare with (default: a monolithic forward over those tokens); `first_token`
+    is the prefill engine's sampled token when the cache holds the whole prompt. `dump` writes the
+    imported cache as safetensors. The model should decode greedily (`greedy_config`).
+    """
+    n = len(prompt_ids)
+    num_cached = n if num_cached is None else num_cached
+    if not 0 < num_cached <= n:
+        raise InvalidRequest(f"the cache must hold 1 to {n} prompt tokens, got {num_cached}")
+    tokens_reference = reference_tokens(model, prompt_ids, new_tokens)
+    if reference_cache is None:
+        reference_cache, _ = prefill(model, prompt_ids[:num_cached])
+    imported = import_cache(caches, block_ids, num_cached, model.config)
+    differences = cache_differences(reference_cache, imported)
+    replicas = replica_mismatches(caches, block_ids, num_cached)
+    if dump is not None:
+        save_cache(imported, dump)
+    tokens = continue_greedy(model, prompt_ids, imported, num_cached, new_tokens, first_token)
+    return CacheProof(tokens_reference, tokens, differences, replicas)
+
+
+__all__ = ["CacheProof", "continue_greedy", "greedy_config", "make_prompt_ids", "prefill", "prove_cache",
+           "reference_tokens"]
