@@ -114,15 +114,12 @@ class _Reader:
 
     def __init__(self, text: Any, raw: dict[str, Any]) -> None:
         self.text, self.raw = text, raw
-        amap = dict(getattr(text, "attribute_map", {}) or {})
-        self.aliases: dict[str, set[str]] = {}
-        for alias, canonical in amap.items():
-            self.aliases.setdefault(canonical, set()).add(alias)
+        # attribute_map: the standard name -> the architecture's own (num_hidden_layers -> n_layer)
+        self.own_name = dict(getattr(text, "attribute_map", {}) or {})
         self.filled: list[str] = []
 
     def given(self, key: str) -> bool:
-        names = {key} | self.aliases.get(key, set())
-        return any(self.raw.get(k) is not None for k in names)
+        return any(self.raw.get(k) is not None for k in (key, self.own_name.get(key)) if k)
 
     def get(self, layer: Any, key: str, derived: Any = None) -> Any:
         """`key` of a (per-layer) config; absent from config.json and not derived -> noted as filled."""
@@ -203,12 +200,14 @@ def _attention_layer(layer: Any, reader: _Reader, mla_view: str, window: int | N
 
 
 def _kv_heads(layer: Any, reader: _Reader, q_heads: int) -> int:
-    """KV heads as the architecture spells them: num_key_value_heads (or its attribute_map alias),
-    Falcon's `num_kv_heads` for its new decoder architecture, `multi_query` (one KV head), else MHA."""
-    for key in ("num_key_value_heads", "num_kv_heads"):
-        value = getattr(layer, key, None)
-        if value is not None and (key != "num_kv_heads" or getattr(layer, "new_decoder_architecture", True)):
-            return reader.int(layer, key, q_heads)
+    """KV heads as the architecture spells them: Falcon's `num_kv_heads` under its new decoder
+    architecture, else `multi_query` (one KV head, GPT-BigCode / Falcon), else num_key_value_heads
+    (or its attribute_map alias), else one per query head."""
+    if getattr(layer, "new_decoder_architecture", False) is True and getattr(layer, "num_kv_heads", None):
+        return reader.int(layer, "num_kv_heads", q_heads)
     if getattr(layer, "multi_query", False) is True:
         return 1
+    for key in ("num_key_value_heads", "num_kv_heads"):
+        if getattr(layer, key, None) is not None:
+            return reader.int(layer, key, q_heads)
     return q_heads
