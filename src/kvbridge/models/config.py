@@ -57,7 +57,13 @@ def spec_from_hf_config(config: dict[str, Any] | str | Path, *, dtype: str | Non
         mla_view = "heads"
     raw = load_config(config)
     obj = hf_config(raw)
-    text = obj.get_text_config(decoder=True)
+    try:
+        text = obj.get_text_config(decoder=True)
+    except Exception as e:  # noqa: BLE001 - a nesting transformers cannot resolve
+        raise ConfigError(f"config of {raw.get('model_type')!r} has no usable text config: "
+                          f"{safe_text(str(e).splitlines()[0] if str(e) else type(e).__name__)}") from None
+    if not hasattr(text, "model_type"):
+        raise ConfigError(f"config of {raw.get('model_type')!r}: its text config is a {type(text).__name__}")
     raw_text = next((raw[k] for k in _NESTED if isinstance(raw.get(k), dict)), raw)
     reader = _Reader(text, raw_text)
     arch = str(getattr(text, "model_type", "") or raw.get("model_type"))
@@ -151,27 +157,37 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
         raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {num_layers}")
     per_layer = text.per_layer_config
     out: list[LayerSpec] = []
-    recurrent: LayerSpec | None = None
+    recurrent: LayerSpec | None = None  # one recurrent geometry per model, derived once
     for i, (lt, kw) in enumerate(zip(types, kwargs)):
-        if lt in ("full_attention", "sliding_attention", "chunked_attention"):
-            window = None
-            if lt != "full_attention":
-                window = kw.get("sliding_window")
-                if window is None:
-                    raise ConfigError(f"layer {i} is {lt} but config has no "
-                                      f"{'sliding_window' if lt == 'sliding_attention' else 'attention_chunk_size'}")
-                if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-                    raise ConfigError(f"layer {i} is {lt} with window {safe_text(repr(window))}; needs an integer >= 2")
-            out.append(_attention_layer(per_layer[i], reader, mla_view, window, i))
-        elif lt in ("linear_attention", "conv"):
-            if recurrent is None:
-                from kvbridge.models.recurrent import recurrent_layer
-                recurrent = recurrent_layer(text.to_dict(), -1 if view == "engine" else 0, state_dtype, i, lt)
-            out.append(recurrent)
-        else:
-            what = _REFUSED_TYPES.get(lt, "a cache layer kvbridge does not know")
-            raise ConfigError(f"layer {i} has type {lt!r} ({what}); kvbridge cannot move it yet")
+        try:
+            out.append(_layer(text, reader, per_layer[i], lt, kw, i, mla_view, view, state_dtype, recurrent))
+            recurrent = out[-1] if out[-1].is_recurrent else recurrent
+        except ConfigError as e:  # every refusal names the layer and its kind
+            if str(e).startswith("layer "):
+                raise
+            raise ConfigError(f"layer {i} ({lt}): {e}") from None
     return tuple(out)
+
+
+def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], i: int, mla_view: str, view: str,
+           state_dtype: str | None, previous: LayerSpec | None) -> LayerSpec:
+    if lt in ("full_attention", "sliding_attention", "chunked_attention"):
+        window = None
+        if lt != "full_attention":
+            window = kw.get("sliding_window")
+            if window is None:
+                raise ConfigError(f"layer {i} is {lt} but config has no "
+                                  f"{'sliding_window' if lt == 'sliding_attention' else 'attention_chunk_size'}")
+            if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+                raise ConfigError(f"layer {i} is {lt} with window {safe_text(repr(window))}; needs an integer >= 2")
+        return _attention_layer(layer, reader, mla_view, window, i)
+    if lt in ("linear_attention", "conv"):
+        if previous is not None:
+            return previous
+        from kvbridge.models.recurrent import recurrent_layer
+        return recurrent_layer(text.to_dict(), -1 if view == "engine" else 0, state_dtype, i, lt)
+    what = _REFUSED_TYPES.get(lt, "a cache layer kvbridge does not know")
+    raise ConfigError(f"layer {i} has type {lt!r} ({what}); kvbridge cannot move it yet")
 
 
 def _attention_layer(layer: Any, reader: _Reader, mla_view: str, window: int | None, i: int) -> LayerSpec:
@@ -189,6 +205,8 @@ def _attention_layer(layer: Any, reader: _Reader, mla_view: str, window: int | N
     hidden = getattr(layer, "hidden_size", None)
     derived = hidden // q_heads if isinstance(hidden, int) and not isinstance(hidden, bool) else None
     head_dim = reader.get(layer, "head_dim", derived)
+    if head_dim is None and getattr(layer, "dim_head", None) is not None:  # CPM-Ant's spelling
+        head_dim = reader.get(layer, "dim_head", derived)
     if head_dim is None:
         head_dim = reader.int(layer, "hidden_size") // q_heads
         if head_dim < 1:

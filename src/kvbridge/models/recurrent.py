@@ -9,6 +9,8 @@ Each recurrent layer's state is described as components sharded on their own:
 * Gated delta net conv `[Q | K | V]`: Q and K have `num_k_heads` units of `head_k_dim * rows`,
   V has `num_v_heads` units of `head_v_dim * rows`; the recurrent state has `num_v_heads` units
   of `head_k_dim * head_v_dim`.
+* Mamba1 (Mamba, Falcon-Mamba, Jamba): conv `intermediate` units of `rows`, SSM `intermediate`
+  units of `d_state` (one unit per expanded channel, vLLM's TP split).
 * Short conv (LFM2): one conv segment of `hidden_size` channels of `rows` values.
 
 `rows` is the conv kernel minus one as serving engines keep it, or the kernel as
@@ -57,6 +59,18 @@ def gdn_state(cfg: dict[str, Any], rows: int, state_dtype: str | None) -> tuple[
             Component("conv_v", v_heads, v_dim * rows), Component("recurrent", v_heads, k_dim * v_dim, state_dtype))
 
 
+def mamba1_state(cfg: dict[str, Any], rows: int, state_dtype: str | None) -> tuple[Component, ...]:
+    """Mamba1 (selective scan): conv over the `intermediate` expanded channels and an SSM state of
+    `d_state` per channel; vLLM shards both over TP by channel (`mamba1_state_shape`:
+    `intermediate / TP` rows of `kernel - 1` and of `d_state`), so the channel is the unit."""
+    if _given(cfg, "mamba_expand"):  # Jamba: the mixer's width is mamba_expand * hidden_size
+        channels = _get(cfg, "mamba_expand") * _get(cfg, "hidden_size")
+    else:  # Mamba / Falcon-Mamba: intermediate_size (= expand * hidden_size)
+        channels = _get(cfg, "intermediate_size")
+    d_state = _get(cfg, "mamba_d_state", "state_size")
+    return (Component("conv_x", channels, rows), Component("ssm", channels, d_state, state_dtype))
+
+
 def short_conv_state(cfg: dict[str, Any], rows: int) -> tuple[Component, ...]:
     return (Component("conv", _get(cfg, "hidden_size"), rows),)
 
@@ -70,6 +84,7 @@ _SIGNALS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("short_conv", ("conv_L_cache",), ("conv_L_cache",)),
     ("mamba2", ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads"), ("mamba_d_conv", "conv_kernel")),
     ("mamba2", ("n_groups",), ("conv_kernel",)),  # Mamba2's own names: num_heads, head_dim, n_groups, state_size
+    ("mamba1", ("mamba_d_state", "state_size"), ("mamba_d_conv", "conv_kernel")),  # no heads, no groups
 )
 
 
@@ -86,9 +101,10 @@ def recurrent_layer(cfg: dict[str, Any], conv_rows_extra: int, state_dtype: str 
                 state = gdn_state(cfg, rows, state_dtype)
             elif kind == "short_conv":
                 state = short_conv_state(cfg, rows)
+            elif kind == "mamba1":
+                state = mamba1_state(cfg, rows, state_dtype)
             else:
                 state = mamba2_state(cfg, rows, state_dtype)
             return LayerSpec("recurrent", state=state, recurrent_type=kind, conv_rows=rows)  # type: ignore[arg-type]
-    what = "Mamba1 selective-scan state" if _given(cfg, "state_size", "mamba_d_state") else "recurrent state"
-    raise ConfigError(f"layer {index} has type {layer_type!r} ({what} of a mixer whose state layout kvbridge "
-                      f"does not know); kvbridge cannot move it yet")
+    raise ConfigError(f"layer {index} has type {layer_type!r} (recurrent state of a mixer whose state layout "
+                      f"kvbridge does not know); kvbridge cannot move it yet")

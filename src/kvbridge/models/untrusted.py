@@ -83,6 +83,8 @@ def check_config(cfg: Any, where: str = "config") -> None:
     for key in _NESTED:
         if isinstance(cfg.get(key), dict):
             _check_fields(cfg[key], f"{key}.")
+        elif cfg.get(key) is not None:
+            raise ConfigError(f"config field {key} must be an object, got {_kind(cfg[key])}")
 
 
 def _walk(value: Any, path: str, depth: int, count: list[int]) -> None:

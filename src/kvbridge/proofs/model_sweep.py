@@ -29,6 +29,7 @@ PAIRS: tuple[tuple[str, EngineLayout, EngineLayout], ...] = (
 # When a kind's units do not split over 3 ranks (one KV head, MQA), the harder pair falls back to this.
 FALLBACK_PAIR = ("TP4/b16/HND->TP2/b8/NHD", EngineLayout(tp_size=4, block_size=16, num_blocks=8),
                  EngineLayout(tp_size=2, block_size=8, num_blocks=16, kv_order="NHD"))
+NUM_LAYERS = 4
 PROMPT_LEN = 40  # > the tiny sliding window / chunk (8), so windows drop tokens
 NEW_TOKENS = 4
 
@@ -49,10 +50,17 @@ _TINY: dict[str, Any] = {
     "mamba_n_heads": 12, "mamba_num_heads": 12, "mamba_d_head": 16, "mamba_head_dim": 16, "mamba_n_groups": 6,
     "n_groups": 6, "mamba_d_state": 8, "ssm_state_size": 8, "state_size": 8, "mamba_dt_rank": 8,
     "time_step_rank": 8, "n_mamba_heads": 12, "mamba_headdim": 16, "mamba_ngroups": 6,
-    "initializer_range": 0.2, "tie_word_embeddings": False,
+    "rotary_dim": 8, "dim_head": 8, "initializer_range": 0.2, "tie_word_embeddings": False, "is_decoder": True,
 }
-_NONE = ("bos_token_id", "eos_token_id", "pad_token_id")
-NUM_LAYERS = 4
+# Fields whose tiny value depends on the layer count and that no general rule derives.
+# Class defaults with no attention layer among the first few get one, so that generate can run.
+_TINY_EXTRA: dict[str, dict[str, Any]] = {
+    "gpt_neo": {"attention_types": [[["global", "local"], NUM_LAYERS // 2]]},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    "granitemoehybrid": {"layer_types": ["linear_attention"] * (NUM_LAYERS - 1) + ["full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv"] * (NUM_LAYERS - 1) + ["full_attention"]},
+}
+_NONE = ("bos_token_id", "eos_token_id")  # pad stays: some embeddings need a padding index
 SECONDS_PER_ARCH = 240
 
 
@@ -117,8 +125,16 @@ def tiny_config(arch: str) -> Any:
         if "num_heads" in base and "state_size" in base:  # Mamba2's own names
             kw["num_heads"], kw["head_dim"] = 12, 16
     kw.pop("_", None)
-    kw.update({k: None for k in _NONE if k in base})
-    return cls(**kw, dtype="float32")
+    kw.update(_TINY_EXTRA.get(arch, {}))
+    kw_pad = {}
+    if isinstance(base.get("pad_token_id"), int):  # inside the tiny vocabulary
+        kw["pad_token_id"] = kw_pad["pad_token_id"] = min(base["pad_token_id"], 255)
+    try:  # no special tokens, so that every run decodes exactly NEW_TOKENS
+        return cls(**kw, **{k: None for k in _NONE if k in base}, dtype="float32")
+    except Exception:  # noqa: BLE001 - the class requires them: keep them inside the tiny vocabulary
+        ids = {k: min(int(base[k]), 255) for k in _NONE if isinstance(base.get(k), int)}
+        ids.update(kw_pad)
+        return cls(**kw, **ids, dtype="float32")
 
 
 class _Skip(Exception):
