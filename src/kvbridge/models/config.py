@@ -187,6 +187,9 @@ def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], 
         from kvbridge.models.recurrent import recurrent_layer
         return recurrent_layer(text.to_dict(), -1 if view == "engine" else 0, state_dtype, i, lt)
     what = _REFUSED_TYPES.get(lt, "a cache layer kvbridge does not know")
+    declared = getattr(text, "layer_types", None)
+    if lt == "dummy" and isinstance(declared, (list, tuple)) and i < len(declared) and declared[i] in ("moe", "mlp"):
+        what = f"a {declared[i]} layer that holds no cache; kvbridge's spec has no stateless layer kind yet"
     raise ConfigError(f"layer {i} has type {lt!r} ({what}); kvbridge cannot move it yet")
 
 
@@ -213,8 +216,11 @@ def _attention_layer(layer: Any, reader: _Reader, mla_view: str, window: int | N
             raise ConfigError(f"layer {i}: hidden_size {hidden} is smaller than {q_heads} heads")
     elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
         raise ConfigError(f"layer {i}: head_dim must be a positive integer, got {safe_text(repr(head_dim))}")
+    value_dim = head_dim
+    if getattr(layer, "v_head_dim", None) is not None:  # values narrower or wider than keys (MiMo-V2)
+        value_dim = reader.int(layer, "v_head_dim", head_dim)
     kind = "full" if window is None else "sliding"
-    return LayerSpec(kind, kv_heads, head_dim, head_dim, window)
+    return LayerSpec(kind, kv_heads, head_dim, value_dim, window)
 
 
 def _kv_heads(layer: Any, reader: _Reader, q_heads: int) -> int:

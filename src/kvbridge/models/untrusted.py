@@ -45,6 +45,7 @@ _BOUNDS: dict[str, int] = {
 """Fields that size the cache, with their upper bound. `None` means "absent" (transformers'
 default applies, with a warning); `"auto"` is allowed where configs use it (mamba_d_head)."""
 
+_ZERO_OK = {"sliding_window", "attention_chunk_size"}  # 0: no window (Qwen2-MoE writes it so)
 _AUTO_OK = {"mamba_d_head", "mamba_head_dim", "mamba_headdim"}
 _NESTED = ("text_config", "language_config", "llm_config")
 
@@ -114,7 +115,7 @@ def _check_fields(cfg: dict[str, Any], prefix: str) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"config field {prefix}{key} must be an integer, got {_kind(value)} {_short(value)}")
-        if value < 1:
+        if value < 1 and not (value == 0 and key in _ZERO_OK):
             raise ConfigError(f"config field {prefix}{key} must be >= 1, got {value}")
         if value > bound:
             raise ConfigError(f"config field {prefix}{key} is {value}, above kvbridge's bound {bound}")
