@@ -19,6 +19,7 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated model_types (default: all)")
     ap.add_argument("--out", default="docs/models.md")
     ap.add_argument("--json", default="", help="also write the rows as JSON here")
+    ap.add_argument("--from-json", default="", help="render the rows of an earlier --json run, run nothing")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per architecture")
     args = ap.parse_args()
 
@@ -26,13 +27,20 @@ def main() -> int:
     import transformers
     import transformers.utils.logging as hf_logging
 
-    from kvbridge.proofs.model_sweep import causal_lm_types, render_markdown, sweep_one
+    from kvbridge.proofs.model_sweep import SweepRow, causal_lm_types, render_markdown, sweep_one
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     archs = [a for a in args.only.split(",") if a] or causal_lm_types()
     t0 = time.perf_counter()
     rows = []
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        if isinstance(saved, list):  # rows only: the time is their sum
+            saved = {"rows": saved, "seconds": sum(r["seconds"] for r in saved)}
+        rows = [SweepRow(**r) for r in saved["rows"]]
+        t0 -= saved["seconds"]
+        archs = []
     for arch in archs:
         row = sweep_one(arch, timeout=args.timeout)
         rows.append(row)
@@ -41,7 +49,7 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(render_markdown(rows, transformers.__version__, seconds))
     if args.json:
-        Path(args.json).write_text(json.dumps([r.to_dict() for r in rows], indent=1))
+        Path(args.json).write_text(json.dumps({"seconds": seconds, "rows": [r.to_dict() for r in rows]}, indent=1))
     bad = [r.arch for r in rows if r.status == "mismatch"]
     print(f"{len(rows)} architectures in {seconds:.0f} s; wrote {args.out}", file=sys.stderr)
     return 1 if bad else 0

@@ -230,6 +230,29 @@ def representatives() -> dict[str, str]:
             "mamba2": "bamba", "gdn": "qwen3_next", "short_conv": "lfm2", "mqa": "gpt_bigcode"}
 
 
+TP_RULES = """\
+## State kinds and how each is sharded over TP
+
+Each kind is split the way vLLM splits it (both sides of a move use the same rule; a TP pair is
+allowed when, per component, one of the unit count and the TP size divides the other, and ranks
+beyond the units hold replicas):
+
+| kind | what transformers caches | units sharded over TP |
+|---|---|---|
+| full | `DynamicLayer`: K and V `[heads, tokens, dim]` (key dim may differ from value dim) | KV heads (MQA: one head, replicated) |
+| sliding | `DynamicSlidingWindowLayer`: the last `window - 1` tokens | KV heads |
+| chunked (Llama 4) | `DynamicSlidingWindowLayer` with the chunk size as its window | KV heads |
+| mla | `DynamicLayer` holding the normalized latent and the rope part, one head each | none: every rank holds the whole latent |
+| mamba1 | conv `[intermediate, kernel]`, SSM `[intermediate, d_state]` | expanded channels (vLLM `mamba1_state_shape`) |
+| mamba2 | conv `[x \\| B \\| C, kernel]`, SSM `[heads, head_dim, d_state]` | x and SSM by heads, B and C by groups (replicated when TP > groups, vLLM `mamba_mixer2`) |
+| gdn | conv `[Q \\| K \\| V, kernel]`, state `[v_heads, k_dim, v_dim]` | Q, K by key heads; V and state by value heads (vLLM `qwen3_next`) |
+| short_conv | conv `[hidden, L_cache]` | hidden channels (vLLM `short_conv`) |
+
+Serving engines keep `kernel - 1` conv columns, transformers `kernel`; `spec_from_hf_config(view=...)`
+describes either.
+"""
+
+
 def render_markdown(rows: list[SweepRow], version: str, seconds: float) -> str:
     counts = Counter(r.status for r in rows)
     lines = [
@@ -245,6 +268,9 @@ def render_markdown(rows: list[SweepRow], version: str, seconds: float) -> str:
         "",
         "| status | count |", "|---|---|",
         *[f"| {k} | {counts.get(k, 0)} |" for k in ("moved", "refused", "mismatch", "error", "skipped")],
+        "",
+        TP_RULES,
+        "## Every architecture",
         "",
         "| architecture | layer kinds | result | pairs / why not |", "|---|---|---|---|",
     ]
