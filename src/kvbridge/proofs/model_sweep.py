@@ -227,7 +227,7 @@ def pre_check(spec: Any, prefill: EngineLayout, decode: EngineLayout) -> None:
 def representatives() -> dict[str, str]:
     """One architecture per state kind: the bounded CI sample always runs these."""
     return {"full": "llama", "sliding": "mistral", "sliding+full": "gemma2", "mla": "deepseek_v3",
-            "mamba2": "bamba", "gdn": "qwen3_next", "short_conv": "lfm2", "mqa": "gpt_bigcode"}
+            "mamba1": "jamba", "mamba2": "bamba", "gdn": "qwen3_next", "short_conv": "lfm2", "mqa": "gpt_bigcode"}
 
 
 TP_RULES = """\
