@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 
 import pytest
@@ -104,12 +105,17 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st
                     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3),
                     max_leaves=6)
 FIELDS = ["num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
-          "sliding_window", "layer_types", "model_type", "text_config", "torch_dtype", "max_window_layers"]
+          "sliding_window", "layer_types", "model_type", "text_config", "torch_dtype", "max_window_layers",
+          "mamba_n_heads", "mamba_d_head", "linear_num_key_heads", "layers_block_type", "attn_layer_indices",
+          "multi_query", "n_layer", "kv_lora_rank", "v_head_dim"]
+EXAMPLES = int(os.environ.get("KVBRIDGE_HYPOTHESIS_EXAMPLES", "60"))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(base=st.sampled_from([LLAMA, {**LLAMA, "model_type": "mistral", "sliding_window": 16},
-                             {**LLAMA, "model_type": "gemma2", "sliding_window": 16}]),
+                             {**LLAMA, "model_type": "gemma2", "sliding_window": 16},
+                             {**LLAMA, "model_type": "qwen3_next"}, {**LLAMA, "model_type": "bamba"},
+                             {**LLAMA, "model_type": "deepseek_v3"}]),
        edits=st.dictionaries(st.sampled_from(FIELDS), JSON, min_size=1, max_size=3))
 def test_any_edit_gives_a_spec_or_one_line(base, edits):
     try:
@@ -118,5 +124,8 @@ def test_any_edit_gives_a_spec_or_one_line(base, edits):
         assert "\n" not in str(e)
         return
     for layer in spec.layers:  # accepted: geometry is sane, never silently absurd
-        assert 1 <= layer.num_kv_heads <= 16384 and 1 <= layer.key_dim <= 1 << 18
+        if layer.is_recurrent:
+            assert all(1 <= c.heads <= 1 << 18 and 1 <= c.dim <= 1 << 36 for c in layer.state)
+        else:
+            assert 1 <= layer.num_kv_heads <= 16384 and 1 <= layer.key_dim <= 1 << 18
     assert 1 <= spec.num_layers <= 4096
