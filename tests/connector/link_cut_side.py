@@ -51,8 +51,8 @@ def main(role: str, args: dict) -> None:
     requests = {rid: Request(tuple(map(tuple, s)), tuple(map(tuple, d)), n)
                 for rid, (s, d, n) in args["requests"].items()}
     caches = [allocate_cache(kind, spec, layout, r, f"linkcut-{role}") for r in range(layout.tp_size)]
-    from kvbridge.connector.processes import _warm_copier
-    _warm_copier()  # as a rank process does: load the compiled copier before a deadline runs
+    from kvbridge.connector.rank_host import warm_copier
+    warm_copier()  # as a rank process does: load the compiled copier before a deadline runs
     transports = []
     conns = []
     born = time.monotonic()

@@ -15,8 +15,9 @@ import pytest
 import torch
 from connector_harness import SPEC, disjoint_requests
 
+from kvbridge.connector import processes as rp
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.proofs.connector_demo import DecodeEngine, PrefillEngine
+from kvbridge.proofs.rank_engines import DecodeEngine, PrefillEngine
 from kvbridge.connector.processes import process_context
 from kvbridge.core.layout import EngineLayout
 from kvbridge.transport.cache import RankCache
@@ -40,13 +41,13 @@ def _shards(layout: EngineLayout, requests: dict[str, Request]) -> list[list[np.
     return [[r.numpy().copy() for r in c.byte_regions()] for c in caches]
 
 
-def _adds(requests: dict[str, Request], rids: list[str]) -> list[tuple]:
-    return [(rid, requests[rid].src_block_ids, requests[rid].num_tokens, 7, None) for rid in rids]
+def _adds(requests: dict[str, Request], rids: list[str], lease: float | None = None) -> list[rp.Lease]:
+    return [rp.Lease(rid, requests[rid].src_block_ids, requests[rid].num_tokens, 7, lease) for rid in rids]
 
 
-def _receives(requests: dict[str, Request], rids: list[str], engine: str | None = None) -> list[tuple]:
-    return [(rid, requests[rid].dst_block_ids, requests[rid].num_tokens, CFG.transfer_timeout)
-            + ((engine,) if engine else ()) for rid in rids]
+def _receives(requests: dict[str, Request], rids: list[str], engine: str | None = None) -> list[rp.Incoming]:
+    return [rp.Incoming(rid, requests[rid].dst_block_ids, requests[rid].num_tokens, CFG.transfer_timeout, engine)
+            for rid in rids]
 
 
 def _decode_mismatches(dec: DecodeEngine, requests: dict[str, Request], ok: list[str],
@@ -58,8 +59,7 @@ def _decode_mismatches(dec: DecodeEngine, requests: dict[str, Request], ok: list
     """
     actual, expected = [], []
     for p in dec.ranks:
-        p.send("regions")
-        regions = p.expect("regions", 10)[1]
+        regions = dec.regions(p.args.rank, 10)
         actual.append(RankCache(SPEC, dec.layout, p.args.rank,
                                 [torch.from_numpy(r).view(torch.bfloat16) for r in regions]))
         start = RankCache.allocate(SPEC, dec.layout, p.args.rank)
@@ -114,7 +114,7 @@ def test_prefill_rank_killed_mid_transfer(engines, mode: str) -> None:
     dec.connect(pre.address, 10)
     dec.receive(_receives(requests, [first]), 10)
     # Prefill rank 0 delivers its half; rank 1 dies before delivering its own.
-    pre.ranks[0].send("add", _adds(requests, [first]))
+    pre.ranks[0].send(rp.Add(_adds(requests, [first])))
     deadline = time.monotonic() + 10
     while not _releases(pre, first) and time.monotonic() < deadline:
         pre.pump(0.02)
@@ -154,10 +154,9 @@ def test_decode_rank_that_never_reads_prefill_releases_after_lease_once(engines)
     pre.load(_shards(pre.layout, requests), 30)
     dec.start(60)
     dec.connect(pre.address, 10)
-    dec.ranks[0].send("receive", _receives(requests, [rid]))  # decode rank 1 never reads
-    dec.ranks[0].expect("receiving", 10)
+    dec.ranks[0].call(rp.Receive(_receives(requests, [rid])), rp.Receiving, 10)  # decode rank 1 never reads
     t0 = time.monotonic()
-    pre.add([(rid, requests[rid].src_block_ids, requests[rid].num_tokens, 7, cfg_lease)], 10)
+    pre.add(_adds(requests, [rid], cfg_lease), 10)
     assert pre.wait_released([rid], 10)
     waited = time.monotonic() - t0
     (release,) = _releases(pre, rid)
@@ -180,19 +179,18 @@ def test_abort_mid_transfer_then_recover(engines) -> None:
     dec.start(60)
     dec.connect(pre.address, 10)
     dec.receive(_receives(requests, [first]), 10)
-    pre.ranks[0].send("add", _adds(requests, [first]))
+    pre.ranks[0].send(rp.Add(_adds(requests, [first])))
     deadline = time.monotonic() + 10
     while not _releases(pre, first) and time.monotonic() < deadline:
         pre.pump(0.02)
     t0 = time.monotonic()
-    dec.ranks[0].send("abort", first, "request cancelled by the user")
-    assert dec.ranks[0].expect("aborted", 5)[2] is True
+    assert dec.ranks[0].call(rp.Abort(first, "request cancelled by the user"), rp.Aborted, 5).aborted is True
     assert dec.wait_results([first], 3)
     assert time.monotonic() - t0 < 1.5
     res = dec.results[0][first]
     assert not res["ok"] and res["reason"] == "request cancelled by the user" and res["quiesced"]
     time.sleep(0.2)  # the Abort reaches prefill rank 1 before it finishes the request
-    pre.ranks[1].send("add", _adds(requests, [first]))
+    pre.ranks[1].send(rp.Add(_adds(requests, [first])))
     assert pre.wait_released([first], 3)  # released at once, not after the 4 s lease
     assert "before prefill finished: request cancelled by the user" in dict(_releases(pre, first))[1]
     dec.receive(_receives(requests, [second]), 10)

@@ -23,6 +23,7 @@ from connector_harness import SPEC, Cluster, Workload, pumping
 from test_connector_faults import CFG, _adds, _receives, _releases, _requests, _shards, engines  # noqa: F401
 
 from kvbridge.connector import messages as m
+from kvbridge.connector import processes as rp
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.producer import Producer
 from kvbridge.connector.transports import make_transport
@@ -96,8 +97,7 @@ def _rank_figures(pre, timeout: float = 10.0) -> dict:
     whatever it holds after `timeout` s."""
     deadline = time.monotonic() + timeout
     while True:
-        pre.ranks[0].send("figures")
-        fig = pre.ranks[0].expect("figures", 10)[1]
+        fig = pre.ranks[0].call(rp.GetFigures(), rp.Figures, 10).figures
         if fig["peers"] == 0 or time.monotonic() > deadline:
             return fig
         time.sleep(0.2)
@@ -132,7 +132,7 @@ def test_decode_rank_killed_mid_transfer_prefill_releases_once(engines) -> None:
     dec.receive(_receives(requests, [victim]), 10)
     dec.ranks[1].kill()  # announced its destination, then died before reading
     t0 = time.monotonic()
-    pre.add([(victim, requests[victim].src_block_ids, requests[victim].num_tokens, 7, lease)], 10)
+    pre.add(_adds(requests, [victim], lease), 10)
     assert pre.wait_released([victim], lease + 5)
     waited = time.monotonic() - t0
     (rel,) = _releases(pre, victim)
@@ -142,8 +142,7 @@ def test_decode_rank_killed_mid_transfer_prefill_releases_once(engines) -> None:
     deadline = time.monotonic() + 5
     while victim not in dec.results[0] and time.monotonic() < deadline:
         dec.ranks[0].pump(0.05)
-        for _, res in dec.ranks[0].take("result"):
-            dec.results[0][res["request_id"]] = res
+        dec.collect(dec.ranks[0])
     assert dec.results[0][victim]["ok"], dec.results[0]
     time.sleep(1.0)
     pre.pump(0.2)

@@ -372,3 +372,21 @@ def test_network_transports(cluster_factory, kind: str, mode: str) -> None:
 
 def test_geometry_is_shared_with_the_helpers() -> None:
     assert SPEC.num_layers == 2 and isinstance(SPEC, ModelSpec)
+
+
+def test_readers_are_confirmed_once_they_speak_after_their_hello(cluster_factory) -> None:
+    """What the vLLM sidecar leases by: a reader past its handshake (`Producer.confirmed_ranks`),
+    confirmed by any frame of its own after its Hello (`Consumer.touch` sends an empty one)."""
+    cl = cluster_factory(L(1), L(2))
+    cl.connect()
+    producer, (c0, c1) = cl.producers[0], cl.consumers
+    cl.run_until(lambda: producer.reader_ranks("decode") == (0, 1), 5)
+    assert producer.reader_ranks("decode") == (0, 1) and producer.reader_ranks("other") == ()
+    assert producer.confirmed_ranks("decode") == ()  # handshook, silent since
+    assert c1.touch("prefill") == ()
+    cl.run_until(lambda: producer.confirmed_ranks("decode") == (1,), 5)
+    assert producer.confirmed_ranks("decode") == (1,)
+    assert c0.touch("prefill") == ()
+    cl.run_until(lambda: producer.confirmed_ranks("decode") == (0, 1), 5)
+    assert producer.confirmed_ranks("decode") == (0, 1)
+    assert c0.remote_layout("prefill") == L(1)

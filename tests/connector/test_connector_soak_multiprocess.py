@@ -16,7 +16,7 @@ import pytest
 from connector_harness import require
 from test_connector_soak import IN_RUN_FD_TOLERANCE, RSS_TOLERANCE, real_engine
 
-from kvbridge.connector.processes import fill_rows
+from kvbridge.connector.rank_host import fill_rows
 from kvbridge.testing.reliability import SOAK_SPEC, multiprocess_soak
 from kvbridge.core.integrity import verify_request
 from kvbridge.core.layout import EngineLayout

@@ -90,7 +90,7 @@ def _finish(proc: subprocess.Popen, timeout: float) -> dict:
         raise AssertionError(f"timed out after {timeout} s; stderr tail:\n{err[-3000:]}") from None
     lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"exit {proc.returncode}; stderr tail:\n{err[-3000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return {**json.loads(lines[-1][len("RESULT "):]), "stderr": err}
 
 
 @pytest.mark.parametrize("transport, mode", [("shm", "pull"), ("mooncake", "push"), ("nixl", "pull")])
@@ -116,6 +116,12 @@ def test_prefill_server_and_decode_client_in_two_namespaces(namespaces, tmp_path
         pytest.fail("decode side failed: " + json.dumps({"decode": why, "prefill": served}, default=str)[:6000])
     assert decoded["prefill"] == "TP=2 block 16 HND kv_first"  # learned at the handshake, over the veth
     assert decoded["requests_ok"] == 2 and all(r["match"] for r in decoded["requests"])
+    # The decode half knows what moved (from the prefill layout it learned), and a prefill server
+    # that closes after releasing everything is a normal end, not a lost side channel.
+    assert decoded["bytes_moved"] > 0 and decoded["num_runs"] > 0
+    if mode == "pull":
+        assert decoded["bytes_measured"] == decoded["bytes_moved"]
+    assert "lost" not in decoded["stderr"], decoded["stderr"][-3000:]
     assert served["ok"] and served["released_exactly_once"] and served["decode_engines"] == ["decode"], served
     assert served["releases"] == {"0": {"done": 2}, "1": {"done": 2}}
     assert served["listen"] == f"{addr_a}:5600" and addr_b  # the client reached the server only over the veth

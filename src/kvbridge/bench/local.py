@@ -11,22 +11,21 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
+from kvbridge.bench.results import BenchFigures
 from kvbridge.core.layout import EngineLayout
-
-from kvbridge.transport.cache import RankCache
 from kvbridge.core.plan import Request, plan_request
-from kvbridge.models.presets import PRESETS
-from kvbridge.core.spec import ModelSpec
-from kvbridge.transport.local import LocalExecutor
 from kvbridge.models import spec_from_hf_config
+from kvbridge.models.presets import PRESETS
+from kvbridge.transport.cache import RankCache
+from kvbridge.transport.local import LocalExecutor
 
 
 @dataclass
-class BenchResult:
+class BenchResult(BenchFigures):
     model: str
     prefill: str
     decode: str
@@ -44,8 +43,6 @@ class BenchResult:
     plan_fraction: float
     backend: str
 
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def bench_local(model: str = "llama-3-8b", num_tokens: int = 4096, prefill: EngineLayout | None = None,

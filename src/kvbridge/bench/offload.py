@@ -11,25 +11,25 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
 import torch
 
+from kvbridge.bench.results import BenchFigures
 from kvbridge.core.layout import EngineLayout
-
-from kvbridge.transport.cache import RankCache
+from kvbridge.core.spec import ModelSpec
+from kvbridge.models import spec_from_hf_config
+from kvbridge.models.presets import PRESETS
 from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.spec import CPULoadStoreSpec, GPULoadStoreSpec, cdiv
 from kvbridge.offload.worker import OffloadWorker
-from kvbridge.models.presets import PRESETS
-from kvbridge.core.spec import ModelSpec
-from kvbridge.models import spec_from_hf_config
+from kvbridge.transport.cache import RankCache
 
 
 @dataclass
-class OffloadBenchResult:
+class OffloadBenchResult(BenchFigures):
     model: str
     device: str
     pool: str
@@ -50,8 +50,6 @@ class OffloadBenchResult:
     plan_seconds: float
     backend: str
 
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     def summary(self) -> str:
         return (f"{self.model} {self.num_tokens} tokens, {self.num_groups} group(s), {self.bytes / 2**20:.1f} MiB in "

@@ -28,22 +28,22 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
 
+from kvbridge.bench.results import BenchFigures
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.plan import Request, plan_request
-from kvbridge.models.presets import PRESETS
-from kvbridge.core.spec import ModelSpec
-from kvbridge.transport.base import Runs
-from kvbridge.testing.peer import PeerProcess, runs_between
 from kvbridge.models import spec_from_hf_config
+from kvbridge.models.presets import PRESETS
+from kvbridge.testing.peer import PeerProcess, runs_between
+from kvbridge.transport.base import Runs
 
 
 @dataclass
-class TransportBenchResult:
+class TransportBenchResult(BenchFigures):
     transport: str
     model: str
     prefill: str
@@ -70,8 +70,6 @@ class TransportBenchResult:
     verified: bool
     setup_seconds: float
 
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def split_at_blocks(runs: Runs, local_stride: int, remote_stride: int) -> Runs:

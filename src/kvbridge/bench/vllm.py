@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from kvbridge.proofs.vllm.cluster import (
     START_TIMEOUT_S,
     Cluster,
-    _model,
-    _prompt,
     check_block_size,
     median_seconds,
+    model_directory,
+    prompt_ids_for,
     vllm_python,
+    workspace,
 )
 
 
@@ -67,52 +65,47 @@ def bench_vllm(model_dir: str | os.PathLike | None = None, prefill_tp: int = 1, 
     check_block_size(block_size)
     t_start = time.monotonic()
     python = vllm_python(python)
-    own_dir = workdir is None
-    work = Path(tempfile.mkdtemp(prefix="kvbridge-vllm-bench-")) if own_dir else Path(workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    model = _model(model_dir, python, work)
-    prompts = [_prompt(None, prompt_len, seed + i) for i in range(max(1, requests))]
-    ok = False
-    with Cluster(model, python, work) as cluster:
-        cluster.start("kvbridge-prefill", prefill_tp, block_size, "kv_producer")
-        cluster.start("kvbridge-decode", decode_tp, block_size, "kv_consumer")
-        cluster.start("nixl-prefill", prefill_tp, block_size, "kv_producer", connector="nixl")
-        cluster.start("nixl-decode", decode_tp, block_size, "kv_consumer", connector="nixl", log_stats=True)
-        cluster.wait_ready(timeout=min(timeout_s, START_TIMEOUT_S * 2))
-        reference = [cluster.instances["kvbridge-prefill"].generate(p, new_tokens)["token_ids"] for p in prompts]
-        kvb, nixl = [], []
-        for prompt in prompts:
-            kvb.append(cluster.pd("kvbridge-prefill", "kvbridge-decode", prompt, new_tokens))
-            nixl.append(_nixl_request(cluster, prompt, new_tokens))
+    with workspace(workdir, "kvbridge-vllm-bench-") as (work, own_dir):
+        model = model_directory(model_dir, python, work)
+        prompts = [prompt_ids_for(None, prompt_len, seed + i) for i in range(max(1, requests))]
+        with Cluster(model, python, work) as cluster:
+            cluster.start("kvbridge-prefill", prefill_tp, block_size, "kv_producer")
+            cluster.start("kvbridge-decode", decode_tp, block_size, "kv_consumer")
+            cluster.start("nixl-prefill", prefill_tp, block_size, "kv_producer", connector="nixl")
+            cluster.start("nixl-decode", decode_tp, block_size, "kv_consumer", connector="nixl", log_stats=True)
+            cluster.wait_ready(timeout=min(timeout_s, START_TIMEOUT_S * 2))
+            reference = [cluster.instances["kvbridge-prefill"].generate(p, new_tokens)["token_ids"] for p in prompts]
+            kvb, nixl = [], []
+            for prompt in prompts:
+                kvb.append(cluster.pd("kvbridge-prefill", "kvbridge-decode", prompt, new_tokens))
+                nixl.append(_nixl_request(cluster, prompt, new_tokens))
 
-        def summary(rows: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-            steady = rows[1:] or rows
-            return {"match_reference": [r["tokens"] == ref for r, ref in zip(rows, reference)],
-                    "transfer_seconds": [r.get("transfer_seconds") for r in rows],
-                    "transfer_seconds_median": median_seconds([r.get("transfer_seconds") for r in steady]),
-                    "decode_seconds": [r["decode_seconds"] for r in rows],
-                    "decode_seconds_median": median_seconds([r["decode_seconds"] for r in steady]),
-                    "bytes_moved": [r.get("bytes_moved") for r in rows],
-                    "num_runs": [r.get("num_runs") for r in rows] if kind == "kvbridge" else None,
-                    "startup_seconds": {n: i.ready.get("startup_seconds") for n, i in cluster.instances.items()
-                                        if n.startswith(kind)}}
+            def summary(rows: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+                steady = rows[1:] or rows
+                return {"match_reference": [r["tokens"] == ref for r, ref in zip(rows, reference)],
+                        "transfer_seconds": [r.get("transfer_seconds") for r in rows],
+                        "transfer_seconds_median": median_seconds([r.get("transfer_seconds") for r in steady]),
+                        "decode_seconds": [r["decode_seconds"] for r in rows],
+                        "decode_seconds_median": median_seconds([r["decode_seconds"] for r in steady]),
+                        "bytes_moved": [r.get("bytes_moved") for r in rows],
+                        "num_runs": [r.get("num_runs") for r in rows] if kind == "kvbridge" else None,
+                        "startup_seconds": {n: i.ready.get("startup_seconds") for n, i in cluster.instances.items()
+                                            if n.startswith(kind)}}
 
-        out = {"engine": "vllm", "model": model, "prefill_tp": prefill_tp, "decode_tp": decode_tp,
-               "block_size": block_size, "prompt_len": prompt_len, "new_tokens": new_tokens, "requests": len(prompts),
-               "tokens_reference": reference, "kvbridge": summary(kvb, "kvbridge"), "nixl": summary(nixl, "nixl"),
-               "tokens_kvbridge": [r["tokens"] for r in kvb], "tokens_nixl": [r["tokens"] for r in nixl]}
-        out["same_tokens"] = out["tokens_kvbridge"] == out["tokens_nixl"] == reference
+            out = {"engine": "vllm", "model": model, "prefill_tp": prefill_tp, "decode_tp": decode_tp,
+                   "block_size": block_size, "prompt_len": prompt_len, "new_tokens": new_tokens,
+                   "requests": len(prompts),
+                   "tokens_reference": reference, "kvbridge": summary(kvb, "kvbridge"), "nixl": summary(nixl, "nixl"),
+                   "tokens_kvbridge": [r["tokens"] for r in kvb], "tokens_nixl": [r["tokens"] for r in nixl]}
+            out["same_tokens"] = out["tokens_kvbridge"] == out["tokens_nixl"] == reference
 
-        def ratio(key: str) -> float | None:
-            a, b = out["kvbridge"][key], out["nixl"][key]
-            return a / b if a is not None and b else None
+            def ratio(key: str) -> float | None:
+                a, b = out["kvbridge"][key], out["nixl"][key]
+                return a / b if a is not None and b else None
 
-        out["ratio_kvbridge_to_nixl"] = {"transfer_seconds_median": ratio("transfer_seconds_median"),
-                                         "decode_seconds_median": ratio("decode_seconds_median")}
-        out["wall_seconds"] = time.monotonic() - t_start
-        ok = True
-    if own_dir and ok:
-        shutil.rmtree(work, ignore_errors=True)
+            out["ratio_kvbridge_to_nixl"] = {"transfer_seconds_median": ratio("transfer_seconds_median"),
+                                             "decode_seconds_median": ratio("decode_seconds_median")}
+            out["wall_seconds"] = time.monotonic() - t_start
     return out
 
 

@@ -34,26 +34,28 @@ its side channel gone). If a writer does not confirm in time the result says so
 
 The decode engine (its scheduler) aggregates its ranks' results, like vLLM's
 `KVOutputAggregator`: the request is usable when every rank reports ok.
+
+Length: about 620 lines, one state machine (a request from `receive` to its `RequestResult`) whose
+transitions read best together; what it shares with the prefill side is in `endpoint.py`, its
+side channels (handshake, loss, rejoin) in `sources.py`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import uuid
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
-import numpy as np
 
 from kvbridge.connector import messages as m
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.handshake import make_hello, validate_peer
+from kvbridge.connector.endpoint import RankEndpoint
 from kvbridge.connector.runs import runs_for
-from kvbridge.connector.transports import agent_name, transport_kind
-from kvbridge.connector.side_channel import (Received, SideChannelClient, SideChannelError, poll_clients)
+from kvbridge.connector.side_channel import Received, SideChannelClient, poll_clients
+from kvbridge.connector.sources import SourceEngine, SourceLinks
 from kvbridge.errors import InvalidRequest, KVBridgeError
 from kvbridge.core.integrity import destination_checksums
 from kvbridge.core.layout import EngineLayout
@@ -83,23 +85,6 @@ class RequestResult(msgspec.Struct, frozen=True):
 
 
 @dataclass
-class _Engine:
-    """A prefill engine this rank completed the handshake with."""
-
-    engine_id: str
-    layout: EngineLayout
-    addresses: tuple[str, ...]
-    sources: tuple[int, ...]
-    clients: dict[int, SideChannelClient] = field(default_factory=dict)
-    agents: dict[int, str] = field(default_factory=dict)
-    lost: set[int] = field(default_factory=set)
-    hellos: dict[int, m.Hello] = field(default_factory=dict)  # each source's Hello at the handshake
-    rejoins: dict[int, tuple[SideChannelClient, float]] = field(default_factory=dict)  # (client, deadline)
-    next_rejoin: dict[int, float] = field(default_factory=dict)
-    replaced: dict[int, str] = field(default_factory=dict)  # sources that came back as another incarnation
-
-
-@dataclass
 class _Pending:
     request_id: str
     engine: str
@@ -122,26 +107,18 @@ class _Pending:
     nruns: int = 0
 
 
-class Consumer:
+class Consumer(RankEndpoint):
     """Decode-side connector for one TP rank."""
+
+    role = "decode"
+    kind = "consumer"
 
     def __init__(self, engine_id: str, rank: int, cache: RankCache, transport: Transport, *,
                  mode: m.Mode = "pull", config: ConnectorConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        if mode not in ("pull", "push"):
-            raise KVBridgeError(f"mode must be 'pull' or 'push', got {mode!r}")
-        self.engine_id, self.rank, self.cache, self.transport = engine_id, rank, cache, transport
-        self.mode: m.Mode = mode
-        self.config = config or ConnectorConfig()
-        self.clock = clock
-        self.topology = TransferTopology(engine_id, cache.spec, cache.layout, rank)
-        self.agent_name = agent_name(transport)
-        transport.register(cache.regions)
-        self._metadata = transport.metadata()
-        self._identity = f"{engine_id}/{rank}/{uuid.uuid4().hex[:12]}".encode()
-        self._engines: dict[str, _Engine] = {}
-        self._client_of: dict[int, tuple[str, int]] = {}  # id(client) -> (engine, source rank)
-        self._rejoining: dict[int, tuple[str, int]] = {}  # id(re-handshake client) -> (engine, source rank)
+                 clock: Callable[[], float] = time.monotonic, topology: TransferTopology | None = None):
+        super().__init__(engine_id, rank, cache, transport, mode=mode, config=config, clock=clock, topology=topology)
+        self._links = SourceLinks(self)
+        self._engines = self._links.engines
         self._active: dict[str, _Pending] = {}
         self._unclaimed: OrderedDict[str, tuple[float, dict[int, m.RequestReady]]] = OrderedDict()
         self._cancelled: OrderedDict[str, str] = OrderedDict()
@@ -149,16 +126,8 @@ class Consumer:
         self._finished: OrderedDict[str, RequestResult] = OrderedDict()
         self._out: list[RequestResult] = []
         self._next_heartbeat = self.clock() + self.config.heartbeat_every
-        self.stats: Counter[str] = Counter()
-        self.closed = False
 
     # -- public API -------------------------------------------------------------------------------
-    @property
-    def hello(self) -> m.Hello:
-        return make_hello(self.engine_id, self.rank, "decode", self.mode, self.cache.spec, self.cache.layout,
-                          transport_kind(self.transport), self.agent_name,
-                          self._metadata)
-
     @property
     def prefill_engines(self) -> tuple[str, ...]:
         return tuple(self._engines)
@@ -174,6 +143,18 @@ class Consumer:
         """Source ranks of `engine_id` whose side channel is lost (requests needing them fail)."""
         return tuple(sorted(self._engines[engine_id].lost))
 
+    def remote_layout(self, engine_id: str) -> EngineLayout:
+        """The layout prefill engine `engine_id` declared at the handshake."""
+        return self._engines[engine_id].layout
+
+    def touch(self, engine_id: str) -> tuple[int, ...]:
+        """Send an empty `Heartbeat` to every reachable source rank of `engine_id`: a frame of ours
+        after the handshake tells the producer this rank is past it (`Producer.confirmed_ranks`).
+        Returns the source ranks it could not be sent to (side channel full or closed)."""
+        eng = self._engines[engine_id]
+        hb = m.Heartbeat(self.engine_id, self.rank, ())
+        return tuple(s for s, c in eng.clients.items() if s not in eng.lost and not c.send(hb))
+
     def connect(self, address: str, timeout: float | None = None) -> str:
         """Handshake with the prefill engine reachable at `address`; returns its engine id.
 
@@ -182,53 +163,7 @@ class Consumer:
         (default `handshake_timeout`) per rank contacted.
         """
         self._check_open()
-        timeout = timeout or self.config.handshake_timeout
-        mine = self.hello
-        opened: list[SideChannelClient] = []
-        try:
-            boot = self._client(address, opened)
-            reply = self._exchange(boot, mine, timeout)
-            validate_peer(self.topology, mine, reply)
-            engine_id = reply.engine_id
-            if engine_id in self._engines:
-                raise m.HandshakeRefused(f"prefill engine {engine_id!r} is already connected to decode rank "
-                                         f"{self.rank}")
-            tp = reply.layout.tp_size
-            if reply.peer_addresses:
-                addresses = reply.peer_addresses
-            elif tp == 1:
-                addresses = (address,)
-            else:
-                raise m.HandshakeRefused(f"prefill engine {engine_id!r} rank {reply.rank} at {address} does not list "
-                                         f"its engine's {tp} rank addresses; connect to its rank 0")
-            sources = self.topology.source_ranks(engine_id)
-            eng = _Engine(engine_id, reply.layout, tuple(addresses), sources)
-            for s in sources:
-                if s == reply.rank:
-                    client, hello = boot, reply
-                else:
-                    client = self._client(addresses[s], opened)
-                    hello = self._exchange(client, mine, timeout)
-                    if (hello.engine_id, hello.rank) != (engine_id, s):
-                        raise m.HandshakeRefused(f"{addresses[s]} answered as {hello.engine_id!r} rank {hello.rank}, "
-                                                 f"expected {engine_id!r} rank {s}")
-                    validate_peer(self.topology, mine, hello)
-                try:
-                    self.transport.connect(hello.agent_name, hello.transport_metadata)
-                except Exception as e:
-                    raise m.HandshakeRefused(f"transport {mine.transport} cannot connect to prefill rank {s} "
-                                             f"({hello.agent_name!r}): {e}") from None
-                eng.clients[s], eng.agents[s], eng.hellos[s] = client, hello.agent_name, hello
-        except BaseException:
-            for c in opened:
-                c.close()
-            raise
-        for c in opened:
-            if all(c is not x for x in eng.clients.values()):
-                c.close()
-        for s, c in eng.clients.items():
-            self._client_of[id(c)] = (engine_id, s)
-        self._engines[engine_id] = eng
+        engine_id = self._links.connect(address, timeout or self.config.handshake_timeout)
         self.stats["handshakes"] += 1
         return engine_id
 
@@ -246,8 +181,7 @@ class Consumer:
             raise InvalidRequest(f"request id {request_id!r} is already known to decode rank {self.rank}")
         if self.mode == "push" and num_tokens is None:
             raise InvalidRequest("push mode needs num_tokens: the prefill side plans the writes with it")
-        ids = tuple(tuple(int(b) for b in g) for g in block_ids)
-        self._check_blocks(ids, num_tokens, request_id)
+        ids = self._checked_blocks(block_ids, num_tokens, request_id, exact=True)
         now = self.clock()
         budget = timeout or self.config.transfer_timeout
         eng = self._engines[engine]
@@ -289,8 +223,7 @@ class Consumer:
             return
         self._expected[request_id] = (engine, self.clock() + (timeout or self.config.transfer_timeout))
         self._expected.move_to_end(request_id)
-        while len(self._expected) > self.config.max_pending:
-            self._expected.popitem(last=False)
+        self._bounded(self._expected)
 
     def abort(self, request_id: str, reason: str = "aborted by the decode engine") -> bool:
         """Cancel a request; its result (a failure) comes from `progress` once its transfers stopped.
@@ -316,21 +249,16 @@ class Consumer:
         """One bounded round of work (waits at most `timeout` s); the requests that ended since last call."""
         if self.closed:
             return self._drain()
-        clients = [c for e in self._engines.values()
-                   for c in (*e.clients.values(), *(r for r, _ in e.rejoins.values()))]
-        for client, rec in poll_clients(clients, timeout):
+        for client, rec in poll_clients(self._links.clients(), timeout):
             self._on_frame(client, rec)
         self._transport_notifications()
-        for eng in list(self._engines.values()):
-            for s, c in eng.clients.items():
-                if c.lost and s not in eng.lost:
-                    eng.lost.add(s)
-                    eng.next_rejoin[s] = self.clock()
-                    self.stats["sources_lost"] += 1
-                    log.warning("decode rank %d: side channel to prefill %r rank %d (%s) lost", self.rank,
-                                eng.engine_id, s, c.address)
-            if eng.lost:
-                self._rejoin(eng)
+        for eng, s in self._links.newly_lost():
+            # A peer that closes with nothing of ours in flight is a normal end (the prefill server
+            # stops once it released everything): worth a warning only when a request needs it.
+            needed = any(r.engine == eng.engine_id and s in r.sources and s not in r.done
+                         for r in self._active.values())
+            log.log(logging.WARNING if needed else logging.INFO, "decode rank %d: side channel to prefill %r rank %d "
+                    "(%s) lost", self.rank, eng.engine_id, s, eng.clients[s].address)
         for req in list(self._active.values()):
             self._advance(req)
         self._heartbeat()
@@ -367,126 +295,17 @@ class Consumer:
         while self._active and self.clock() < deadline:
             self.progress(0.01)
         self.closed = True
-        for eng in self._engines.values():
-            for c in eng.clients.values():
-                c.close()
-            for s in list(eng.rejoins):
-                self._drop_rejoin(eng, s)
-
-    # -- handshake helpers ------------------------------------------------------------------------
-    def _client(self, address: str, opened: list[SideChannelClient],
-                identity: bytes | None = None) -> SideChannelClient:
-        client = SideChannelClient(address, identity or self._identity,
-                                   max_frame_bytes=self.config.max_frame_bytes,
-                                   heartbeat_seconds=self.config.side_channel_heartbeat,
-                                   secret=self.config.secret, replay_window=self.config.replay_window)
-        opened.append(client)
-        return client
-
-    def _exchange(self, client: SideChannelClient, mine: m.Hello, timeout: float) -> m.Hello:
-        try:
-            reply = client.request(mine, timeout, (m.Hello,))
-        except SideChannelError as e:
-            raise SideChannelError(f"handshake with prefill at {client.address} failed: {e}") from None
-        if isinstance(reply, m.Error):
-            raise m.HandshakeRefused(f"prefill engine {reply.engine_id!r} rank {reply.rank} at {client.address} "
-                                     f"refused decode {self.engine_id!r} rank {self.rank}: {reply.reason}")
-        assert isinstance(reply, m.Hello)
-        return reply
-
-    # -- rejoining a lost source ------------------------------------------------------------------
-    def _rejoin(self, eng: _Engine) -> None:
-        """Keep one bounded re-handshake in flight per lost source (see the module docstring)."""
-        now = self.clock()
-        for s in sorted(eng.lost):
-            if s in eng.replaced:
-                continue
-            pending = eng.rejoins.get(s)
-            if pending is not None:
-                if now < pending[1]:
-                    continue
-                self._drop_rejoin(eng, s)  # no answer in time: the next attempt uses a new connection
-                eng.next_rejoin[s] = now + min(1.0, self.config.handshake_timeout)
-            if now < eng.next_rejoin.get(s, now):
-                continue
-            # A fresh routing id: the prefill rank's ROUTER may still hold the stale connection.
-            identity = f"{self.engine_id}/{self.rank}/{uuid.uuid4().hex[:12]}".encode()
-            try:
-                client = self._client(eng.addresses[s], [], identity)
-            except SideChannelError as e:
-                log.warning("decode rank %d: cannot reopen the side channel to prefill %r rank %d: %s", self.rank,
-                            eng.engine_id, s, e)
-                eng.next_rejoin[s] = now + self.config.handshake_timeout
-                continue
-            if not client.send(self.hello):
-                client.close()
-                eng.next_rejoin[s] = now + min(1.0, self.config.handshake_timeout)
-                continue
-            eng.rejoins[s] = (client, now + self.config.handshake_timeout)
-            self._rejoining[id(client)] = (eng.engine_id, s)
-            self.stats["rejoin_attempts"] += 1
-
-    def _drop_rejoin(self, eng: _Engine, s: int) -> None:
-        client, _ = eng.rejoins.pop(s, (None, 0.0))
-        if client is not None:
-            self._rejoining.pop(id(client), None)
-            client.close()
-
-    def _on_rejoin_reply(self, client: SideChannelClient, rec: Received) -> None:
-        engine, s = self._rejoining[id(client)]
-        eng = self._engines[engine]
-        msg = rec.msg
-        if rec.error is not None or not isinstance(msg, (m.Hello, m.Error)):
-            self.stats["refused_frames"] += 1
-            return
-        if isinstance(msg, m.Error):
-            log.warning("decode rank %d: prefill %r rank %d refused the re-handshake: %s", self.rank, engine, s,
-                        msg.reason)
-            self._drop_rejoin(eng, s)
-            eng.next_rejoin[s] = self.clock() + self.config.handshake_timeout
-            return
-        known = eng.hellos[s]
-        why = ""
-        if (msg.engine_id, msg.rank) != (engine, s):
-            why = f"{client.address} now answers as {msg.engine_id!r} rank {msg.rank}"
-        elif (msg.agent_name, msg.transport_metadata) != (known.agent_name, known.transport_metadata):
-            why = (f"prefill {engine!r} rank {s} came back as another incarnation (transport agent "
-                   f"{msg.agent_name!r}, was {known.agent_name!r}): a restarted peer needs a new engine id")
-        else:
-            try:
-                validate_peer(self.topology, self.hello, msg)
-            except KVBridgeError as e:
-                why = str(e)
-        if why:
-            client.send(m.Error(self.engine_id, self.rank, f"re-handshake refused: {why}"))  # for its logs
-            self._drop_rejoin(eng, s)
-            eng.replaced[s] = why
-            self.stats["sources_replaced"] += 1
-            log.error("decode rank %d: side channel to prefill %r rank %d stays lost: %s", self.rank, engine, s, why)
-            return
-        eng.rejoins.pop(s)
-        old = eng.clients[s]
-        self._client_of.pop(id(old), None)
-        old.close()
-        eng.clients[s] = client
-        self._client_of[id(client)] = (engine, s)
-        del self._rejoining[id(client)]
-        eng.lost.discard(s)
-        eng.next_rejoin.pop(s, None)
-        self.stats["sources_recovered"] += 1
-        log.warning("decode rank %d: side channel to prefill %r rank %d (%s) is back (same incarnation)", self.rank,
-                    engine, s, client.address)
+        self._links.close()
 
     # -- frames -----------------------------------------------------------------------------------
     def _on_frame(self, client: SideChannelClient, rec: Received) -> None:
-        if id(client) in self._rejoining:
-            self._on_rejoin_reply(client, rec)
+        if self._links.is_rejoin(client):
+            self._links.on_rejoin_reply(client, rec)
             return
         if rec.error is not None:
-            self.stats["refused_frames"] += 1
-            log.warning("decode rank %d refused a frame from %s: %s", self.rank, client.address, rec.error)
+            self._refuse_frame(f" from {client.address}", rec.error)
             return
-        engine, s = self._client_of.get(id(client), ("", -1))
+        engine, s = self._links.source_of(client)
         msg = rec.msg
         if isinstance(msg, m.Hello):
             self.stats["unexpected_messages"] += 1
@@ -509,9 +328,7 @@ class Consumer:
             else:
                 since, anns = self._unclaimed.setdefault(msg.request_id, (self.clock(), {}))
                 anns[msg.rank] = msg
-                while len(self._unclaimed) > self.config.max_pending:
-                    self._unclaimed.popitem(last=False)
-                    self.stats["announcements_dropped"] += 1
+                self._bounded(self._unclaimed, "announcements_dropped")
         elif isinstance(msg, m.WriteDone):
             self._on_write_done(msg)
         elif isinstance(msg, m.Abort):
@@ -570,8 +387,7 @@ class Consumer:
             else:
                 self._unclaimed.pop(msg.request_id, None)
                 self._cancelled[msg.request_id] = f"prefill {msg.engine_id!r} rank {msg.rank} aborted: {msg.reason}"
-                while len(self._cancelled) > self.config.max_pending:
-                    self._cancelled.popitem(last=False)
+                self._bounded(self._cancelled)
             return
         req.quiet.add(msg.rank)  # the sender has nothing in flight for this request anymore
         self._fail(req, f"prefill {msg.engine_id!r} rank {msg.rank} aborted: {msg.reason}")
@@ -612,7 +428,7 @@ class Consumer:
         if req.failure is not None:
             self._stop(req, eng)
 
-    def _start_reads(self, req: _Pending, eng: _Engine) -> None:
+    def _start_reads(self, req: _Pending, eng: SourceEngine) -> None:
         for s in sorted(set(req.announced) - set(req.reads) - req.done):
             ann = req.announced[s]
             if req.plan is None:
@@ -629,13 +445,11 @@ class Consumer:
             if len(runs) == 0:
                 self._read_done(req, eng, s)
                 continue
-            notify = (m.encode(m.ReadDone(self.engine_id, self.rank, req.request_id), self.config.max_frame_bytes)
-                      if self.config.transport_notify else None)
-            try:
-                req.reads[s] = self.transport.submit(eng.agents[s], "read", runs, notify)
-            except Exception as e:
-                self._fail(req, f"posting the read from prefill rank {s} failed: {type(e).__name__}: {e}")
+            posted = self._post(eng.agents[s], "read", runs, m.ReadDone(self.engine_id, self.rank, req.request_id))
+            if isinstance(posted, str):
+                self._fail(req, f"posting the read from prefill rank {s} failed: {posted}")
                 return
+            req.reads[s] = posted
             req.nbytes += runs.nbytes
             req.nruns += len(runs)
 
@@ -644,17 +458,14 @@ class Consumer:
         for s, handle in req.reads.items():
             if s in req.done:
                 continue
-            try:
-                state = self.transport.poll(handle)
-            except Exception as e:  # noqa: BLE001
-                state, handle.reason = XferState.FAILED, f"poll raised {type(e).__name__}: {e}"
+            state = self._poll(handle)
             if state == XferState.DONE:
                 self._read_done(req, eng, s)
             elif state == XferState.FAILED:
                 self._fail(req, f"read from prefill {req.engine!r} rank {s} failed: {handle.reason or 'no reason'}")
                 return
 
-    def _read_done(self, req: _Pending, eng: _Engine, s: int) -> None:
+    def _read_done(self, req: _Pending, eng: SourceEngine, s: int) -> None:
         req.done.add(s)
         req.last_done = self.clock()
         if not eng.clients[s].send(m.ReadDone(self.engine_id, self.rank, req.request_id)):
@@ -666,12 +477,7 @@ class Consumer:
             return
         req.failure = reason
         req.stop_deadline = self.clock() + self.config.abort_timeout
-        for s, handle in req.reads.items():
-            if s not in req.done and handle.state == XferState.PENDING:
-                try:
-                    self.transport.abort(handle)
-                except Exception as e:  # noqa: BLE001 - _stop keeps polling it
-                    log.error("decode rank %d: aborting read %d raised %s", self.rank, handle.id, e)
+        self._abort_pending(h for s, h in req.reads.items() if s not in req.done)
         eng = self._engines.get(req.engine)
         if eng is None:
             return
@@ -682,19 +488,10 @@ class Consumer:
             if not eng.clients[s].send(m.Abort(self.engine_id, self.rank, req.request_id, reason[:4000])):
                 self.stats["send_failures"] += 1
 
-    def _stop(self, req: _Pending, eng: _Engine) -> None:
+    def _stop(self, req: _Pending, eng: SourceEngine) -> None:
         now = self.clock()
         if self.mode == "pull":
-            pending = []
-            for s, handle in req.reads.items():
-                if s in req.done:
-                    continue
-                try:
-                    state = self.transport.poll(handle) if handle.state == XferState.PENDING else handle.state
-                except Exception:  # noqa: BLE001
-                    state = XferState.PENDING
-                if state == XferState.PENDING:
-                    pending.append(s)
+            pending = self._still_pending(req.reads, skip=req.done)
             if not pending:
                 self._finish(req, ok=False, reason=req.failure or "failed")
             elif now > req.stop_deadline:
@@ -721,8 +518,7 @@ class Consumer:
                             ann.first_token if ann else None, req.nbytes, req.nruns, now - req.started,
                             max(0.0, last - first), quiesced)
         self._finished[req.request_id] = res
-        while len(self._finished) > self.config.max_pending:
-            self._finished.popitem(last=False)
+        self._bounded(self._finished)
         self._out.append(res)
         self.stats["ok" if ok else "failed"] += 1
 
@@ -803,13 +599,12 @@ class Consumer:
                 self.stats["announcements_expired"] += 1
 
     def _transport_notifications(self) -> None:
-        for sender, msg in m.decoded_notifications(self.transport, self.config.max_frame_bytes, self.stats,
-                                                   f"decode rank {self.rank}"):
-            eng = self._engines.get(getattr(msg, "engine_id", ""))
-            if not isinstance(msg, m.WriteDone) or eng is None or eng.agents.get(msg.rank) != sender:
-                self.stats["refused_notifications"] += 1
-                continue
+        for msg in self._notifications(m.WriteDone, self._source_agent):
             self._on_write_done(msg)
+
+    def _source_agent(self, engine: str, rank: int) -> str | None:
+        eng = self._engines.get(engine)
+        return eng.agents.get(rank) if eng is not None else None
 
     # -- helpers ----------------------------------------------------------------------------------
     def _engine_for(self, engine_id: str | None) -> str:
@@ -824,30 +619,9 @@ class Consumer:
                                  f"name one with engine_id=")
         return next(iter(self._engines))
 
-    def _check_blocks(self, ids: tuple[tuple[int, ...], ...], num_tokens: int | None, request_id: str) -> None:
-        spec, layout = self.cache.spec, self.cache.layout
-        if len(ids) != len(spec.groups):
-            raise InvalidRequest(f"request {request_id!r}: block ids for {len(ids)} KV-cache groups, the model has "
-                                 f"{len(spec.groups)}")
-        for g, group in enumerate(ids):
-            arr = np.asarray(group, dtype=np.int64)
-            bad = arr[(arr < 0) | (arr >= layout.num_blocks)]
-            if bad.size:
-                raise InvalidRequest(f"request {request_id!r} group {g}: block id {int(bad[0])} outside "
-                                     f"[0, {layout.num_blocks})")
-            if num_tokens is not None and not spec.group_layer(g).is_recurrent:
-                need = -(-num_tokens // layout.block_size)
-                if len(group) != need:
-                    raise InvalidRequest(f"request {request_id!r} group {g}: {num_tokens} tokens need {need} blocks "
-                                         f"of {layout.block_size}, got {len(group)}")
-
     def _drain(self) -> list[RequestResult]:
         out, self._out = self._out, []
         return out
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise KVBridgeError(f"decode rank {self.rank} consumer is closed")
 
 
 __all__ = ["Consumer", "RequestResult"]

@@ -28,23 +28,24 @@ the blocks: posted writes are aborted first and the release waits (bounded retri
 blocking wait) until the transport reports them stopped. Any ending other than completion sends
 `Abort` to every reader, which both fails the request on the decode side early and tells a push
 target that this writer is quiet.
+
+Length: about 560 lines, one state machine (a lease from `add_request` to `on_release`) whose
+transitions read best together; what it shares with the decode side is in `endpoint.py`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kvbridge.connector import messages as m
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.handshake import describe, make_hello, validate_peer
+from kvbridge.connector.endpoint import RankEndpoint
+from kvbridge.connector.handshake import describe, validate_peer
 from kvbridge.connector.runs import runs_for
-from kvbridge.connector.transports import agent_name, transport_kind
 from kvbridge.connector.side_channel import Received, SideChannelServer
 from kvbridge.errors import InvalidRequest, KVBridgeError
 from kvbridge.core.integrity import contribution_checksums
@@ -90,24 +91,18 @@ class _Lease:
     checksums: list[int] | None = None  # this rank's share of each decode rank's checksum
 
 
-class Producer:
+class Producer(RankEndpoint):
     """Prefill-side connector for one TP rank."""
+
+    role = "prefill"
+    kind = "producer"
 
     def __init__(self, engine_id: str, rank: int, cache: RankCache, transport: Transport, *,
                  listen: str = "127.0.0.1:0", mode: m.Mode = "pull", config: ConnectorConfig | None = None,
                  on_release: ReleaseCallback | None = None, peer_addresses: Sequence[str] = (),
-                 clock: Callable[[], float] = time.monotonic):
-        if mode not in ("pull", "push"):
-            raise KVBridgeError(f"mode must be 'pull' or 'push', got {mode!r}")
-        self.engine_id, self.rank, self.cache, self.transport = engine_id, rank, cache, transport
-        self.mode: m.Mode = mode
-        self.config = config or ConnectorConfig()
+                 clock: Callable[[], float] = time.monotonic, topology: TransferTopology | None = None):
+        super().__init__(engine_id, rank, cache, transport, mode=mode, config=config, clock=clock, topology=topology)
         self.on_release = on_release
-        self.clock = clock
-        self.topology = TransferTopology(engine_id, cache.spec, cache.layout, rank)
-        self.agent_name = agent_name(transport)
-        transport.register(cache.regions)
-        self._metadata = transport.metadata()
         self.server = SideChannelServer(listen, max_frame_bytes=self.config.max_frame_bytes,
                                         secret=self.config.secret, replay_window=self.config.replay_window)
         self.address = self.server.address
@@ -118,16 +113,12 @@ class Producer:
         self._early: OrderedDict[str, tuple[float, dict[int, m.DestinationReady]]] = OrderedDict()
         self._early_aborts: OrderedDict[str, tuple[float, str]] = OrderedDict()
         self._history: OrderedDict[str, str] = OrderedDict()
+        self._confirmed: set[tuple[str, int]] = set()  # readers heard from after their Hello
         self.releases: list[tuple[str, str]] = []  # (request id, reason), in order; bounded by max_pending
-        self.stats: Counter[str] = Counter()
-        self.closed = False
 
     # -- public API -------------------------------------------------------------------------------
-    @property
-    def hello(self) -> m.Hello:
-        return make_hello(self.engine_id, self.rank, "prefill", self.mode, self.cache.spec, self.cache.layout,
-                          transport_kind(self.transport), self.agent_name, self._metadata,
-                          self._peer_addresses)
+    def _hello_addresses(self) -> tuple[str, ...]:
+        return self._peer_addresses
 
     def set_peer_addresses(self, addresses: Sequence[str]) -> None:
         """The side-channel address of every rank of this engine, by rank (rank 0 serves it)."""
@@ -144,6 +135,17 @@ class Producer:
     def decode_engines(self) -> tuple[str, ...]:
         return tuple(self._engines)
 
+    def reader_ranks(self, engine_id: str) -> tuple[int, ...]:
+        """Ranks of decode engine `engine_id` that completed the handshake with this rank."""
+        return tuple(sorted(self._engines.get(engine_id, {})))
+
+    def confirmed_ranks(self, engine_id: str) -> tuple[int, ...]:
+        """Ranks of `engine_id` known to be past their handshake: a frame of their own arrived after
+        their Hello, on the connection they handshook on (a new Hello unconfirms the rank). What is
+        sent to such a rank cannot be lost in its handshake (`SideChannelClient.request` drops the
+        frames that arrive with the reply)."""
+        return tuple(sorted(r for e, r in self._confirmed if e == engine_id))
+
     def add_request(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int,
                     first_token: int | None = None, *, to_engine: str | None = None,
                     lease_seconds: float | None = None) -> None:
@@ -152,8 +154,7 @@ class Producer:
         if request_id in self._leases or request_id in self._history:
             raise InvalidRequest(f"request id {request_id!r} is already known to prefill rank {self.rank} "
                                  f"(active or recently released); request ids must be unique")
-        ids = tuple(tuple(int(b) for b in g) for g in block_ids)
-        self._check_blocks(ids, num_tokens, request_id)
+        ids = self._checked_blocks(block_ids, num_tokens, request_id, exact=False)
         lease = float(lease_seconds or self.config.lease_seconds)
         if not 0 < lease < 7 * 24 * 3600:
             raise InvalidRequest(f"lease_seconds must be a finite number of seconds > 0, got {lease}")
@@ -230,12 +231,12 @@ class Producer:
     # -- frames -----------------------------------------------------------------------------------
     def _on_frame(self, rec: Received) -> None:
         if rec.error is not None:
-            self.stats["refused_frames"] += 1
-            log.warning("prefill rank %d refused a frame: %s", self.rank, rec.error)
+            self._refuse_frame("", rec.error)
             self._reply(rec.peer, m.Error(self.engine_id, self.rank, f"refused: {rec.error}"))
             return
         msg = rec.msg
         if isinstance(msg, m.Hello):
+            self._confirmed.discard((msg.engine_id, msg.rank))
             self._on_hello(rec.peer, msg)
             return
         reader = self._readers.get(rec.peer)
@@ -250,6 +251,9 @@ class Producer:
                                           f"message claims {msg.engine_id!r} rank {msg.rank}, but this connection "
                                           f"handshook as {reader.engine_id!r} rank {reader.rank}"))
             return
+        if (msg.engine_id, msg.rank) == (reader.engine_id, reader.rank) \
+                and self._engines.get(reader.engine_id, {}).get(reader.rank) == rec.peer:
+            self._confirmed.add((reader.engine_id, reader.rank))
         self._on_message(msg, reader)
 
     def _on_message(self, msg: m.Message, reader: _Reader | None) -> None:
@@ -339,8 +343,7 @@ class Producer:
                 self._early_aborts[msg.request_id] = (
                     self.clock(), f"aborted by decode {msg.engine_id!r} rank {msg.rank} before prefill finished: "
                                   f"{msg.reason}")
-                while len(self._early_aborts) > self.config.max_pending:
-                    self._early_aborts.popitem(last=False)
+                self._bounded(self._early_aborts)
                 self._early.pop(msg.request_id, None)  # never start those writes
                 # Acknowledge: nothing of ours is in flight for a request we do not lease yet.
                 self._send_to(msg.engine_id, msg.rank, m.Abort(self.engine_id, self.rank, msg.request_id,
@@ -362,9 +365,7 @@ class Producer:
                 return
             _, early = self._early.setdefault(msg.request_id, (self.clock(), {}))
             early[msg.rank] = msg
-            while len(self._early) > self.config.max_pending:
-                self._early.popitem(last=False)
-                self.stats["early_destinations_dropped"] += 1
+            self._bounded(self._early, "early_destinations_dropped")
             return
         if req.engine not in (None, msg.engine_id):
             self._send_to(msg.engine_id, msg.rank, m.Error(self.engine_id, self.rank,
@@ -437,10 +438,7 @@ class Producer:
             if handle is None:
                 self._start_write(req, rank, dest)
                 continue
-            try:
-                state = self.transport.poll(handle)
-            except Exception as e:
-                state, handle.reason = XferState.FAILED, f"poll raised {type(e).__name__}: {e}"
+            state = self._poll(handle)
             if state == XferState.DONE:
                 req.done.add(rank)
                 self._send_to(req.engine, rank, m.WriteDone(self.engine_id, self.rank, req.request_id))
@@ -465,14 +463,12 @@ class Producer:
             req.done.add(rank)
             self._send_to(req.engine, rank, m.WriteDone(self.engine_id, self.rank, req.request_id))
             return
-        agent = self._agent(req.engine, rank)
-        notify = (m.encode(m.WriteDone(self.engine_id, self.rank, req.request_id), self.config.max_frame_bytes)
-                  if self.config.transport_notify else None)
-        try:
-            req.writes[rank] = self.transport.submit(agent, "write", runs, notify)
-        except Exception as e:
-            self._end(req, f"posting the write to decode rank {rank} failed: {type(e).__name__}: {e}", ok=False)
+        posted = self._post(self._agent(req.engine, rank), "write", runs,
+                            m.WriteDone(self.engine_id, self.rank, req.request_id))
+        if isinstance(posted, str):
+            self._end(req, f"posting the write to decode rank {rank} failed: {posted}", ok=False)
             return
+        req.writes[rank] = posted
         req.nbytes += runs.nbytes
         req.nruns += len(runs)
 
@@ -482,34 +478,18 @@ class Producer:
             return
         req.ending, req.ending_ok = reason, ok
         req.stop_deadline = self.clock() + self.config.abort_timeout
-        for handle in req.writes.values():
-            if handle.state == XferState.PENDING:
-                try:
-                    self.transport.abort(handle)
-                except Exception as e:  # noqa: BLE001 - keep going; _finish_ending polls it
-                    log.error("prefill rank %d: aborting write %d raised %s", self.rank, handle.id, e)
+        self._abort_pending(req.writes.values())
         self._finish_ending(req)
 
     def _finish_ending(self, req: _Lease) -> None:
-        pending = []
-        for rank, handle in req.writes.items():
-            try:
-                state = self.transport.poll(handle) if handle.state == XferState.PENDING else handle.state
-            except Exception:  # noqa: BLE001
-                state = XferState.PENDING
-            if state == XferState.PENDING:
-                pending.append(rank)
+        pending = self._still_pending(req.writes)
         if pending:
             if self.clock() > req.stop_deadline:
                 self.stats["stuck_writes"] += 1
                 req.stop_deadline = self.clock() + self.config.abort_timeout
                 log.error("prefill rank %d: writes of %s to decode ranks %s did not stop after abort; blocks stay "
                           "leased until they do", self.rank, req.request_id, pending)
-                for rank in pending:
-                    try:
-                        self.transport.abort(req.writes[rank])
-                    except Exception:  # noqa: BLE001
-                        pass
+                self._abort_pending(req.writes[rank] for rank in pending)
             return
         self._release(req)
 
@@ -518,8 +498,7 @@ class Producer:
             return  # idempotent
         reason = req.ending or "released"
         self._history[req.request_id] = reason
-        while len(self._history) > self.config.max_pending:
-            self._history.popitem(last=False)
+        self._bounded(self._history)
         self.releases.append((req.request_id, reason))
         if len(self.releases) > self.config.max_pending:
             del self.releases[: len(self.releases) - self.config.max_pending]
@@ -537,17 +516,12 @@ class Producer:
 
     # -- helpers ----------------------------------------------------------------------------------
     def _transport_notifications(self) -> None:
-        for sender, msg in m.decoded_notifications(self.transport, self.config.max_frame_bytes, self.stats,
-                                                   f"prefill rank {self.rank}"):
-            if not isinstance(msg, m.ReadDone):
-                self.stats["unexpected_notifications"] += 1
-                continue
-            peer = self._engines.get(msg.engine_id, {}).get(msg.rank)
-            reader = self._readers.get(peer) if peer is not None else None
-            if reader is None or reader.agent != sender:
-                self.stats["refused_notifications"] += 1
-                continue
+        for msg in self._notifications(m.ReadDone, self._reader_agent):
             self._on_done(msg.engine_id, msg.rank, msg.request_id, "read")
+
+    def _reader_agent(self, engine: str, rank: int) -> str | None:
+        reader = self._readers.get(self._engines.get(engine, {}).get(rank, b""))
+        return reader.agent if reader is not None else None
 
     def _checksums(self, req: _Lease) -> list[int] | None:
         """This rank's share of every decode rank's checksum, taken once, before any reader is told."""
@@ -560,20 +534,6 @@ class Producer:
             return None
         self.stats["checksums"] += 1
         return sums
-
-    def _check_blocks(self, ids: tuple[tuple[int, ...], ...], num_tokens: int, request_id: str) -> None:
-        spec, layout = self.cache.spec, self.cache.layout
-        if len(ids) != len(spec.groups):
-            raise InvalidRequest(f"request {request_id!r}: block ids for {len(ids)} KV-cache groups, the model has "
-                                 f"{len(spec.groups)}")
-        if num_tokens < 1:
-            raise InvalidRequest(f"request {request_id!r}: num_tokens must be >= 1, got {num_tokens}")
-        for g, group in enumerate(ids):
-            arr = np.asarray(group, dtype=np.int64)
-            bad = arr[(arr < 0) | (arr >= layout.num_blocks)]
-            if bad.size:
-                raise InvalidRequest(f"request {request_id!r} group {g}: block id {int(bad[0])} outside "
-                                     f"[0, {layout.num_blocks})")
 
     def _agent(self, engine: str, rank: int) -> str:
         return self._readers[self._engines[engine][rank]].agent
@@ -605,10 +565,6 @@ class Producer:
                 break
             self._early.popitem(last=False)
             self.stats["early_destinations_expired"] += 1
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise KVBridgeError(f"prefill rank {self.rank} producer is closed")
 
 
 __all__ = ["Producer", "ReleaseCallback"]

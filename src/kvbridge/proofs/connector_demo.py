@@ -37,18 +37,24 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvbridge.connector import processes as rp
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.messages import HandshakeRefused
-from kvbridge.connector.processes import RankArgs, RankProcess, RankProcessError, process_context, stop_all
-from kvbridge.connector.side_channel import format_address, parse_address
+from kvbridge.connector.processes import process_context
+from kvbridge.connector.rank_host import random_fill
+from kvbridge.connector.side_channel import parse_address
 from kvbridge.errors import ConfigError, InvalidRequest
 from kvbridge.core.layout import EngineLayout
 from kvbridge.transport.cache import RankCache
 from kvbridge.core.plan import Request, plan_request
 from kvbridge.core.spec import ModelSpec
+from kvbridge.proofs.rank_engines import DecodeEngine, PrefillEngine
 from kvbridge.proofs.results import DisaggregationResult
 
 Mode = str  # "pull" | "push"
+
+MODEL_PRELOAD = ("kvbridge.proofs.hf_cache", "kvbridge.proofs.decode_job")
+"""What the fork server imports for a host whose rank 0 will run the model (transformers takes
+seconds to import)."""
 
 
 # -------------------------------------------------------------------------------------------------
@@ -197,15 +203,6 @@ def _block_tables(spec: ModelSpec, layout: EngineLayout, lengths: list[int],
     return out
 
 
-def _random_fill(caches: list[RankCache], seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for c in caches:
-        for r in c.byte_regions():
-            r.copy_(torch.randint(0, 256, r.shape, dtype=torch.uint8, generator=gen))
-
-
-def _host_of(address: str) -> str:
-    return parse_address(address)[0]
 
 
 def local_address_towards(address: str) -> str:
@@ -238,156 +235,6 @@ def _releases_summary(releases: dict[int, list[tuple[str, str]]], ids: list[str]
 
 
 # -------------------------------------------------------------------------------------------------
-# The two engines, each a set of rank processes
-# -------------------------------------------------------------------------------------------------
-class PrefillEngine:
-    """The prefill engine's rank processes, seen from the orchestrating parent."""
-
-    def __init__(self, ctx: Any, transport: str, engine_id: str, spec: ModelSpec, layout: EngineLayout, mode: Mode,
-                 listen: str, config: ConnectorConfig, fill_seed: int = 1, max_lifetime: float = 600.0):
-        host = _host_of(listen)
-        self.engine_id, self.layout, self.spec = engine_id, layout, spec
-        self.ranks = [RankProcess(RankArgs(role="prefill", engine_id=engine_id, rank=r, transport=transport, spec=spec,
-                                           layout=layout, mode=mode,
-                                           listen=listen if r == 0 else format_address(host, 0),
-                                           host=host, config=config, fill_seed=fill_seed + r,
-                                           max_lifetime=max_lifetime), ctx)
-                      for r in range(layout.tp_size)]
-        self.address = ""
-        self.releases: dict[int, list[tuple[str, str]]] = {r: [] for r in range(layout.tp_size)}
-        self.decode_engines: set[str] = set()
-
-    def start(self, timeout: float) -> str:
-        """Wait until every rank listens; give rank 0 the directory; returns the bootstrap address."""
-        addresses = [p.expect("ready", timeout)[1] for p in self.ranks]
-        self.ranks[0].send("directory", addresses)
-        self.ranks[0].expect("directory_set", timeout)
-        self.address = addresses[0]
-        return self.address
-
-    def load(self, shards: list[list[np.ndarray]], timeout: float) -> None:
-        for p, regions in zip(self.ranks, shards):
-            p.send("load", regions)
-        for p in self.ranks:
-            p.expect("loaded", timeout)
-
-    def add(self, requests: list[tuple], timeout: float) -> None:
-        """`requests`: (id, block ids, num tokens, first token, lease seconds or None)."""
-        for p in self.ranks:
-            p.send("add", requests)
-        for p in self.ranks:
-            p.expect("added", timeout)
-
-    def pump(self, timeout: float = 0.0) -> None:
-        for p in self.ranks:
-            p.pump(timeout / max(1, len(self.ranks)))
-            for _, rid, why in p.take("released"):
-                self.releases[p.args.rank].append((rid, why))
-            for _, eng in p.take("handshake"):
-                self.decode_engines.add(eng)
-            if p.error:
-                raise RankProcessError(f"{p.name} failed:\n{p.error}")
-
-    def wait_handshake(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.decode_engines:
-            if time.monotonic() > deadline:
-                raise RankProcessError(f"no decode engine connected to {self.address} within {timeout:.1f} s")
-            self.pump(0.05)
-
-    def wait_released(self, ids: Sequence[str], timeout: float) -> bool:
-        """True when every rank released every id (at least once) within `timeout`."""
-        deadline = time.monotonic() + timeout
-        want = set(ids)
-        while True:
-            self.pump(0.02)
-            if all(want <= {rid for rid, _ in ev} for ev in self.releases.values()):
-                return True
-            if time.monotonic() > deadline:
-                return False
-
-    def stop(self) -> dict[int, dict[str, int]]:
-        stop_all(self.ranks)
-        for p in self.ranks:
-            for _, rid, why in p.take("released"):
-                self.releases[p.args.rank].append((rid, why))
-        return {p.args.rank: dict(ev[1]) for p in self.ranks for ev in p.take("stats")[-1:]}
-
-
-class DecodeEngine:
-    """The decode engine's rank processes, seen from the orchestrating parent."""
-
-    def __init__(self, ctx: Any, transport: str, engine_id: str, spec: ModelSpec, layout: EngineLayout, mode: Mode,
-                 host: str, config: ConnectorConfig, fill_seed: int = 1001, max_lifetime: float = 600.0):
-        self.engine_id, self.layout, self.spec = engine_id, layout, spec
-        self.ranks = [RankProcess(RankArgs(role="decode", engine_id=engine_id, rank=r, transport=transport, spec=spec,
-                                           layout=layout, mode=mode, host=host, config=config,
-                                           fill_seed=fill_seed + r, max_lifetime=max_lifetime), ctx)
-                      for r in range(layout.tp_size)]
-        self.prefill_layouts: dict[str, str] = {}
-        self.results: dict[int, dict[str, dict[str, Any]]] = {r: {} for r in range(layout.tp_size)}
-
-    def start(self, timeout: float) -> None:
-        for p in self.ranks:
-            p.expect("ready", timeout)
-
-    def connect(self, address: str, timeout: float) -> None:
-        for p in self.ranks:
-            p.send("connect", address, timeout)
-        for p in self.ranks:
-            deadline = time.monotonic() + timeout + 5
-            while True:
-                p.pump(0.05)
-                failed = p.take("connect_failed")
-                if failed:
-                    raise HandshakeRefused(f"decode rank {p.args.rank}: {failed[0][1]}")
-                connected = p.take("connected")
-                if connected:
-                    self.prefill_layouts[connected[0][1]] = connected[0][3]
-                    break
-                if p.error or not p.alive() or time.monotonic() > deadline:
-                    p.expect("connected", 0.0)  # raises with the reason
-
-    def receive(self, requests: list[tuple], timeout: float) -> None:
-        """`requests`: (id, block ids, num tokens, per-request timeout[, prefill engine id])."""
-        for p in self.ranks:
-            p.send("receive", requests)
-        for p in self.ranks:
-            p.expect("receiving", timeout)
-
-    def pump(self, timeout: float = 0.0) -> None:
-        for p in self.ranks:
-            p.pump(timeout / max(1, len(self.ranks)))
-            for _, res in p.take("result"):
-                self.results[p.args.rank][res["request_id"]] = res
-            if p.error:
-                raise RankProcessError(f"{p.name} failed:\n{p.error}")
-
-    def wait_results(self, ids: Sequence[str], timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        want = set(ids)
-        while True:
-            self.pump(0.02)
-            if all(want <= set(r) for r in self.results.values()):
-                return True
-            if time.monotonic() > deadline:
-                return False
-
-    def decode(self, job: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """Rank 0 gathers the other ranks' caches and decodes every request of `job`."""
-        others = {}
-        for p in self.ranks[1:]:
-            p.send("regions")
-        for p in self.ranks[1:]:
-            others[p.args.rank] = p.expect("regions", timeout)[1]
-        self.ranks[0].send("decode", {**job, "others": others})
-        return self.ranks[0].expect("decoded", timeout)[1]
-
-    def stop(self) -> None:
-        stop_all(self.ranks)
-
-
-# -------------------------------------------------------------------------------------------------
 # Prefill work in the parent
 # -------------------------------------------------------------------------------------------------
 @torch.inference_mode()
@@ -400,7 +247,7 @@ def _prefill(model_name: str, seed: int, work: _Workload, layout: EngineLayout,
         model, _ = load_model(model_name, seed)
         staging = RankCache.allocate_engine(work.spec, layout, fill=None)
         for r, c in enumerate(staging):
-            _random_fill([c], fill_seed + r)  # the same bytes the rank process starts with
+            random_fill([c], fill_seed + r)  # the same bytes the rank process starts with
         firsts = []
         for ids, table in zip(work.prompts, tables):
             input_ids = torch.tensor([ids], dtype=torch.long)
@@ -473,6 +320,14 @@ def _decode_job(work: _Workload, model: str, seed: int, new_tokens: int, dst_tab
             "dump": str(dump) if dump is not None and reqs and reqs[0]["id"] == work.ids[0] else None}
 
 
+def _leases(work: _Workload, tables: list, firsts: list[int | None]) -> list[rp.Lease]:
+    return [rp.Lease(rid, t, n, f) for rid, t, n, f in zip(work.ids, tables, work.lengths, firsts)]
+
+
+def _incoming(work: _Workload, tables: list, config: ConnectorConfig) -> list[rp.Incoming]:
+    return [rp.Incoming(rid, t, n, config.transfer_timeout) for rid, t, n in zip(work.ids, tables, work.lengths)]
+
+
 def _ok_ids(results: dict[int, dict[str, dict[str, Any]]], ids: list[str]) -> set[str]:
     return {rid for rid in ids if all(rid in rr and rr[rid]["ok"] for rr in results.values())}
 
@@ -516,7 +371,7 @@ def run_multiprocess_demo(transport: str = "shm", model: str = "tiny-llama", pro
     rng = random.Random(seed)
     src_tables = _block_tables(work.spec, prefill, work.lengths, rng)
     dst_tables = _block_tables(work.spec, decode, work.lengths, rng)
-    ctx = process_context()
+    ctx = process_context(MODEL_PRELOAD)
     pre: PrefillEngine | None = None
     dec: DecodeEngine | None = None
     try:
@@ -529,10 +384,9 @@ def run_multiprocess_demo(transport: str = "shm", model: str = "tiny-llama", pro
         pre.load(shards, timeout)
         dec.start(timeout)
         dec.connect(address, config.handshake_timeout)
-        dec.receive([(rid, t, n, config.transfer_timeout) for rid, t, n in zip(work.ids, dst_tables, work.lengths)],
-                    timeout)
+        dec.receive(_incoming(work, dst_tables, config), timeout)
         t_start = time.monotonic()
-        pre.add([(rid, t, n, f, None) for rid, t, n, f in zip(work.ids, src_tables, work.lengths, firsts)], timeout)
+        pre.add(_leases(work, src_tables, firsts), timeout)
         dec.wait_results(work.ids, config.transfer_timeout + config.abort_timeout + 5)
         receive_seconds = time.monotonic() - t_start
         pre.wait_released(work.ids, config.lease_seconds + 5)
@@ -579,7 +433,7 @@ def run_prefill_server(listen: str = "127.0.0.1:5600", *, transport: str = "shm"
     config = config or ConnectorConfig(transfer_timeout=min(60.0, timeout), lease_seconds=min(60.0, timeout))
     _check_transport(transport)
     src_tables = _block_tables(work.spec, prefill, work.lengths, random.Random(seed))
-    pre = PrefillEngine(process_context(model=False), transport, "prefill", work.spec, prefill, mode, listen, config,
+    pre = PrefillEngine(process_context(), transport, "prefill", work.spec, prefill, mode, listen, config,
                         max_lifetime=4 * timeout + 60)
     try:
         firsts, shards = _prefill(model, seed, work, prefill, src_tables, fill_seed=1)
@@ -588,7 +442,7 @@ def run_prefill_server(listen: str = "127.0.0.1:5600", *, transport: str = "shm"
         if on_listening is not None:
             on_listening(address)
         pre.wait_handshake(timeout)
-        pre.add([(rid, t, n, f, None) for rid, t, n, f in zip(work.ids, src_tables, work.lengths, firsts)], timeout)
+        pre.add(_leases(work, src_tables, firsts), timeout)
         pre.wait_released(work.ids, config.lease_seconds + config.transfer_timeout + 5)
     finally:
         pre.stop()
@@ -620,14 +474,13 @@ def run_decode_client(prefill: str = "127.0.0.1:5600", *, transport: str = "shm"
     _check_transport(transport)
     dst_tables = _block_tables(work.spec, decode, work.lengths, random.Random(seed + 7919))
     host = host or local_address_towards(prefill)
-    dec = DecodeEngine(process_context(), transport, "decode", work.spec, decode, mode, host, config,
+    dec = DecodeEngine(process_context(MODEL_PRELOAD), transport, "decode", work.spec, decode, mode, host, config,
                        max_lifetime=4 * timeout + 60)
     try:
         dec.start(timeout)
         dec.connect(prefill, timeout)
         t_start = time.monotonic()
-        dec.receive([(rid, t, n, config.transfer_timeout) for rid, t, n in zip(work.ids, dst_tables, work.lengths)],
-                    timeout)
+        dec.receive(_incoming(work, dst_tables, config), timeout)
         dec.wait_results(work.ids, config.transfer_timeout + config.abort_timeout + 5)
         receive_seconds = time.monotonic() - t_start
         ok_ids = _ok_ids(dec.results, work.ids)
@@ -636,10 +489,14 @@ def run_decode_client(prefill: str = "127.0.0.1:5600", *, transport: str = "shm"
                              timeout) if ok_ids else {}
     finally:
         dec.stop()
-    prefill_layout = next(iter(dec.prefill_layouts.values()), f"remote prefill engine at {prefill}")
+    remote = next(iter(dec.prefill_layouts.values()), None)
     result = _demo_result(work, decode, decode, new_tokens, transport, mode, dec.results, decoded, None, dst_tables,
                           firsts)
-    result.prefill = prefill_layout
+    result.prefill = remote.describe() if remote is not None else f"remote prefill engine at {prefill}"
+    if remote is not None:  # what the plans move depends on the layouts and token counts, not on block ids
+        src_tables = _block_tables(work.spec, remote, work.lengths, random.Random(seed))
+        result.bytes_moved, result.num_runs, result.plan_seconds, result.warnings = _plan_totals(
+            work.spec, remote, decode, work.lengths, src_tables, dst_tables)
     result.processes = decode.tp_size
     result.receive_seconds = receive_seconds
     result.wall_seconds = time.monotonic() - t0

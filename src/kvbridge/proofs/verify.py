@@ -93,10 +93,9 @@ def clone_caches(caches: list[RankCache]) -> list[RankCache]:
 
 
 def random_bytes(caches: list[RankCache], seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for c in caches:
-        for r in c.byte_regions():
-            r.copy_(torch.randint(0, 256, r.shape, dtype=torch.uint8, generator=gen))
+    """Every byte random from `seed`: what a hosted rank starts with (`rank_host.random_fill`)."""
+    from kvbridge.connector.rank_host import random_fill
+    random_fill(caches, seed)
 
 
 def mismatch_report(actual: list[RankCache], expected: list[RankCache]) -> list[str]:

@@ -1,22 +1,27 @@
-"""Agents in another process, driven over a pipe: what the transport bench and tests use to put
-the two sides of a transfer in two real processes.
+"""Agents in another process: what the transport bench and tests use to put the two sides of a
+transfer in two real processes.
 
 `AgentHost` owns transport agents and the rank caches they registered and exposes plain
 methods (create, alloc, metadata, connect, submit, wait, ...). `PeerProcess` runs an `AgentHost`
-in a spawned child and forwards calls to it, each with a deadline; the same methods are called
-on a local `AgentHost` for the side in this process.
+in a spawned child (`connector.rank_host`) and forwards each call as a typed message (one
+Struct per method, its result converted to the method's return type), each with a deadline; the
+same methods are called on a local `AgentHost` for the side in this process.
 """
 
 from __future__ import annotations
 
 import importlib
-import multiprocessing as mp
+import inspect
 import os
 import time
-from typing import Any
+import typing
+from typing import Any, ClassVar, Union
 
+import msgspec
 import numpy as np
 import torch
+
+from kvbridge.connector.rank_host import Emit, HostProcess, one_line, random_fill
 
 from kvbridge.core.layout import EngineLayout
 
@@ -71,7 +76,7 @@ class AgentHost:
             for r in cache.byte_regions():
                 r.fill_(seed)
         else:
-            verify.random_bytes([cache], seed)
+            random_fill([cache], seed)
         if fill == "pattern":
             verify.fill_source([cache], block_ids, num_tokens)
         self.caches[name] = cache
@@ -192,25 +197,75 @@ class AgentHost:
         self.handles.clear()
 
 
-def _child(conn) -> None:
-    torch.set_num_threads(1)
-    host = AgentHost()
-    while True:
-        try:
-            method, args, kwargs = conn.recv()
-        except EOFError:
-            break
-        if method == "exit":
-            host.close_all()
-            conn.send(("ok", None))
-            break
-        if method == "crash":
+# -- the typed calls a `PeerProcess` sends: one Struct per `AgentHost` method, from its signature --
+def _call_struct(method: Any) -> type:
+    """A Struct tagged with the method's name whose fields are its parameters (typed by its
+    annotations; `**kwargs` become `options`), with the method's return type as `returns`."""
+    hints = typing.get_type_hints(method)
+    fields: list[tuple] = []
+    for name, param in list(inspect.signature(method).parameters.items())[1:]:
+        if param.kind is param.VAR_KEYWORD:
+            fields.append(("options", dict[str, Any], {}))
+        elif param.default is param.empty:
+            fields.append((name, hints[name]))
+        else:
+            fields.append((name, hints[name], param.default))
+    struct = msgspec.defstruct("".join(w.title() for w in method.__name__.split("_")), fields,
+                               tag=method.__name__, module=__name__)
+    struct.returns = hints.get("return")
+    return struct
+
+
+class Crash(msgspec.Struct, tag="crash"):
+    """Exit at once (code 17), as in a crash."""
+
+    returns: ClassVar[Any] = None
+
+
+FORWARDED = ("pid", "create", "alloc", "alloc_bytes", "check_bytes", "metadata", "connect", "set", "get", "run_timed",
+             "run_at", "submit", "wait", "abort", "notifications", "send_notification", "snapshot", "verify",
+             "unchanged", "close_agent")
+CALLS: dict[str, type] = {name: _call_struct(getattr(AgentHost, name)) for name in FORWARDED} | {"crash": Crash}
+Call = Union[tuple(CALLS.values())]
+
+
+class Returned(msgspec.Struct, tag="returned"):
+    value: Any = None
+
+
+class Raised(msgspec.Struct, tag="raised"):
+    error: str  # one line; the child goes on serving
+
+
+class AgentService:  # pragma: no cover - runs in the child
+    """An `AgentHost` answering typed calls (`rank_host.serve` runs it)."""
+
+    requests = Call
+
+    def __init__(self, args: Any, emit: Emit):
+        torch.set_num_threads(1)
+        self.host, self.emit = AgentHost(), emit
+
+    def step(self) -> float:
+        return 0.05  # nothing of its own to do: wait for the next call
+
+    def handle(self, call: Any) -> None:
+        if isinstance(call, Crash):
             os._exit(17)
+        fields = msgspec.structs.asdict(call)
+        fields |= fields.pop("options", {})  # the method's own **kwargs
         try:
-            conn.send(("ok", getattr(host, method)(*args, **kwargs)))
-        except Exception as e:  # sent back and raised in the parent
-            conn.send(("err", f"{type(e).__name__}: {e}"))
-    os._exit(0)
+            value = getattr(self.host, call.__struct_config__.tag)(**fields)
+        except Exception as e:  # noqa: BLE001 - sent back and raised in the parent
+            self.emit(Raised(one_line(e)))
+            return
+        self.emit(Returned(value))
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        self.host.close_all()
 
 
 class PeerError(RuntimeError):
@@ -218,14 +273,12 @@ class PeerError(RuntimeError):
 
 
 class PeerProcess:
-    """An `AgentHost` in a spawned child; `call(method, ...)` runs it there."""
+    """An `AgentHost` in a spawned child; `call(method, ...)` runs it there (a typed call each)."""
 
     def __init__(self, start_timeout: float = 120.0):
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_child, args=(child,), daemon=True)
-        self.process.start()
-        child.close()
+        self._host = HostProcess("kvbridge.testing.peer:AgentService", None, Union[Returned, Raised],
+                                 name="agent host", error_type=PeerError, timeout_type=TimeoutError)
+        self.process = self._host.proc
         self.pid = self.call("pid", timeout=start_timeout)
 
     def call(self, method: str, *args: Any, timeout: float = 120.0, **kwargs: Any) -> Any:
@@ -237,15 +290,21 @@ class PeerProcess:
 
     def begin(self, method: str, *args: Any, **kwargs: Any) -> None:
         """Start `method` in the child without waiting; `finish` collects its result."""
-        self._conn.send((method, args, kwargs))
+        kind = CALLS.get(method)
+        if kind is None:
+            raise AttributeError(f"AgentHost has no remote method {method!r}")
+        if "options" in kind.__struct_fields__:  # the method takes **kwargs
+            call: Any = kind(*args, options=kwargs)
+        else:
+            call = kind(*args, **kwargs)
+        self._returns = kind.returns
+        self._host.send(call)
 
     def finish(self, timeout: float = 120.0) -> Any:
-        if not self._conn.poll(timeout):
-            raise TimeoutError(f"peer process {self.process.pid}: no answer within {timeout} s")
-        status, value = self._conn.recv()
-        if status == "err":
-            raise PeerError(value)
-        return value
+        got = self._host.expect((Returned, Raised), timeout)
+        if isinstance(got, Raised):
+            raise PeerError(got.error)
+        return None if self._returns is None else msgspec.convert(got.value, self._returns)
 
     def __getattr__(self, method: str):
         if method.startswith("_"):
@@ -254,18 +313,13 @@ class PeerProcess:
 
     def kill(self) -> None:
         """SIGKILL the child (a crash: no cleanup runs there)."""
-        self.process.kill()
-        self.process.join(10)
+        self._host.kill()
 
     def close(self) -> None:
         if self.process.is_alive():
-            try:
-                self.call("exit", timeout=30)
-            except Exception:
-                self.process.kill()
-        self.process.join(10)
-        if self.process.is_alive():
-            self.process.kill()
+            self._host.ask_stop()
+            self.process.join(30)
+        self._host.stop(10)
 
 
 def runs_between(plan, src_rank: int, dst_rank: int, op: str) -> Runs:

@@ -255,8 +255,8 @@ def multiprocess_soak(transport: str = "shm", requests: int = 2000, in_flight: i
     over `transport` and real ZMQ side channels; checksums on.
 
     This process only orchestrates, the way a scheduler would: it asks each prefill rank to write
-    fresh random bytes into a request's source blocks and lease them (`fill_add`), and each decode
-    rank to poison its destination blocks and receive the request (`scrub_receive`). A slot's
+    fresh random bytes into a request's source blocks and lease them (`processes.Lease` with a fill seed), and each decode
+    rank to poison its destination blocks and receive the request (`processes.Incoming` with a poison seed). A slot's
     blocks are reused only after every decode rank reported the request and every prefill rank
     released it. Every request's landed bytes are verified by the consumer's end-to-end checksum
     against the sources' fresh content, so a transfer that moved nothing, or the wrong rows,
@@ -264,7 +264,8 @@ def multiprocess_soak(transport: str = "shm", requests: int = 2000, in_flight: i
     /dev/shm segments are sampled at the end of each quarter of the requests; the segments are
     counted again after the processes stopped. Bounded by `time_limit` seconds.
     """
-    from kvbridge.proofs.connector_demo import DecodeEngine, PrefillEngine
+    from kvbridge.proofs.rank_engines import DecodeEngine, PrefillEngine
+    from kvbridge.connector import processes as rp
     from kvbridge.connector.processes import process_context, stop_all
     cfg = ConnectorConfig(lease_seconds=120, transfer_timeout=120, abort_timeout=5, handshake_timeout=30,
                           checksum=True, side_channel_heartbeat=LOADED_HOST_HEARTBEAT)
@@ -273,7 +274,7 @@ def multiprocess_soak(transport: str = "shm", requests: int = 2000, in_flight: i
     tag = f"soakmp{seed}{transport}"
     startup = 120.0  # rank processes start from the fork server; a loaded 2-core host takes a while
     t0 = time.monotonic()
-    ctx = process_context(model=False)
+    ctx = process_context()
     pre = EngineLayout(tp_size=prefill_tp, block_size=16, num_blocks=in_flight * slot_blocks)
     dec = EngineLayout(tp_size=decode_tp, block_size=16, num_blocks=in_flight * slot_blocks, kv_order="NHD")
     lifetime = time_limit + 2 * startup
@@ -355,16 +356,16 @@ def multiprocess_soak(transport: str = "shm", requests: int = 2000, in_flight: i
                 counts["submitted"] += 1
             if batch:  # distinct fill seeds per request and rank; odd for sources, even for poison
                 for p in prefill.ranks:
-                    p.send("fill_add", [(rid, ids, n, None, None, (i * 64 + p.args.rank) * 2 + 1)
-                                        for rid, ids, n, i in batch])
+                    p.send(rp.Add([rp.Lease(rid, ids, n, fill_seed=(i * 64 + p.args.rank) * 2 + 1)
+                                   for rid, ids, n, i in batch]))
                 for p in decode.ranks:
-                    p.send("scrub_receive", [(rid, ids, n, cfg.transfer_timeout, (i * 64 + p.args.rank) * 2)
-                                             for rid, ids, n, i in batch])
+                    p.send(rp.Receive([rp.Incoming(rid, ids, n, cfg.transfer_timeout,
+                                                   poison_seed=(i * 64 + p.args.rank) * 2)
+                                       for rid, ids, n, i in batch]))
             prefill.pump(0.005)
             decode.pump(0.005)
             for p in ranks.values():
-                p.take("added")
-                p.take("receiving")
+                p.take((rp.Added, rp.Receiving))
             collect()
         end = time.monotonic() + 30
         while slot_of and time.monotonic() < end:
@@ -373,9 +374,9 @@ def multiprocess_soak(transport: str = "shm", requests: int = 2000, in_flight: i
         seconds = time.monotonic() - started
         stats: dict[str, dict] = {}
         for p in ranks.values():
-            p.send("stats")
+            p.send(rp.GetStats())
         for name, p in ranks.items():
-            stats[name] = p.expect("stats", startup)[1]
+            stats[name] = p.expect(rp.Stats, startup).stats
     finally:
         stop_all(decode.ranks)  # readers first: a prefill rank that goes first is a lost side channel to them
         stop_all(prefill.ranks)

@@ -11,13 +11,17 @@ Memory: the worker's KV cache lives in one POSIX shared-memory segment (the conn
 allocation context puts it there); the sidecar maps the same segment and adopts each layer's
 bytes as a `RankCache` region, so the transport reads and writes vLLM's own cache, no copy.
 
-Protocol: length-prefixed msgpack frames, commands on the sidecar's stdin, events on its stdout
-(the sidecar's own prints and logs go to stderr, which is the worker's log):
+Protocol: `connector.rank_host`'s typed messages as length-prefixed frames, commands on the
+sidecar's stdin, events on its stdout (the sidecar's own prints and logs go to stderr, which is
+the worker's log; stdin/stdout because the worker starts it with `subprocess`, outside any
+multiprocessing context vLLM owns):
 
     worker -> sidecar   Init, then any of Send / Recv / Expect / Abandon, then Close (or EOF)
     sidecar -> worker   Ready(address), then Released / Received per request, Fatal(error)
 
 The sidecar exits on Close, on EOF of its stdin (the worker died) or when its parent changes.
+It uses the connector's public API only, except adopting the worker's shared-memory segment
+into the shm transport (see `_adopt_segment`).
 """
 
 from __future__ import annotations
@@ -25,8 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
-import struct
 import subprocess
 import sys
 import time
@@ -35,6 +37,8 @@ from typing import Any, Union
 import msgspec
 
 from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector.rank_host import (Failed, Peer, Stop, StreamChannel, report_failure, serve, stderr_logging,
+                                          union_of, warm_copier)
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.spec import ModelSpec
@@ -137,10 +141,8 @@ class Abandon(msgspec.Struct, tag="abandon"):
     remote_request_id: str
 
 
-class Close(msgspec.Struct, tag="close"):
-    pass
-
-
+Close = Stop
+"""Worker -> sidecar: close and exit (answered with `rank_host.Stopped`)."""
 class Ready(msgspec.Struct, tag="ready"):
     address: str
     pid: int
@@ -157,106 +159,27 @@ class Received(msgspec.Struct, tag="received"):
     reason: str = ""
 
 
-class Fatal(msgspec.Struct, tag="fatal"):
-    error: str
-
+Fatal = Failed
+"""Sidecar -> worker: it failed (one line); it exits."""
 
 Command = Union[Init, Send, Recv, Expect, Abandon, Close]
 Event = Union[Ready, Released, Received, Fatal]
-_encoder = msgspec.msgpack.Encoder()
-_commands = msgspec.msgpack.Decoder(Command)
-_events = msgspec.msgpack.Decoder(Event)
-_HEADER = struct.Struct("<I")
-
-
-def frame(msg: Any) -> bytes:
-    data = _encoder.encode(msg)
-    return _HEADER.pack(len(data)) + data
-
-
-class FrameReader:
-    """Frames from a non-blocking file descriptor, as far as they have arrived."""
-
-    def __init__(self, fd: int, decoder: msgspec.msgpack.Decoder):
-        self.fd, self.decoder, self.buf, self.eof = fd, decoder, b"", False
-        os.set_blocking(fd, False)
-
-    def read(self, timeout: float = 0.0) -> list[Any]:
-        if not self.eof and (timeout <= 0 or select.select([self.fd], [], [], timeout)[0]):
-            while True:
-                try:
-                    chunk = os.read(self.fd, 1 << 16)
-                except BlockingIOError:
-                    break
-                if not chunk:
-                    self.eof = True
-                    break
-                self.buf += chunk
-        out = []
-        while len(self.buf) >= 4:
-            (n,) = _HEADER.unpack_from(self.buf)
-            if len(self.buf) < 4 + n:
-                break
-            out.append(self.decoder.decode(self.buf[4:4 + n]))
-            self.buf = self.buf[4 + n:]
-        return out
 
 
 # -- the sidecar (child side) -----------------------------------------------------------------------
-def _confirming_producer(*args: Any, **kwargs: Any):
-    """A kvbridge `Producer` that also records which decode ranks have *finished* their handshake.
-
-    Why: a decode rank's handshake (`SideChannelClient.request`, called by `Consumer.connect`)
-    returns the Hello reply and drops every frame it drained in the same batch, so a lease
-    announced to a reader right behind our reply can be lost, and that reader then waits out the
-    whole lease. A wait of 0.25 s after the reply (this sidecar's former rule) lost that race on a
-    loaded 2-core host (decode rank 0 of a TP2 engine never got its RequestReady; the lease
-    expired after 300 s). The rule now is causal, not timed: a reader is *confirmed* once a frame
-    of its own arrives after its Hello, on the connection it handshook on (the decode sidecar
-    sends an empty Heartbeat as soon as `connect` returned, see `Sidecar._connect`); anything we
-    send after that reaches a reader that is past its handshake. A new Hello from the same rank
-    (the consumer re-handshaking a lost source) unconfirms it until it speaks again (the decode
-    sidecar confirms again when its consumer counts a recovered source; any heartbeat does)."""
-    from kvbridge.connector import messages as m
-    from kvbridge.connector.producer import Producer
-
-    class ConfirmingProducer(Producer):
-        def __init__(self, *a: Any, **kw: Any):
-            self.confirmed: set[tuple[str, int]] = set()
-            super().__init__(*a, **kw)
-
-        def _on_frame(self, rec: Any) -> None:
-            msg = rec.msg
-            if isinstance(msg, m.Hello):
-                self.confirmed.discard((msg.engine_id, msg.rank))
-                super()._on_frame(rec)
-                return
-            super()._on_frame(rec)
-            reader = self._readers.get(rec.peer)
-            if (rec.error is None and reader is not None
-                    and (msg.engine_id, msg.rank) == (reader.engine_id, reader.rank)
-                    and self._engines.get(reader.engine_id, {}).get(reader.rank) == rec.peer):
-                self.confirmed.add((reader.engine_id, reader.rank))
-
-    return ConfirmingProducer(*args, **kwargs)
-
-
 class Sidecar:
     """Producer and/or Consumer of one rank over the worker's shared-memory cache; step-driven."""
 
     def __init__(self, init: Init, emit):
         from kvbridge.connector.consumer import Consumer
+        from kvbridge.connector.producer import Producer
         from kvbridge.connector.transports import make_transport
         from kvbridge.integrations.vllm.layout import VllmTopology, as_vllm_cpu, vllm_cpu_spec
         from kvbridge.transport.cache import RankCache
-        from kvbridge.transport import shm
 
         self.init, self.emit, s = init, emit, init.settings
         self.settings = s
-        seg = shm.SharedSegment(init.segment_nbytes, path=init.segment_path)
-        with shm._SEG_LOCK:  # the shm transport registers only segments it knows in this process
-            shm._SEGMENTS[seg.path] = seg
-        self.segment = seg
+        seg = self.segment = _adopt_segment(init.segment_path, init.segment_nbytes)
         layout = as_vllm_cpu(init.layout)
         spec = vllm_cpu_spec(init.spec)  # the wire carries plain LayerSpecs
         nbytes = layout.addressing(spec, init.rank).region_nbytes
@@ -274,31 +197,24 @@ class Sidecar:
             addresses = [f"{s.side_channel_host}:{s.side_channel_port + q}" for q in range(layout.tp_size)]
             transport = make_transport(s.transport, f"{eid}/p{r}", host=s.side_channel_host,
                                        timeout_s=s.transfer_timeout)
-            self.producer = _confirming_producer(eid, r, self.cache, transport, listen=addresses[r], mode=s.mode,
-                                                 config=cfg, on_release=self._released, peer_addresses=addresses)
-            self.producer.topology = VllmTopology.of(self.producer)
+            # A reader is leased to only once it is past its handshake (`Producer.confirmed_ranks`):
+            # a frame sent right behind the Hello reply can be dropped by the reader's handshake,
+            # and that reader would then wait out the whole lease (seen on a loaded 2-core host with
+            # a timed 0.25 s pause, the former rule). The decode sidecar confirms with an empty
+            # Heartbeat after `connect` and after its consumer re-handshook a lost source.
+            self.producer = Producer(eid, r, self.cache, transport, listen=addresses[r], mode=s.mode, config=cfg,
+                                     on_release=self._released, peer_addresses=addresses,
+                                     topology=VllmTopology(eid, spec, layout, r))
             self.address = self.producer.address
         if init.consume:
             self.consumer = Consumer(eid, r, self.cache, make_transport(s.transport, f"{eid}/d{r}", host=s.side_channel_host,
                                                                        timeout_s=s.transfer_timeout),
-                                     mode=s.mode, config=cfg)
-            self.consumer.topology = VllmTopology.of(self.consumer)
+                                     mode=s.mode, config=cfg, topology=VllmTopology(eid, spec, layout, r))
         self._held: dict[str, tuple[Send, float]] = {}
         self._pending: list[Recv] = []
         self._recv: dict[str, Recv] = {}  # remote request id -> request
         self._recovered = 0  # the consumer's count of re-handshaken sources, last seen
-        self._warm()
-
-    @staticmethod
-    def _warm() -> None:
-        """Load the compiled run copier now, so that the first transfer's time is the transfer."""
-        import numpy as np
-
-        from kvbridge.transport.local import copy_runs
-        buf = np.zeros(16, np.uint8)
-        base = np.array([buf.ctypes.data], np.int64)
-        one = np.zeros(1, np.int64)
-        copy_runs(base, base, one, one, one, np.full(1, 8, np.int64), np.full(1, 8, np.int64))
+        warm_copier()
 
     # commands
     def handle(self, cmd: Any) -> None:
@@ -318,8 +234,11 @@ class Sidecar:
             if cmd.remote_engine_id in self.consumer.prefill_engines:
                 self.consumer.abort(cmd.remote_request_id, "the decode engine dropped the request before loading it")
 
-    def step(self, timeout: float = 0.0) -> None:
-        """One round of work, waiting at most `timeout` s for side-channel traffic."""
+    def step(self, timeout: float | None = None) -> float:
+        """One round of work, waiting at most `timeout` s for side-channel traffic (default: a
+        short wait while this rank's own transfers are in flight, a longer one otherwise)."""
+        if timeout is None:
+            timeout = POLL_ACTIVE_S if self.transferring else POLL_IDLE_S
         if self.producer is not None:
             self.producer.progress(timeout if self.consumer is None else 0.0)
             self._lease_held()
@@ -332,6 +251,11 @@ class Sidecar:
                 self._recovered = recovered
                 for engine in self.consumer.prefill_engines:
                     self._confirm(engine)
+        return 0.0
+
+    def stats(self) -> dict[str, int]:
+        return {f"{side}.{k}": v for side, c in (("producer", self.producer), ("consumer", self.consumer))
+                if c is not None for k, v in c.stats.items()}
 
     @property
     def transferring(self) -> bool:
@@ -357,8 +281,9 @@ class Sidecar:
         for rid, (req, deadline) in list(self._held.items()):
             named = req.to_engine
             target = named if named in engines else (engines[0] if named is None and len(engines) == 1 else None)
+            confirmed = set(self.producer.confirmed_ranks(target)) if target is not None else set()
             waiting = (None if target is None else [r for r in self.producer.topology.reader_ranks(target)
-                                                    if (target, r) not in self.producer.confirmed])
+                                                    if r not in confirmed])
             if waiting is None or waiting:
                 if now > deadline:
                     del self._held[rid]
@@ -366,7 +291,7 @@ class Sidecar:
                                    if waiting is None else
                                    f"decode engine {target} rank(s) {waiting} did not finish their handshake with "
                                    f"prefill rank {self.init.rank} within the lease (connected: "
-                                   f"{sorted(self._connected_ranks(target))})")
+                                   f"{list(self.producer.reader_ranks(target))})")
                 continue
             del self._held[rid]
             log.info("prefill rank %d: leasing %s to %s", self.init.rank, rid, target)
@@ -376,12 +301,6 @@ class Sidecar:
             except KVBridgeError as e:
                 log.error("prefill rank %d cannot lease %s: %s", self.init.rank, rid, e)
                 self._released(rid, f"refused: {e}")
-
-    def _connected_ranks(self, engine: str) -> list[int]:
-        """Decode ranks of `engine` that completed the handshake with this prefill rank.
-
-        (`Producer` exposes engines but not their ranks; this reads its routing table.)"""
-        return list(getattr(self.producer, "_engines", {}).get(engine, {}))
 
     def _released(self, request_id: str, reason: str) -> None:
         self._stat("release", request_id=request_id, reason=reason,
@@ -405,18 +324,13 @@ class Sidecar:
         return True
 
     def _confirm(self, engine: str) -> None:
-        """Tell every source rank of `engine` that our handshake with it is over (an empty
-        Heartbeat on the connection we handshook on), so that it announces leases only now (see
-        `_confirming_producer`). After `connect`, and after the consumer re-handshook a lost
-        source (its re-handshake drops frames that come with the reply, too)."""
-        from kvbridge.connector import messages as m
-        eng = self.consumer._engines[engine]  # the handshake's connections (Consumer keeps them there)
-        for s, client in eng.clients.items():
-            if s in eng.lost:
-                continue
-            if not client.send(m.Heartbeat(self.init.engine_id, self.init.rank, ())):
-                log.error("decode rank %d: cannot confirm the handshake to %s rank %d (side channel full or closed)",
-                          self.init.rank, engine, s)
+        """Tell every source rank of `engine` that our handshake with it is over, so that it
+        announces leases only now (`Producer.confirmed_ranks`). After `connect`, and after the
+        consumer re-handshook a lost source (its re-handshake drops frames that come with the
+        reply, too)."""
+        for s in self.consumer.touch(engine):
+            log.error("decode rank %d: cannot confirm the handshake to %s rank %d (side channel full or closed)",
+                      self.init.rank, engine, s)
 
     def _start_pending(self) -> None:
         pending, self._pending = self._pending, []
@@ -480,49 +394,40 @@ def _raise_priority(nice: int = -10) -> None:
         pass
 
 
+def _adopt_segment(path: str, nbytes: int) -> Any:
+    """Map the worker's shared-memory segment and let the shm transport register views of it.
+
+    The shm transport registers only segments it knows in this process and has no public call
+    for a segment another process created; until it does (`transport/shm.py`), this is the one
+    place that writes its registry."""
+    from kvbridge.transport import shm
+    seg = shm.SharedSegment(nbytes, path=path)
+    with shm._SEG_LOCK:
+        shm._SEGMENTS[seg.path] = seg
+    return seg
+
+
 def main() -> None:  # pragma: no cover - runs as the sidecar process
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # stray prints go to the worker's log, never into the event stream
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="(kvbridge sidecar pid=%(process)d) %(levelname)s %(asctime)s %(message)s",
-                        datefmt="%m-%d %H:%M:%S")
+    stderr_logging("kvbridge sidecar")
     parent = os.getppid()
     _raise_priority()
-    reader = FrameReader(0, _commands)
-
-    def emit(msg: Any) -> None:
-        out.write(frame(msg))
-
-    sidecar = None
+    channel = StreamChannel(0, out, Command)
     try:
         init = None
         deadline = time.monotonic() + 60
         while init is None:
-            msgs = reader.read(1.0)
+            msgs = channel.recv(1.0)
             if msgs:
                 init = msgs[0]
-            elif reader.eof or time.monotonic() > deadline:
+            elif channel.eof or time.monotonic() > deadline:
                 return
-        sidecar = Sidecar(init, emit)
-        emit(Ready(sidecar.address, os.getpid()))
-        while True:
-            for cmd in reader.read(0.0):
-                if isinstance(cmd, Close):
-                    return
-                sidecar.handle(cmd)
-            if reader.eof or os.getppid() != parent:
-                return
-            sidecar.step(POLL_ACTIVE_S if sidecar.transferring else POLL_IDLE_S)
+        sidecar = Sidecar(init, channel.send)
+        channel.send(Ready(sidecar.address, os.getpid()))
+        serve(channel, sidecar, parent=parent)
     except BaseException as e:  # noqa: BLE001 - the worker reports it
-        import traceback
-        log.error("sidecar failed: %s", traceback.format_exc())
-        try:
-            emit(Fatal(f"{type(e).__name__}: {e}"))
-        except Exception:  # noqa: BLE001
-            pass
-    finally:
-        if sidecar is not None:
-            sidecar.close()
+        report_failure(channel, e)
 
 
 # -- the worker's handle (parent side) ------------------------------------------------------------
@@ -530,44 +435,37 @@ class SidecarError(KVBridgeError, RuntimeError):
     pass
 
 
-class SidecarClient:
+class SidecarClient(Peer):
     """Start the sidecar for one rank and talk to it without ever blocking the engine step."""
 
     def __init__(self, init: Init, python: str | None = None, start_timeout: float = 180.0):
         self.proc = subprocess.Popen([python or sys.executable, "-m", "kvbridge.integrations.vllm.sidecar"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self._reader = FrameReader(self.proc.stdout.fileno(), _events)
-        self._events: list[Any] = []
+        super().__init__(StreamChannel(self.proc.stdout.fileno(), self.proc.stdin, union_of(Event, Failed)),
+                         f"kvbridge sidecar of rank {init.rank}", SidecarError)
         self.send(init)
-        deadline = time.monotonic() + start_timeout
-        while True:
-            for ev in self._reader.read(0.5):
-                if isinstance(ev, Ready):
-                    self.ready = ev
-                    return
-                if isinstance(ev, Fatal):
-                    raise SidecarError(f"kvbridge sidecar of rank {init.rank} failed: {ev.error}")
-                self._events.append(ev)
-            if self.proc.poll() is not None or self._reader.eof:
-                raise SidecarError(f"kvbridge sidecar of rank {init.rank} exited (rc {self.proc.poll()})")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise SidecarError(f"kvbridge sidecar of rank {init.rank} not ready within {start_timeout:.0f} s")
-
-    def send(self, msg: Any) -> None:
         try:
-            self.proc.stdin.write(frame(msg))
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError) as e:
-            raise SidecarError(f"kvbridge sidecar is gone (rc {self.proc.poll()}): {e}") from None
-
-    def events(self) -> list[Any]:
-        out, self._events = self._events + self._reader.read(0.0), []
-        return out
+            self.ready: Ready = self.expect(Ready, start_timeout)
+        except SidecarError:
+            self.kill()
+            raise
 
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def _running(self) -> bool:
+        return self.alive
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
+
+    def events(self) -> list[Any]:
+        """Every event that arrived since the last call."""
+        self.pump(0.0)
+        out = list(self.inbox)
+        self.inbox.clear()
+        return out
 
     def close(self, timeout: float = 5.0) -> None:
         if self.alive:
@@ -588,7 +486,7 @@ class SidecarClient:
 
 
 __all__ = ["Abandon", "Close", "Expect", "Fatal", "Init", "Ready", "Received", "Recv", "Released", "Send", "Settings",
-           "Sidecar", "SidecarClient", "SidecarError", "frame", "main"]
+           "Sidecar", "SidecarClient", "SidecarError", "main"]
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ groups and are killed (by group id) at the end.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -208,7 +209,7 @@ def _wait_released(stats: Path, engine_id: str, request_ids: list[str], tp: int,
         time.sleep(0.1)
 
 
-def _model(model_dir: str | os.PathLike | None, python: str, workdir: Path) -> str:
+def model_directory(model_dir: str | os.PathLike | None, python: str, workdir: Path) -> str:
     if model_dir is not None:
         if not (Path(model_dir) / "config.json").is_file():
             raise ConfigError(f"{model_dir} is not a model directory (no config.json)")
@@ -217,7 +218,7 @@ def _model(model_dir: str | os.PathLike | None, python: str, workdir: Path) -> s
     return str(make_tiny_llama(workdir / "tiny-llama"))
 
 
-def _prompt(prompt_ids: Sequence[int] | None, prompt_len: int, seed: int, vocab: int = 256) -> list[int]:
+def prompt_ids_for(prompt_ids: Sequence[int] | None, prompt_len: int, seed: int, vocab: int = 256) -> list[int]:
     if prompt_ids:
         return [int(t) for t in prompt_ids]
     rng = random.Random(seed)
@@ -402,3 +403,15 @@ def median_seconds(values: Sequence[float | None]) -> float | None:
         return None
     mid = len(vals) // 2
     return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+
+
+@contextlib.contextmanager
+def workspace(workdir: str | os.PathLike | None, prefix: str) -> Iterator[tuple[Path, bool]]:
+    """(directory, owned) for one run: a given `workdir` is kept; a temporary one is removed
+    when the run succeeds and kept, with the instances' logs, when it raises."""
+    owned = workdir is None
+    work = Path(tempfile.mkdtemp(prefix=prefix)) if owned else Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    yield work, owned
+    if owned:
+        shutil.rmtree(work, ignore_errors=True)

@@ -10,22 +10,20 @@ instance (no connector), greedy.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
 from kvbridge.proofs.vllm.cluster import (
     START_TIMEOUT_S,
     Cluster,
-    _model,
-    _prompt,
     check_block_size,
     median_seconds,
+    model_directory,
+    prompt_ids_for,
     vllm_python,
+    workspace,
 )
 
 
@@ -51,55 +49,50 @@ def run_vllm_demo(model_dir: str | os.PathLike | None = None, prefill_tp: int = 
     check_block_size(decode_block_size)
     t_start = time.monotonic()
     python = vllm_python(python)
-    own_dir = workdir is None
-    work = Path(tempfile.mkdtemp(prefix="kvbridge-vllm-")) if own_dir else Path(workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    model = _model(model_dir, python, work)
-    prompt = _prompt(prompt_ids, prompt_len, seed)
-    ok = False
-    with Cluster(model, python, work, transport=transport, mode=mode) as cluster:
-        if reference == "separate":
-            cluster.start("reference", 1, decode_block_size)
-        cluster.start("prefill", prefill_tp, prefill_block_size, "kv_producer")
-        cluster.start("decode", decode_tp, decode_block_size, "kv_consumer")
-        start_timeout = min(timeout_s, START_TIMEOUT_S * 1.5)
-        r_out = None
-        if reference == "separate":  # first, alone with its engine: then it is closed
-            cluster.wait_ready(["reference"], start_timeout)
-            r_out = cluster.instances["reference"].generate(prompt, new_tokens)
-            cluster.close(["reference"])
-        cluster.wait_ready(["prefill", "decode"], start_timeout)
-        runs = [cluster.pd("prefill", "decode", prompt, new_tokens) for _ in range(max(1, requests))]
-        if r_out is None:
-            r_out = cluster.instances["prefill"].generate(prompt, new_tokens)
-        last = runs[-1]
-        tokens_r = r_out["token_ids"]
-        lp_d, lp_r = last["logprobs"], r_out["logprobs"]
-        diff = max((abs(a - b) for a, b in zip(lp_d, lp_r)), default=0.0) if len(lp_d) == len(lp_r) else None
-        per_request = [{k: r[k] for k in ("remote_request_id", "ok", "bytes_moved", "num_runs", "transfer_seconds",
-                                          "per_rank", "prefill_released", "prefill_seconds", "decode_seconds")}
-                       for r in runs]
-        steady = per_request[1:] or per_request
-        inst = cluster.instances
-        out = {
-            "engine": "vllm", "connector": "KVBridgeConnector", "transport": transport, "mode": mode, "model": model,
-            "prefill": {"engine_id": inst["prefill"].engine_id, "tp": prefill_tp,
-                        "block_size": inst["prefill"].ready.get("block_size")},
-            "decode": {"engine_id": inst["decode"].engine_id, "tp": decode_tp,
-                       "block_size": inst["decode"].ready.get("block_size")},
-            "reference": reference, "prompt_ids": prompt, "new_tokens": new_tokens,
-            "tokens_reference": tokens_r, "tokens_disaggregated": last["tokens"],
-            "match": all(r["tokens"] == tokens_r for r in runs),
-            "logprobs_max_abs_diff": diff, "prefill_first_token": last["prefill_first_token"],
-            "bytes_moved": last["bytes_moved"], "num_runs": last["num_runs"],
-            "transfer_seconds": last["transfer_seconds"],
-            "transfer_seconds_median": median_seconds([r["transfer_seconds"] for r in steady]),
-            "requests": per_request,
-            "kv_transfer_params": {k: v for k, v in last["params"].items() if k != "remote_block_ids"},
-            "startup_seconds": {name: i.ready.get("startup_seconds") for name, i in inst.items()},
-            "wall_seconds": time.monotonic() - t_start, "workdir": None if own_dir else str(work),
-        }
-        ok = True
-    if own_dir and ok:
-        shutil.rmtree(work, ignore_errors=True)
+    with workspace(workdir, "kvbridge-vllm-") as (work, own_dir):
+        model = model_directory(model_dir, python, work)
+        prompt = prompt_ids_for(prompt_ids, prompt_len, seed)
+        with Cluster(model, python, work, transport=transport, mode=mode) as cluster:
+            if reference == "separate":
+                cluster.start("reference", 1, decode_block_size)
+            cluster.start("prefill", prefill_tp, prefill_block_size, "kv_producer")
+            cluster.start("decode", decode_tp, decode_block_size, "kv_consumer")
+            start_timeout = min(timeout_s, START_TIMEOUT_S * 1.5)
+            r_out = None
+            if reference == "separate":  # first, alone with its engine: then it is closed
+                cluster.wait_ready(["reference"], start_timeout)
+                r_out = cluster.instances["reference"].generate(prompt, new_tokens)
+                cluster.close(["reference"])
+            cluster.wait_ready(["prefill", "decode"], start_timeout)
+            runs = [cluster.pd("prefill", "decode", prompt, new_tokens) for _ in range(max(1, requests))]
+            if r_out is None:
+                r_out = cluster.instances["prefill"].generate(prompt, new_tokens)
+            last = runs[-1]
+            tokens_r = r_out["token_ids"]
+            lp_d, lp_r = last["logprobs"], r_out["logprobs"]
+            diff = max((abs(a - b) for a, b in zip(lp_d, lp_r)), default=0.0) if len(lp_d) == len(lp_r) else None
+            per_request = [{k: r[k] for k in ("remote_request_id", "ok", "bytes_moved", "num_runs", "transfer_seconds",
+                                              "per_rank", "prefill_released", "prefill_seconds", "decode_seconds")}
+                           for r in runs]
+            steady = per_request[1:] or per_request
+            inst = cluster.instances
+            out = {
+                "engine": "vllm", "connector": "KVBridgeConnector", "transport": transport, "mode": mode,
+                "model": model,
+                "prefill": {"engine_id": inst["prefill"].engine_id, "tp": prefill_tp,
+                            "block_size": inst["prefill"].ready.get("block_size")},
+                "decode": {"engine_id": inst["decode"].engine_id, "tp": decode_tp,
+                           "block_size": inst["decode"].ready.get("block_size")},
+                "reference": reference, "prompt_ids": prompt, "new_tokens": new_tokens,
+                "tokens_reference": tokens_r, "tokens_disaggregated": last["tokens"],
+                "match": all(r["tokens"] == tokens_r for r in runs),
+                "logprobs_max_abs_diff": diff, "prefill_first_token": last["prefill_first_token"],
+                "bytes_moved": last["bytes_moved"], "num_runs": last["num_runs"],
+                "transfer_seconds": last["transfer_seconds"],
+                "transfer_seconds_median": median_seconds([r["transfer_seconds"] for r in steady]),
+                "requests": per_request,
+                "kv_transfer_params": {k: v for k, v in last["params"].items() if k != "remote_block_ids"},
+                "startup_seconds": {name: i.ready.get("startup_seconds") for name, i in inst.items()},
+                "wall_seconds": time.monotonic() - t_start, "workdir": None if own_dir else str(work),
+            }
     return out
