@@ -30,6 +30,7 @@ from kvbridge.models.untrusted import _NESTED, load_config, safe_text
 
 # The cache layer classes transformers builds, by the layer-type name `get_layer_types_and_kwargs`
 # gives; the kind each is to kvbridge, and for refused ones, what it holds (for the refusal line).
+_ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 _REFUSED_TYPES = {
     "dummy": "shared K/V: the layer reads another layer's cache and holds none of its own",
     "indexed_attention": "K/V with a sparse-attention indexer key cache",
@@ -156,11 +157,16 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
     if len(types) != num_layers:
         raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {num_layers}")
     per_layer = text.per_layer_config
+    modules: dict[int, tuple[int, int, int]] = {}
+    if any(t in _ATTENTION_TYPES for t in types) and not getattr(text, "kv_lora_rank", None):
+        from kvbridge.models.modules import module_kv_geometry
+        modules = module_kv_geometry(text, tuple(types))
     out: list[LayerSpec] = []
     recurrent: LayerSpec | None = None  # one recurrent geometry per model, derived once
     for i, (lt, kw) in enumerate(zip(types, kwargs)):
         try:
-            out.append(_layer(text, reader, per_layer[i], lt, kw, i, mla_view, view, state_dtype, recurrent))
+            out.append(_layer(text, reader, per_layer[i], lt, kw, i, mla_view, view, state_dtype, recurrent,
+                              modules.get(i)))
             recurrent = out[-1] if out[-1].is_recurrent else recurrent
         except ConfigError as e:  # every refusal names the layer and its kind
             if str(e).startswith("layer "):
@@ -170,8 +176,9 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
 
 
 def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], i: int, mla_view: str, view: str,
-           state_dtype: str | None, previous: LayerSpec | None) -> LayerSpec:
-    if lt in ("full_attention", "sliding_attention", "chunked_attention"):
+           state_dtype: str | None, previous: LayerSpec | None,
+           built: tuple[int, int, int] | None) -> LayerSpec:
+    if lt in _ATTENTION_TYPES:
         window = None
         if lt != "full_attention":
             window = kw.get("sliding_window")
@@ -180,7 +187,13 @@ def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], 
                                   f"{'sliding_window' if lt == 'sliding_attention' else 'attention_chunk_size'}")
             if isinstance(window, bool) or not isinstance(window, int) or window < 2:
                 raise ConfigError(f"layer {i} is {lt} with window {safe_text(repr(window))}; needs an integer >= 2")
-        return _attention_layer(layer, reader, mla_view, window, i)
+        spec = _attention_layer(layer, reader, mla_view, window, i)
+        if built is not None and spec.kind != "mla" and built != (spec.num_kv_heads, spec.key_dim, spec.value_dim):
+            if built[0] > reader.int(layer, "num_attention_heads"):
+                raise ConfigError(f"layer {i}: transformers builds {built[0]} KV heads, more than the query heads")
+            # what transformers builds wins over what the config says (MiMo-V2 sliding layers)
+            spec = LayerSpec(spec.kind, built[0], built[1], built[2], spec.window)
+        return spec
     if lt in ("linear_attention", "conv"):
         if previous is not None:
             return previous
