@@ -71,7 +71,13 @@ def spec_from_hf_config(config: dict[str, Any] | str | Path, *, dtype: str | Non
     name = safe_text(raw.get("_name_or_path") or raw_text.get("_name_or_path") or arch or "model")
     dtype = normalize_dtype(dtype or raw.get("torch_dtype") or raw.get("dtype") or raw_text.get("torch_dtype")
                             or raw_text.get("dtype") or "bfloat16")
-    layers = _layers(text, reader, raw_text, arch, mla_view, view, state_dtype)
+    try:
+        layers = _layers(text, reader, raw_text, arch, mla_view, view, state_dtype)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - untrusted input never ends in a traceback
+        raise ConfigError(f"config of {arch!r}: transformers' {type(text).__name__} cannot be read as a cache "
+                          f"geometry: {type(e).__name__}: {safe_text(str(e).splitlines()[0] if str(e) else '')}") from None
     if warn and reader.filled:
         sys.stderr.write(f"warning: {name}: config.json omits {', '.join(reader.filled)}; using transformers' "
                          f"{type(text).__name__} defaults\n")
@@ -108,6 +114,14 @@ def hf_config(raw: dict[str, Any]) -> Any:
         msg = str(e).strip().splitlines()
         raise ConfigError(f"transformers' {CONFIG_MAPPING[arch].__name__} rejects this config: "
                           f"{safe_text(msg[-1] if msg else type(e).__name__)}") from None
+
+
+def _global(config: Any, key: str, ambiguous: Any) -> Any:
+    """A config attribute, or `ambiguous` where a heterogeneous config keeps it per layer only."""
+    try:
+        return getattr(config, key, None)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError
+        return ambiguous
 
 
 def _check_layer_types(raw: dict[str, Any]) -> None:
@@ -158,7 +172,7 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
         raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {num_layers}")
     per_layer = text.per_layer_config
     modules: dict[int, tuple[int, int, int]] = {}
-    if any(t in _ATTENTION_TYPES for t in types) and not getattr(text, "kv_lora_rank", None):
+    if any(t in _ATTENTION_TYPES for t in types) and not _global(text, "kv_lora_rank", True):
         from kvbridge.models.modules import module_kv_geometry
         modules = module_kv_geometry(text, tuple(types))
     out: list[LayerSpec] = []
