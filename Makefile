@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test verify bench plan clean
+.PHONY: demo test verify bench plan models clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ bench: $(STAMP)
 
 plan: $(STAMP)
 	$(BIN)/kvbridge plan llama-3-8b --prefill-tp 4 --decode-tp 2
+
+# Every causal LM of the installed transformers through the proof (tiny random configs, two shape
+# pairs); writes docs/models.md. CI runs a bounded sample (tests/models/test_sweep_sample.py).
+models: $(STAMP)
+	$(BIN)/python scripts/models_sweep.py --out docs/models.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .benchmarks

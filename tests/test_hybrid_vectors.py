@@ -43,7 +43,8 @@ def test_compute_physical_blocks_per_logical_rejects_empty_pages() -> None:
 
 
 def _mamba2(n_heads: int, head_dim: int, groups: int, d_state: int) -> LayerSpec:
-    cfg = {"model_type": "bamba", "num_hidden_layers": 1, "attn_layer_indices": [], "hidden_size": 4096,
+    # hidden_size follows from the heads (expand 2), as transformers' BambaConfig checks.
+    cfg = {"model_type": "bamba", "num_hidden_layers": 1, "attn_layer_indices": [], "hidden_size": n_heads * head_dim // 2,
            "mamba_n_heads": n_heads, "mamba_d_head": head_dim, "mamba_n_groups": groups, "mamba_d_state": d_state,
            "mamba_d_conv": 4, "torch_dtype": "bfloat16"}
     return spec_from_hf_config(cfg).layers[0]

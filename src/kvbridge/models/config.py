@@ -1,23 +1,50 @@
 """Model geometry from a Hugging Face `config.json`: the one place kvbridge reads configs.
 
-The core (`kvbridge.core.spec`) describes geometry; this module derives it from a config, filling
-missing fields from transformers' own config classes, so the core never imports transformers.
+The config goes through its own transformers config class (`CONFIG_MAPPING[model_type]`), so
+defaults, derived fields, `layer_types`, `text_config` nesting and each architecture's own names
+(`n_layer`, `num_layers`, `n_head`, ...: the class's `attribute_map`) are exactly what transformers
+uses. Each layer's state kind is the cache layer class a `DynamicCache` builds for that config
+(`transformers.cache_utils.get_layer_types_and_kwargs` and its `DYNAMIC_LAYER_TYPE_MAPPING`), not a
+list of model types, so a new plain-attention architecture needs nothing here:
+
+* `DynamicLayer` -> K/V per token ("full"), or an MLA latent when the config has `kv_lora_rank`;
+* `DynamicSlidingWindowLayer` -> "sliding" (sliding and chunked attention: transformers keeps the
+  last `window - 1` tokens for both, with `window` the chunk size for chunked attention);
+* `LinearAttentionLayer` -> "recurrent", geometry from `recurrent.py`;
+* anything else (shared-KV dummy layers, indexer caches, attention+SSM hybrid layers, compressed
+  caches): refused with one line naming the layer and its kind.
+
+The config is untrusted (`untrusted.py` checks it first). A cache-sizing field that config.json
+omits and transformers fills from its class default is named on stderr.
 """
 
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
 from kvbridge.core.spec import LayerSpec, ModelSpec, normalize_dtype
 from kvbridge.errors import ConfigError
+from kvbridge.models.untrusted import _NESTED, load_config, safe_text
+
+# The cache layer classes transformers builds, by the layer-type name `get_layer_types_and_kwargs`
+# gives; the kind each is to kvbridge, and for refused ones, what it holds (for the refusal line).
+_ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+_REFUSED_TYPES = {
+    "dummy": "shared K/V: the layer reads another layer's cache and holds none of its own",
+    "indexed_attention": "K/V with a sparse-attention indexer key cache",
+    "hybrid": "attention K/V and recurrent state in one layer",
+    "hybrid_sliding": "sliding-window K/V and recurrent state in one layer",
+    "heavily_compressed_attention": "compressed attention cache",
+    "compressed_sparse_attention": "compressed sparse attention cache",
+}
 
 
 def spec_from_hf_config(config: dict[str, Any] | str | Path, *, dtype: str | None = None,
                         mla_view: Literal["latent", "heads"] = "latent",
                         view: Literal["engine", "transformers"] = "engine",
-                        state_dtype: str | None = None) -> ModelSpec:
+                        state_dtype: str | None = None, warn: bool = True) -> ModelSpec:
     """Geometry from a Hugging Face `config.json` (dict, file or model directory).
 
     `view="engine"` describes the cache as serving engines (vLLM) hold it: MLA as one latent
@@ -29,120 +56,209 @@ def spec_from_hf_config(config: dict[str, Any] | str | Path, *, dtype: str | Non
     """
     if view == "transformers":
         mla_view = "heads"
-    cfg = _load_config(config)
+    raw = load_config(config)
+    obj = hf_config(raw)
     try:
-        return _from_config(cfg, dtype, mla_view, view, state_dtype)
-    except ConfigError as missing:
-        filled = _with_transformers_defaults(cfg)  # hub configs often omit fields left at defaults
-        if filled is None or filled == cfg:
-            raise
+        text = obj.get_text_config(decoder=True)
+    except Exception as e:  # noqa: BLE001 - a nesting transformers cannot resolve
+        raise ConfigError(f"config of {raw.get('model_type')!r} has no usable text config: "
+                          f"{safe_text(str(e).splitlines()[0] if str(e) else type(e).__name__)}") from None
+    if not hasattr(text, "model_type"):
+        raise ConfigError(f"config of {raw.get('model_type')!r}: its text config is a {type(text).__name__}")
+    raw_text = next((raw[k] for k in _NESTED if isinstance(raw.get(k), dict)), raw)
+    reader = _Reader(text, raw_text)
+    arch = str(getattr(text, "model_type", "") or raw.get("model_type"))
+    name = safe_text(raw.get("_name_or_path") or raw_text.get("_name_or_path") or arch or "model")
+    dtype = normalize_dtype(dtype or raw.get("torch_dtype") or raw.get("dtype") or raw_text.get("torch_dtype")
+                            or raw_text.get("dtype") or "bfloat16")
+    try:
+        layers = _layers(text, reader, raw_text, arch, mla_view, view, state_dtype)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - untrusted input never ends in a traceback
+        raise ConfigError(f"config of {arch!r}: transformers' {type(text).__name__} cannot be read as a cache "
+                          f"geometry: {type(e).__name__}: {safe_text(str(e).splitlines()[0] if str(e) else '')}") from None
+    if warn and reader.filled:
+        sys.stderr.write(f"warning: {name}: config.json omits {', '.join(reader.filled)}; using transformers' "
+                         f"{type(text).__name__} defaults\n")
+    return ModelSpec(layers, dtype, name)
+
+
+def hf_config(raw: dict[str, Any]) -> Any:
+    """The transformers config object for a checked config dict (one line on any failure)."""
+    from transformers import CONFIG_MAPPING
+
+    arch = raw.get("model_type")
+    if not arch:
+        raise ConfigError("config has no model_type; kvbridge reads configs through transformers' config classes")
+    if not isinstance(arch, str) or arch not in CONFIG_MAPPING:
+        import transformers
+        raise ConfigError(f"model_type {safe_text(repr(arch))} has no config class in the installed transformers "
+                          f"{transformers.__version__}")
+    _check_layer_types(raw)
+    for key in _NESTED:
+        if isinstance(raw.get(key), dict):
+            _check_layer_types(raw[key])
+    try:
+        import transformers.utils.logging as hf_logging
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
         try:
-            return _from_config(filled, dtype, mla_view, view, state_dtype)
-        except ConfigError:
-            raise missing from None
-
-def _from_config(cfg: dict[str, Any], dtype: str | None, mla_view: str, view: str,
-                 state_dtype: str | None) -> ModelSpec:
-    arch = str(cfg.get("model_type", "")).lower()
-    if "text_config" in cfg and ("num_hidden_layers" not in cfg or arch not in _ATTENTION_ARCHS | _MLA_ARCHS | _HYBRID_ARCHS):
-        cfg = {**cfg["text_config"], "torch_dtype": cfg.get("torch_dtype", cfg.get("dtype"))}
-        arch = str(cfg.get("model_type", "")).lower()
-    name = cfg.get("_name_or_path") or arch or "model"
-    dtype = normalize_dtype(dtype or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    num_layers = _field(cfg, "num_hidden_layers", arch)
-    if arch in _MLA_ARCHS:
-        if mla_view == "latent":
-            latent = _field(cfg, "kv_lora_rank", arch) + _field(cfg, "qk_rope_head_dim", arch)
-            return ModelSpec(tuple(LayerSpec("mla", 1, latent) for _ in range(num_layers)), dtype, str(name))
-        lora, rope = _field(cfg, "kv_lora_rank", arch), _field(cfg, "qk_rope_head_dim", arch)
-        return ModelSpec(tuple(LayerSpec("mla", 1, lora, rope) for _ in range(num_layers)), dtype, str(name))
-    if arch in _HYBRID_ARCHS:
-        from kvbridge.models.recurrent import hybrid_layers
-        conv_rows_extra = 0 if view == "transformers" else -1
-        return ModelSpec(hybrid_layers(cfg, arch, num_layers, conv_rows_extra, state_dtype), dtype, str(name))
-    if arch not in _ATTENTION_ARCHS:
-        known = ", ".join(sorted(_ATTENTION_ARCHS | _MLA_ARCHS | _HYBRID_ARCHS))
-        raise ConfigError(f"unsupported architecture {arch or '(no model_type)'!r}; kvbridge knows: {known}")
-    q_heads = _field(cfg, "num_attention_heads", arch)
-    kv_heads = int(cfg.get("num_key_value_heads") or q_heads)
-    head_dim = int(cfg.get("head_dim") or _field(cfg, "hidden_size", arch) // q_heads)
-    layer_types = _layer_types(cfg, arch, num_layers)
-    window = cfg.get("sliding_window")
-    layers = []
-    for i, lt in enumerate(layer_types):
-        if lt == "full_attention":
-            layers.append(LayerSpec("full", kv_heads, head_dim, head_dim))
-        elif lt == "sliding_attention":
-            if not window:
-                raise ConfigError(f"layer {i} is sliding_attention but config has no sliding_window")
-            layers.append(LayerSpec("sliding", kv_heads, head_dim, head_dim, int(window)))
-        else:
-            raise ConfigError(f"layer {i} has type {lt!r}, which kvbridge does not move yet")
-    return ModelSpec(tuple(layers), dtype, str(name))
+            # kvbridge reads the dtype itself (transformers would resolve a "torch.float16" spelling as an attribute)
+            return CONFIG_MAPPING[arch](**{k: v for k, v in raw.items() if k not in ("model_type", "torch_dtype", "dtype")})
+        finally:
+            hf_logging.set_verbosity(verbosity)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers rejects the config: its reason, on one line
+        msg = str(e).strip().splitlines()
+        raise ConfigError(f"transformers' {CONFIG_MAPPING[arch].__name__} rejects this config: "
+                          f"{safe_text(msg[-1] if msg else type(e).__name__)}") from None
 
 
-_ATTENTION_ARCHS = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma3_text",
-                    "gpt_oss", "phi3", "granite", "olmo2", "smollm3"}
-_MLA_ARCHS = {"deepseek_v2", "deepseek_v3", "kimi_k2"}
-_HYBRID_ARCHS = {"bamba", "granitemoehybrid", "qwen3_next", "lfm2"}
-
-
-def _with_transformers_defaults(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """`cfg` (and its `text_config`) completed with the architecture's transformers defaults."""
+def _global(config: Any, key: str, ambiguous: Any) -> Any:
+    """A config attribute, or `ambiguous` where a heterogeneous config keeps it per layer only."""
     try:
-        from transformers import CONFIG_MAPPING
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return None
-
-    arch = cfg.get("model_type")
-    if arch not in CONFIG_MAPPING:
-        return None
-    try:  # the config class fills defaults and derives fields (layer_types ...) as transformers would
-        out = CONFIG_MAPPING[arch](**{k: v for k, v in cfg.items() if k != "model_type"}).to_dict()
-    except Exception:  # noqa: BLE001 - a config transformers itself rejects: keep the original error
-        return None
-    return {**out, "model_type": arch}
+        return getattr(config, key, None)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError
+        return ambiguous
 
 
-def _load_config(config: dict[str, Any] | str | Path) -> dict[str, Any]:
-    if isinstance(config, dict):
-        return config
-    path = Path(config)
-    if path.is_dir():
-        path = path / "config.json"
+def _check_layer_types(raw: dict[str, Any]) -> None:
+    types, n = raw.get("layer_types"), raw.get("num_hidden_layers")
+    if types is not None and n is not None and len(types) != n:
+        raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {n}")
+
+
+class _Reader:
+    """Reads geometry fields from a transformers config, noting those config.json left to defaults."""
+
+    def __init__(self, text: Any, raw: dict[str, Any]) -> None:
+        self.text, self.raw = text, raw
+        # attribute_map: the standard name -> the architecture's own (num_hidden_layers -> n_layer)
+        self.own_name = dict(getattr(text, "attribute_map", {}) or {})
+        self.filled: list[str] = []
+
+    def given(self, key: str) -> bool:
+        return any(self.raw.get(k) is not None for k in (key, self.own_name.get(key)) if k)
+
+    def get(self, layer: Any, key: str, derived: Any = None) -> Any:
+        """`key` of a (per-layer) config; absent from config.json and not derived -> noted as filled."""
+        value = getattr(layer, key, None)
+        if value is not None and not self.given(key) and value != derived and key not in self.filled:
+            self.filled.append(key)
+        return value
+
+    def int(self, layer: Any, key: str, derived: Any = None) -> int:
+        value = self.get(layer, key, derived)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"config of {self.text.model_type!r}: {key} must be a positive integer, got "
+                              f"{safe_text(repr(value))}")
+        return value
+
+
+def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view: str, view: str,
+            state_dtype: str | None) -> tuple[LayerSpec, ...]:
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    num_layers = reader.int(text, "num_hidden_layers")
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"no config.json at {path}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        types, kwargs = get_layer_types_and_kwargs(text)
+    except Exception as e:  # noqa: BLE001 - a config transformers cannot lay out
+        raise ConfigError(f"config of {arch!r}: transformers cannot derive its cache layers: "
+                          f"{safe_text(str(e).splitlines()[0] if str(e) else type(e).__name__)}") from None
+    types = list(types)
+    if len(types) != num_layers:
+        raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {num_layers}")
+    per_layer = text.per_layer_config
+    modules: dict[int, tuple[int, int, int]] = {}
+    if any(t in _ATTENTION_TYPES for t in types) and not _global(text, "kv_lora_rank", True):
+        from kvbridge.models.modules import module_kv_geometry
+        modules = module_kv_geometry(text, tuple(types))
+    out: list[LayerSpec] = []
+    recurrent: LayerSpec | None = None  # one recurrent geometry per model, derived once
+    for i, (lt, kw) in enumerate(zip(types, kwargs)):
+        try:
+            out.append(_layer(text, reader, per_layer[i], lt, kw, i, mla_view, view, state_dtype, recurrent,
+                              modules.get(i)))
+            recurrent = out[-1] if out[-1].is_recurrent else recurrent
+        except ConfigError as e:  # every refusal names the layer and its kind
+            if str(e).startswith("layer "):
+                raise
+            raise ConfigError(f"layer {i} ({lt}): {e}") from None
+    return tuple(out)
 
 
-def _field(cfg: dict[str, Any], key: str, arch: str) -> int:
-    value = cfg.get(key)
-    if value is None:
-        raise ConfigError(f"config of {arch or 'model'!r} lacks {key!r}")
-    return int(value)
+def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], i: int, mla_view: str, view: str,
+           state_dtype: str | None, previous: LayerSpec | None,
+           built: tuple[int, int, int] | None) -> LayerSpec:
+    if lt in _ATTENTION_TYPES:
+        window = None
+        if lt != "full_attention":
+            window = kw.get("sliding_window")
+            if window is None:
+                raise ConfigError(f"layer {i} is {lt} but config has no "
+                                  f"{'sliding_window' if lt == 'sliding_attention' else 'attention_chunk_size'}")
+            if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+                raise ConfigError(f"layer {i} is {lt} with window {safe_text(repr(window))}; needs an integer >= 2")
+        spec = _attention_layer(layer, reader, mla_view, window, i)
+        if built is not None and spec.kind != "mla" and built != (spec.num_kv_heads, spec.key_dim, spec.value_dim):
+            if built[0] > reader.int(layer, "num_attention_heads"):
+                raise ConfigError(f"layer {i}: transformers builds {built[0]} KV heads, more than the query heads")
+            # what transformers builds wins over what the config says (MiMo-V2 sliding layers)
+            spec = LayerSpec(spec.kind, built[0], built[1], built[2], spec.window)
+        return spec
+    if lt in ("linear_attention", "conv"):
+        if previous is not None:
+            return previous
+        from kvbridge.models.recurrent import recurrent_layer
+        return recurrent_layer(text.to_dict(), -1 if view == "engine" else 0, state_dtype, i, lt)
+    what = _REFUSED_TYPES.get(lt, "a cache layer kvbridge does not know")
+    declared = getattr(text, "layer_types", None)
+    if lt == "dummy" and isinstance(declared, (list, tuple)) and i < len(declared) and declared[i] in ("moe", "mlp"):
+        what = f"a {declared[i]} layer that holds no cache; kvbridge's spec has no stateless layer kind yet"
+    raise ConfigError(f"layer {i} has type {lt!r} ({what}); kvbridge cannot move it yet")
 
 
-def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> list[str]:
-    """Per-layer attention type, following each architecture's transformers convention."""
-    if cfg.get("layer_types"):
-        types = list(cfg["layer_types"])
-        if len(types) != num_layers:
-            raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {num_layers}")
-        return types
-    window = cfg.get("sliding_window")
-    if arch == "gemma2":
-        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
-    if arch in ("gemma3", "gemma3_text"):
-        pattern = int(cfg.get("sliding_window_pattern") or 6)
-        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
-    if arch in ("qwen2", "qwen3"):
-        if window and cfg.get("use_sliding_window"):
-            first = int(cfg.get("max_window_layers", num_layers))
-            return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-        return ["full_attention"] * num_layers
-    if window and cfg.get("use_sliding_window", True):
-        return ["sliding_attention"] * num_layers
-    return ["full_attention"] * num_layers
+def _attention_layer(layer: Any, reader: _Reader, mla_view: str, window: int | None, i: int) -> LayerSpec:
+    kv_lora = getattr(layer, "kv_lora_rank", None)
+    if kv_lora:
+        if window is not None:
+            raise ConfigError(f"layer {i} is MLA with a sliding window; kvbridge cannot move it yet")
+        lora = reader.int(layer, "kv_lora_rank")
+        rope = reader.int(layer, "qk_rope_head_dim")
+        return LayerSpec("mla", 1, lora + rope) if mla_view == "latent" else LayerSpec("mla", 1, lora, rope)
+    q_heads = reader.int(layer, "num_attention_heads")
+    kv_heads = _kv_heads(layer, reader, q_heads)
+    if kv_heads > q_heads:
+        raise ConfigError(f"layer {i}: {kv_heads} KV heads but only {q_heads} query heads")
+    hidden = getattr(layer, "hidden_size", None)
+    derived = hidden // q_heads if isinstance(hidden, int) and not isinstance(hidden, bool) else None
+    head_dim = reader.get(layer, "head_dim", derived)
+    if head_dim is None and getattr(layer, "dim_head", None) is not None:  # CPM-Ant's spelling
+        head_dim = reader.get(layer, "dim_head", derived)
+    if head_dim is None:
+        head_dim = reader.int(layer, "hidden_size") // q_heads
+        if head_dim < 1:
+            raise ConfigError(f"layer {i}: hidden_size {hidden} is smaller than {q_heads} heads")
+    elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+        raise ConfigError(f"layer {i}: head_dim must be a positive integer, got {safe_text(repr(head_dim))}")
+    value_dim = head_dim
+    if getattr(layer, "v_head_dim", None) is not None:  # values narrower or wider than keys (MiMo-V2)
+        value_dim = reader.int(layer, "v_head_dim", head_dim)
+    kind = "full" if window is None else "sliding"
+    return LayerSpec(kind, kv_heads, head_dim, value_dim, window)
+
+
+def _kv_heads(layer: Any, reader: _Reader, q_heads: int) -> int:
+    """KV heads as the architecture spells them: Falcon's `num_kv_heads` under its new decoder
+    architecture, else `multi_query` (one KV head, GPT-BigCode / Falcon), else num_key_value_heads
+    (or its attribute_map alias), else one per query head."""
+    if getattr(layer, "new_decoder_architecture", False) is True and getattr(layer, "num_kv_heads", None):
+        return reader.int(layer, "num_kv_heads", q_heads)
+    if getattr(layer, "multi_query", False) is True:
+        return 1
+    for key in ("num_key_value_heads", "num_kv_heads"):
+        if getattr(layer, key, None) is not None:
+            return reader.int(layer, key, q_heads)
+    return q_heads

@@ -9,6 +9,8 @@ Each recurrent layer's state is described as components sharded on their own:
 * Gated delta net conv `[Q | K | V]`: Q and K have `num_k_heads` units of `head_k_dim * rows`,
   V has `num_v_heads` units of `head_v_dim * rows`; the recurrent state has `num_v_heads` units
   of `head_k_dim * head_v_dim`.
+* Mamba1 (Mamba, Falcon-Mamba, Jamba): conv `intermediate` units of `rows`, SSM `intermediate`
+  units of `d_state` (one unit per expanded channel, vLLM's TP split).
 * Short conv (LFM2): one conv segment of `hidden_size` channels of `rows` values.
 
 `rows` is the conv kernel minus one as serving engines keep it, or the kernel as
@@ -33,15 +35,21 @@ def _get(cfg: dict[str, Any], *keys: str) -> int:
 
 
 def mamba2_state(cfg: dict[str, Any], rows: int, state_dtype: str | None) -> tuple[Component, ...]:
-    n_heads = _get(cfg, "mamba_n_heads", "mamba_num_heads")
-    if cfg.get("mamba_d_head") in (None, "auto") and cfg.get("mamba_head_dim") is None:
-        head_dim = int(cfg.get("mamba_expand", 2)) * _get(cfg, "hidden_size") // n_heads
-    else:
-        head_dim = _get(cfg, "mamba_d_head", "mamba_head_dim")
-    groups = _get(cfg, "mamba_n_groups", "n_groups")
-    d_state = _get(cfg, "mamba_d_state", "ssm_state_size")
+    n_heads = _get(cfg, "mamba_n_heads", "mamba_num_heads", "n_mamba_heads", "num_heads")
+    if _given(cfg, "mamba_d_head", "mamba_head_dim", "mamba_headdim"):
+        head_dim = _get(cfg, "mamba_d_head", "mamba_head_dim", "mamba_headdim")
+    elif "state_size" in cfg and _given(cfg, "head_dim"):  # the Mamba2 architecture's own names
+        head_dim = _get(cfg, "head_dim")
+    else:  # "auto": the expanded hidden size split over the heads
+        head_dim = _get(cfg, "mamba_expand", "expand") * _get(cfg, "hidden_size") // n_heads
+    groups = _get(cfg, "mamba_n_groups", "mamba_ngroups", "n_groups")
+    d_state = _get(cfg, "mamba_d_state", "ssm_state_size", "state_size")
     return (Component("conv_x", n_heads, head_dim * rows), Component("conv_b", groups, d_state * rows),
             Component("conv_c", groups, d_state * rows), Component("ssm", n_heads, head_dim * d_state, state_dtype))
+
+
+def _given(cfg: dict[str, Any], *keys: str) -> bool:
+    return any(cfg.get(k) not in (None, "auto") for k in keys)
 
 
 def gdn_state(cfg: dict[str, Any], rows: int, state_dtype: str | None) -> tuple[Component, ...]:
@@ -51,53 +59,52 @@ def gdn_state(cfg: dict[str, Any], rows: int, state_dtype: str | None) -> tuple[
             Component("conv_v", v_heads, v_dim * rows), Component("recurrent", v_heads, k_dim * v_dim, state_dtype))
 
 
+def mamba1_state(cfg: dict[str, Any], rows: int, state_dtype: str | None) -> tuple[Component, ...]:
+    """Mamba1 (selective scan): conv over the `intermediate` expanded channels and an SSM state of
+    `d_state` per channel; vLLM shards both over TP by channel (`mamba1_state_shape`:
+    `intermediate / TP` rows of `kernel - 1` and of `d_state`), so the channel is the unit."""
+    if _given(cfg, "mamba_expand"):  # Jamba: the mixer's width is mamba_expand * hidden_size
+        channels = _get(cfg, "mamba_expand") * _get(cfg, "hidden_size")
+    else:  # Mamba / Falcon-Mamba: intermediate_size (= expand * hidden_size)
+        channels = _get(cfg, "intermediate_size")
+    d_state = _get(cfg, "mamba_d_state", "state_size")
+    return (Component("conv_x", channels, rows), Component("ssm", channels, d_state, state_dtype))
+
+
 def short_conv_state(cfg: dict[str, Any], rows: int) -> tuple[Component, ...]:
     return (Component("conv", _get(cfg, "hidden_size"), rows),)
 
 
-def _attention(cfg: dict[str, Any]) -> LayerSpec:
-    q_heads = _get(cfg, "num_attention_heads")
-    kv_heads = int(cfg.get("num_key_value_heads") or q_heads)
-    head_dim = int(cfg.get("head_dim") or _get(cfg, "hidden_size") // q_heads)
-    return LayerSpec("full", kv_heads, head_dim, head_dim)
+# Which recurrent mixer a layer has, from the fields its config class defines. transformers gives
+# every recurrent layer the same cache class (LinearAttentionLayer) and no description of what its
+# conv and recurrent states hold, so this is the one place a table is needed: the first signal
+# field present names the state layout, whose geometry the functions above read.
+_SIGNALS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("gdn", ("linear_num_key_heads",), ("linear_conv_kernel_dim",)),
+    ("short_conv", ("conv_L_cache",), ("conv_L_cache",)),
+    ("mamba2", ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads"), ("mamba_d_conv", "conv_kernel")),
+    ("mamba2", ("n_groups",), ("conv_kernel",)),  # Mamba2's own names: num_heads, head_dim, n_groups, state_size
+    ("mamba1", ("mamba_d_state", "state_size"), ("mamba_d_conv", "conv_kernel")),  # no heads, no groups
+)
 
 
-def hybrid_layers(cfg: dict[str, Any], arch: str, num_layers: int, conv_rows_extra: int,
-                  state_dtype: str | None) -> tuple[LayerSpec, ...]:
-    """Per-layer specs of a hybrid model; `conv_rows_extra` is -1 (engine view) or 0 (transformers)."""
-    if arch in ("bamba", "granitemoehybrid"):
-        rows = _get(cfg, "mamba_d_conv", "conv_kernel") + conv_rows_extra
-        if cfg.get("layer_types"):
-            is_attn = [t in ("attention", "full_attention") for t in cfg["layer_types"]]
-        elif cfg.get("layers_block_type"):
-            is_attn = [t == "attention" for t in cfg["layers_block_type"]]
-        else:
-            attn = set(cfg.get("attn_layer_indices") or ())
-            is_attn = [i in attn for i in range(num_layers)]
-        state = mamba2_state(cfg, rows, state_dtype)
-        kind = "mamba2"
-    elif arch == "qwen3_next":
-        rows = _get(cfg, "linear_conv_kernel_dim") + conv_rows_extra
-        is_attn = [t == "full_attention" for t in cfg.get("layer_types") or
-                   ["full_attention" if (i + 1) % int(cfg.get("full_attention_interval", 4)) == 0
-                    else "linear_attention" for i in range(num_layers)]]
-        state = gdn_state(cfg, rows, state_dtype)
-        kind = "gdn"
-    elif arch == "lfm2":
-        rows = _get(cfg, "conv_L_cache") + conv_rows_extra
-        if cfg.get("layer_types"):
-            is_attn = [t == "full_attention" for t in cfg["layer_types"]]
-        else:
-            attn = set(cfg.get("full_attn_idxs") or ())
-            is_attn = [i in attn for i in range(num_layers)]
-        state = short_conv_state(cfg, rows)
-        kind = "short_conv"
-    else:  # pragma: no cover - guarded by the caller
-        raise ConfigError(f"no recurrent-state rules for {arch!r}")
-    if len(is_attn) != num_layers:
-        raise ConfigError(f"{arch}: {len(is_attn)} layer types for {num_layers} layers")
-    if rows < 1:
-        raise ConfigError(f"{arch}: conv kernel too small ({rows - conv_rows_extra})")
-    attention = _attention(cfg) if any(is_attn) else None
-    recurrent = LayerSpec("recurrent", state=state, recurrent_type=kind, conv_rows=rows)  # type: ignore[arg-type]
-    return tuple(attention if a else recurrent for a in is_attn)  # type: ignore[misc]
+def recurrent_layer(cfg: dict[str, Any], conv_rows_extra: int, state_dtype: str | None, index: int,
+                    layer_type: str) -> LayerSpec:
+    """The state of a recurrent layer (`cfg`: the text config with transformers' defaults);
+    `conv_rows_extra` is -1 (engine view: kernel - 1 columns) or 0 (transformers: kernel)."""
+    for kind, signals, kernel in _SIGNALS:
+        if _given(cfg, *signals):
+            rows = _get(cfg, *kernel) + conv_rows_extra
+            if rows < 1:
+                raise ConfigError(f"layer {index}: conv kernel {rows - conv_rows_extra} too small")
+            if kind == "gdn":
+                state = gdn_state(cfg, rows, state_dtype)
+            elif kind == "short_conv":
+                state = short_conv_state(cfg, rows)
+            elif kind == "mamba1":
+                state = mamba1_state(cfg, rows, state_dtype)
+            else:
+                state = mamba2_state(cfg, rows, state_dtype)
+            return LayerSpec("recurrent", state=state, recurrent_type=kind, conv_rows=rows)  # type: ignore[arg-type]
+    raise ConfigError(f"layer {index} has type {layer_type!r} (recurrent state of a mixer whose state layout "
+                      f"kvbridge does not know); kvbridge cannot move it yet")

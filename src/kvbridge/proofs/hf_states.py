@@ -27,11 +27,11 @@ def _conv_components(lspec: LayerSpec) -> list[int]:
     return [ci for ci, c in enumerate(lspec.state) if c.name.startswith("conv")]
 
 
-def hf_state_shapes(lspec: LayerSpec) -> tuple[tuple[int, int, int], tuple[int, int, int, int] | None]:
+def hf_state_shapes(lspec: LayerSpec) -> tuple[tuple[int, int, int], tuple[int, ...] | None]:
     """Shapes transformers gives a recurrent layer's `conv_states[0]` and `recurrent_states[0]` (batch 1).
 
     conv: `[1, sum of segment channels, conv_rows]`. Recurrent: Mamba2 `[1, heads, head_dim, d_state]`
-    (head_dim = conv_x's channels per head), GDN `[1, v_heads, k_head_dim, v_head_dim]` (k_head_dim =
+    (head_dim = conv_x's channels per head), Mamba1 `[1, intermediate, d_state]`, GDN `[1, v_heads, k_head_dim, v_head_dim]` (k_head_dim =
     conv_q's channels per head); short conv (LFM2) keeps none.
     """
     rows = lspec.conv_rows
@@ -49,6 +49,9 @@ def hf_state_shapes(lspec: LayerSpec) -> tuple[tuple[int, int, int], tuple[int, 
     if len(others) != 1 or others[0] != len(lspec.state) - 1:
         raise ConfigError(f"recurrent layer: expected conv components then one state, got "
                           f"{[c.name for c in lspec.state]}")
+    if lspec.recurrent_type == "mamba1":  # [1, intermediate, d_state]: one row per conv channel
+        s = lspec.state[others[0]]
+        return conv_shape, (1, s.heads, s.dim)
     if lspec.recurrent_type not in ("mamba2", "gdn"):
         raise ConfigError(f"transformers recurrent-state layout of {lspec.recurrent_type!r} layers is not known")
     s = lspec.state[others[0]]

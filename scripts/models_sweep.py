@@ -1,0 +1,59 @@
+"""Sweep every causal-LM architecture of the installed transformers through the transformers proof
+and write docs/models.md (see `kvbridge.proofs.model_sweep`). `make models` runs it.
+
+    python scripts/models_sweep.py [--only llama,mistral] [--out docs/models.md] [--json rows.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma-separated model_types (default: all)")
+    ap.add_argument("--out", default="docs/models.md")
+    ap.add_argument("--json", default="", help="also write the rows as JSON here")
+    ap.add_argument("--from-json", default="", help="render the rows of an earlier --json run, run nothing")
+    ap.add_argument("--timeout", type=int, default=240, help="seconds per architecture")
+    args = ap.parse_args()
+
+    warnings.filterwarnings("ignore")
+    import transformers
+    import transformers.utils.logging as hf_logging
+
+    from kvbridge.proofs.model_sweep import SweepRow, causal_lm_types, render_markdown, sweep_one
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    archs = [a for a in args.only.split(",") if a] or causal_lm_types()
+    t0 = time.perf_counter()
+    rows = []
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        if isinstance(saved, list):  # rows only: the time is their sum
+            saved = {"rows": saved, "seconds": sum(r["seconds"] for r in saved)}
+        rows = [SweepRow(**r) for r in saved["rows"]]
+        t0 -= saved["seconds"]
+        archs = []
+    for arch in archs:
+        row = sweep_one(arch, timeout=args.timeout)
+        rows.append(row)
+        print(f"{arch:28s} {row.status:8s} {row.seconds:6.1f}s {row.kinds} {row.detail}", flush=True)
+    seconds = time.perf_counter() - t0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(render_markdown(rows, transformers.__version__, seconds))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"seconds": seconds, "rows": [r.to_dict() for r in rows]}, indent=1))
+    bad = [r.arch for r in rows if r.status == "mismatch"]
+    print(f"{len(rows)} architectures in {seconds:.0f} s; wrote {args.out}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""Every causal-LM architecture of the installed transformers through the transformers proof.
+
+For each `model_type` in `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`: a tiny random config (the class's
+defaults with every size field that exists shrunk, layer patterns kept), its `ModelSpec`, and the
+proof (`run_demo`: prefill, move, decode, compare tokens and every cache bit with plain
+`generate`) on two shape pairs: TP1 -> TP2, and a harder one (TP3 -> TP2, blocks of 16 -> 8,
+HND -> NHD). The outcome is one row: moved (both pairs bit-exact), mismatch (ran, not exact: a
+bug), refused (one line naming the layer and kind) or error (the proof could not run it).
+`scripts/models_sweep.py` writes all rows to docs/models.md; tests run a bounded sample.
+"""
+
+from __future__ import annotations
+
+import signal
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvbridge.core.layout import EngineLayout
+from kvbridge.errors import ConfigError, IncompatibleEngines, KVBridgeError, ShardingError
+
+PAIRS: tuple[tuple[str, EngineLayout, EngineLayout], ...] = (
+    ("TP1->TP2", EngineLayout(tp_size=1, block_size=16, num_blocks=8), EngineLayout(tp_size=2, block_size=16, num_blocks=8)),
+    ("TP3/b16/HND->TP2/b8/NHD", EngineLayout(tp_size=3, block_size=16, num_blocks=8),
+     EngineLayout(tp_size=2, block_size=8, num_blocks=16, kv_order="NHD")),
+)
+# When a kind's units do not split over 3 ranks (one KV head, MQA), the harder pair falls back to this.
+FALLBACK_PAIR = ("TP4/b16/HND->TP2/b8/NHD", EngineLayout(tp_size=4, block_size=16, num_blocks=8),
+                 EngineLayout(tp_size=2, block_size=8, num_blocks=16, kv_order="NHD"))
+NUM_LAYERS = 4
+PROMPT_LEN = 40  # > the tiny sliding window / chunk (8), so windows drop tokens
+NEW_TOKENS = 4
+
+# Sizes of a tiny model, applied to whichever of these fields the architecture's config has.
+_TINY: dict[str, Any] = {
+    # 12 query and 6 KV heads of 8, so that TP 3 and TP 2 both divide them (a non-divisible pair)
+    "hidden_size": 96, "n_embd": 96, "d_model": 96, "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128,
+    "num_attention_heads": 12, "n_head": 12, "num_heads": 12, "num_key_value_heads": 6, "num_kv_heads": 6,
+    "head_dim": 8, "vocab_size": 256, "max_position_embeddings": 512, "n_positions": 512,
+    "sliding_window": 8, "attention_chunk_size": 8,
+    "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "qk_head_dim": 24, "index_head_dim": 16, "index_n_heads": 2,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+    "moe_intermediate_size": 64, "n_shared_experts": 1, "shared_expert_intermediate_size": 64,
+    "linear_num_key_heads": 6, "linear_num_value_heads": 12, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+    "linear_num_heads": 6, "linear_head_dim": 8,
+    # Mamba2: heads * head_dim = expand (2) * hidden; 6 groups split over 3 and 2 ranks
+    "mamba_n_heads": 12, "mamba_num_heads": 12, "mamba_d_head": 16, "mamba_head_dim": 16, "mamba_n_groups": 6,
+    "n_groups": 6, "mamba_d_state": 8, "ssm_state_size": 8, "state_size": 8, "mamba_dt_rank": 8,
+    "time_step_rank": 8, "n_mamba_heads": 12, "mamba_headdim": 16, "mamba_ngroups": 6,
+    "rotary_dim": 8, "dim_head": 8, "initializer_range": 0.2, "tie_word_embeddings": False, "is_decoder": True,
+}
+# Fields whose tiny value depends on the layer count and that no general rule derives.
+# Class defaults with no attention layer among the first few get one, so that generate can run.
+_TINY_EXTRA: dict[str, dict[str, Any]] = {
+    "gpt_neo": {"attention_types": [[["global", "local"], NUM_LAYERS // 2]]},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    "granitemoehybrid": {"layer_types": ["linear_attention"] * (NUM_LAYERS - 1) + ["full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv"] * (NUM_LAYERS - 1) + ["full_attention"]},
+}
+_NONE = ("bos_token_id", "eos_token_id")  # pad stays: some embeddings need a padding index
+SECONDS_PER_ARCH = 240
+
+
+@dataclass
+class SweepRow:
+    arch: str
+    status: str  # moved | mismatch | refused | error | skipped
+    kinds: str = ""
+    detail: str = ""
+    pairs: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def causal_lm_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _shrink_list(values: list[Any], n: int) -> list[Any]:
+    """A per-layer pattern cut to `n` layers, keeping every distinct entry it had (if n allows)."""
+    seen: list[Any] = []
+    for v in values:
+        if v not in seen:
+            seen.append(v)
+    out = list(values[:n])
+    for v in seen:  # a kind that first appears after layer n would vanish: put it at the end
+        if v not in out:
+            out[len(out) - 1 - seen.index(v) % len(out)] = v
+    return out
+
+
+def tiny_config(arch: str) -> Any:
+    """The architecture's config class with tiny sizes (only fields it has), float32, no special tokens."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[arch]
+    base = cls().to_dict()
+    if any(isinstance(base.get(k), dict) for k in ("text_config", "vision_config", "audio_config")):
+        raise _Skip("a multimodal wrapper: its text model is swept under its own model_type")
+    kw = {k: v for k, v in _TINY.items() if k in base}
+    if base.get("multi_query") is True:  # the architecture's MQA decides its KV heads
+        kw.pop("num_key_value_heads", None)
+    if "kv_lora_rank" in base:  # MLA configs use head_dim for the rope part
+        kw.pop("head_dim", None)
+        if "num_key_value_heads" in kw:  # MLA expands the latent to one K/V per query head
+            kw["num_key_value_heads"] = kw["num_attention_heads"]
+    layers_key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if k in base), None)
+    if layers_key:
+        kw[layers_key] = NUM_LAYERS
+    for key in ("layer_types", "layers_block_type"):
+        if isinstance(base.get(key), list) and base[key]:
+            kw[key] = _shrink_list(base[key], NUM_LAYERS)
+    for key in ("attn_layer_indices", "full_attn_idxs"):
+        if key in base:  # attention on the last layer only, the other kind before it (as derived by the class)
+            kw[key] = [NUM_LAYERS - 1]
+            if "layer_types" in base:
+                kw["layer_types"] = None
+    if "mamba_expand" in base or "expand" in base:  # Mamba2 heads * head_dim = expand * hidden
+        if "num_heads" in base and "state_size" in base:  # Mamba2's own names
+            kw["num_heads"], kw["head_dim"] = 12, 16
+    kw.pop("_", None)
+    kw.update(_TINY_EXTRA.get(arch, {}))
+    if isinstance(base.get("pad_token_id"), int):  # inside the tiny vocabulary
+        kw["pad_token_id"] = min(base["pad_token_id"], 255)
+    try:  # no special tokens, so that every run decodes exactly NEW_TOKENS
+        return cls(**kw, **{k: None for k in _NONE if k in base}, dtype="float32")
+    except Exception as first:  # noqa: BLE001 - the class may require them: keep them inside the tiny vocabulary
+        ids = {k: min(int(base[k]), 255) for k in _NONE if isinstance(base.get(k), int)}
+        try:
+            return cls(**kw, **ids, dtype="float32")
+        except Exception:  # noqa: BLE001 - not the tokens: the first reason is the one to report
+            raise first from None
+
+
+class _Skip(Exception):
+    pass
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(signum: int, frame: Any) -> None:
+    raise _Timeout()
+
+
+def _one_line(e: BaseException) -> str:
+    from kvbridge.models.untrusted import safe_text
+    text = str(e).strip().splitlines()
+    return safe_text(f"{type(e).__name__}: {text[0] if text else ''}" if not isinstance(e, KVBridgeError)
+                     else (text[0] if text else type(e).__name__), 240)
+
+
+def _kinds(spec: Any) -> str:
+    counts = Counter(layer.recurrent_type or (f"{layer.kind}(w={layer.window})" if layer.window else layer.kind)
+                     for layer in spec.layers)
+    return ", ".join(f"{n}x{k}" for k, n in counts.items())
+
+
+def sweep_one(arch: str, seed: int = 0, timeout: int = SECONDS_PER_ARCH) -> SweepRow:
+    """One architecture through config -> spec -> the proof on both pairs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvbridge.models import spec_from_hf_config
+    from kvbridge.proofs.local_demo import run_demo
+
+    t0 = time.perf_counter()
+    row = SweepRow(arch, "error")
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(timeout)
+    try:
+        config = tiny_config(arch)
+        spec = spec_from_hf_config(config.to_dict(), view="transformers", dtype="float32", warn=False)
+        row.kinds = _kinds(spec)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # a real prompt holds no padding: RoBERTa-style position ids skip pad tokens
+        special = {getattr(config, "pad_token_id", None)}
+        vocab = [t for t in range(int(config.get_text_config().vocab_size)) if t not in special]
+        prompt = [vocab[i] for i in torch.randint(0, len(vocab), (PROMPT_LEN,),
+                                                  generator=torch.Generator().manual_seed(seed)).tolist()]
+        with tempfile.TemporaryDirectory(prefix=f"kvbridge-{arch}-") as d:
+            model.save_pretrained(d)
+            del model
+            for name, prefill, decode in PAIRS:
+                try:
+                    pre_check(spec, prefill, decode)
+                except (IncompatibleEngines, ShardingError):
+                    name, prefill, decode = FALLBACK_PAIR
+                result = run_demo(d, prompt_ids=prompt, new_tokens=NEW_TOKENS, seed=seed, prefill=prefill,
+                                  decode=decode)
+                if not result.ok:
+                    row.status = "mismatch"
+                    row.detail = (f"{name}: cache {'bit-exact' if result.cache_equal else 'differs'}, greedy tokens "
+                                  f"{'match' if result.match else 'differ'}; " + "; ".join(result.cache_differences[:2]))
+                    return row
+                row.pairs.append(name)
+        row.status = "moved"
+    except _Skip as e:
+        row.status, row.detail = "skipped", str(e)
+    except _Timeout:
+        row.status, row.detail = "error", f"over {timeout} s"
+    except ConfigError as e:
+        row.status, row.detail = "refused", _one_line(e)
+    except Exception as e:  # noqa: BLE001 - any failure of a foreign architecture is a row, not a crash
+        row.status, row.detail = "error", _one_line(e)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+        row.seconds = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def pre_check(spec: Any, prefill: EngineLayout, decode: EngineLayout) -> None:
+    """Raise `IncompatibleEngines` when a layout cannot hold `spec` (units that do not split over its TP)."""
+    for layout in (prefill, decode):
+        layout.addressing(spec, 0)
+
+
+def representatives() -> dict[str, str]:
+    """One architecture per state kind: the bounded CI sample always runs these."""
+    return {"full": "llama", "sliding": "mistral", "sliding+full": "gemma2", "mla": "deepseek_v3",
+            "mamba1": "jamba", "mamba2": "bamba", "gdn": "qwen3_next", "short_conv": "lfm2", "mqa": "gpt_bigcode"}
+
+
+TP_RULES = """\
+## State kinds and how each is sharded over TP
+
+Each kind is split the way vLLM splits it (both sides of a move use the same rule; a TP pair is
+allowed when, per component, one of the unit count and the TP size divides the other, and ranks
+beyond the units hold replicas):
+
+| kind | what transformers caches | units sharded over TP |
+|---|---|---|
+| full | `DynamicLayer`: K and V `[heads, tokens, dim]` (key dim may differ from value dim) | KV heads (MQA: one head, replicated) |
+| sliding | `DynamicSlidingWindowLayer`: the last `window - 1` tokens | KV heads |
+| chunked (Llama 4) | `DynamicSlidingWindowLayer` with the chunk size as its window | KV heads |
+| mla | `DynamicLayer` holding the normalized latent and the rope part, one head each | none: every rank holds the whole latent |
+| mamba1 | conv `[intermediate, kernel]`, SSM `[intermediate, d_state]` | expanded channels (vLLM `mamba1_state_shape`) |
+| mamba2 | conv `[x \\| B \\| C, kernel]`, SSM `[heads, head_dim, d_state]` | x and SSM by heads, B and C by groups (replicated when TP > groups, vLLM `mamba_mixer2`) |
+| gdn | conv `[Q \\| K \\| V, kernel]`, state `[v_heads, k_dim, v_dim]` | Q, K by key heads; V and state by value heads (vLLM `qwen3_next`) |
+| short_conv | conv `[hidden, L_cache]` | hidden channels (vLLM `short_conv`) |
+
+Serving engines keep `kernel - 1` conv columns, transformers `kernel`; `spec_from_hf_config(view=...)`
+describes either.
+"""
+
+
+NOTES = """\
+## Reading the table
+
+* **moved**: both pairs bit-exact (every cache tensor, and the greedy tokens equal plain `generate`).
+* **refused**: one line; from the spec it names the layer and its kind (`indexed_attention`,
+  `hybrid`, `dummy`, an unknown recurrent mixer...); from the proof, its reason (for example a
+  model whose every layer is recurrent: the proof needs one attention layer to continue `generate`).
+* **mismatch**: the proof ran and something differed. The RoBERTa-style decoders here keep a
+  bit-exact cache; their tokens differ because the proof takes the first new token from a plain
+  forward, whose position ids (padding offset) differ from the ones `generate` passes.
+* **error**: the proof could not run the architecture: a tiny config its class rejects, or a
+  model whose cache is not a `DynamicCache` (encoder caches, no cache at all). The reason is shown.
+* **skipped**: multimodal wrappers; their text model is a row of its own.
+"""
+
+
+def render_markdown(rows: list[SweepRow], version: str, seconds: float) -> str:
+    counts = Counter(r.status for r in rows)
+    lines = [
+        "# Models: every causal LM of the installed transformers",
+        "",
+        "Generated by `scripts/models_sweep.py` (`make models`); do not edit by hand.",
+        f"transformers {version}; {len(rows)} architectures (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`) in {seconds:.0f} s.",
+        "",
+        "Each architecture: a tiny random config (its config class's defaults, sizes shrunk, "
+        f"{NUM_LAYERS} layers with every layer kind kept), its spec, and the transformers proof "
+        f"({PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens; greedy tokens and every cache bit compared with plain "
+        "`generate`) on " + " and ".join(f"`{p[0]}`" for p in PAIRS) + ".",
+        "",
+        "| status | count |", "|---|---|",
+        *[f"| {k} | {counts.get(k, 0)} |" for k in ("moved", "refused", "mismatch", "error", "skipped")],
+        "",
+        TP_RULES,
+        NOTES,
+        "## Every architecture",
+        "",
+        "| architecture | layer kinds | result | pairs / why not |", "|---|---|---|---|",
+    ]
+    for r in rows:
+        why = ", ".join(r.pairs) if r.status == "moved" else r.detail.replace("|", "/")
+        lines.append(f"| {r.arch} | {r.kinds or '-'} | {r.status} | {why} |")
+    return "\n".join(lines) + "\n"
