@@ -13,6 +13,8 @@ steps, and `prove_cache` is the one place they are written:
 
 from __future__ import annotations
 
+import inspect
+
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -87,7 +89,11 @@ def reference_tokens(model: PreTrainedModel, prompt_ids: Sequence[int], new_toke
 def prefill(model: PreTrainedModel, prompt_ids: Sequence[int]) -> tuple[DynamicCache, int]:
     """One forward over the prompt, as a prefill engine runs it: its cache and the greedy first token."""
     input_ids, mask = _input(prompt_ids)
-    out = model(input_ids, attention_mask=mask, use_cache=True)
+    extra = {}
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        # the positions `generate` passes; models such as RoBERTa's decoders default to others
+        extra["position_ids"] = mask.long().cumsum(-1) - 1
+    out = model(input_ids, attention_mask=mask, use_cache=True, **extra)
     return out.past_key_values, int(out.logits[0, -1].argmax())
 
 
