@@ -134,7 +134,7 @@ def _spec():
     import torch
 
     from kvbridge.proofs import tiny_models as hf
-    from kvbridge.proofs.connector_demo import _model_config
+    from kvbridge.proofs.workload import model_config as _model_config
     return hf.spec_for(_model_config("tiny-llama"), torch.float32)
 
 

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from kvbridge.transport.agent import _slot_offsets, _window_bounds, stream_windows
+from kvbridge.transport.staging import _slot_offsets, _window_bounds, stream_windows
 from kvbridge.transport.base import Runs
 from kvbridge.bench.transport import bench_transport, split_at_blocks
 from kvbridge.transport.notify import NOTIFY, Channel, PeerUnreachable

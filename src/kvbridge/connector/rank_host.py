@@ -407,7 +407,7 @@ def stop_all(processes: list[HostProcess], timeout: float = 5.0) -> None:
 def warm_copier() -> None:
     """Load the compiled run copier (numba's on-disk cache, its thread pool) before the first
     transfer, so that the first request's transfer time measures the transfer."""
-    from kvbridge.transport.local import copy_runs
+    from kvbridge.transport.copy import copy_runs
     buf = np.zeros(16, np.uint8)
     base = np.array([buf.ctypes.data], np.int64)
     one = np.zeros(1, np.int64)

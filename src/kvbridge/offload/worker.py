@@ -38,7 +38,7 @@ from kvbridge.offload.errors import SpecMismatch
 from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.spec import GPULoadStoreSpec, TransferSpec
 from kvbridge.offload.transfer import JobPlanner, JobRuns
-from kvbridge.transport.local import copy_runs
+from kvbridge.transport.copy import copy_runs
 
 STORE = ("GPU", "CPU")
 LOAD = ("CPU", "GPU")

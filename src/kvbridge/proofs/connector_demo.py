@@ -25,7 +25,6 @@ same prompt.
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import socket
 import time
@@ -50,6 +49,7 @@ from kvbridge.core.plan import Request, plan_request
 from kvbridge.core.spec import ModelSpec
 from kvbridge.proofs.rank_engines import DecodeEngine, PrefillEngine
 from kvbridge.proofs.results import DisaggregationResult
+from kvbridge.proofs.workload import Workload, block_tables, sized_layout, workload
 
 Mode = str  # "pull" | "push"
 
@@ -128,84 +128,6 @@ def _torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
-def _model_config(model: str) -> Any:
-    """The model's transformers config without loading weights (for spec and vocabulary)."""
-    from kvbridge.proofs.tiny_models import BUILTIN_MODELS
-    if model in BUILTIN_MODELS:
-        config = BUILTIN_MODELS[model]()
-    elif Path(model).is_dir():
-        from transformers import AutoConfig
-        config = AutoConfig.from_pretrained(model, local_files_only=True)
-    else:
-        raise ConfigError(f"unknown model {model!r}: not a local model directory; builtin models: "
-                          f"{', '.join(BUILTIN_MODELS)}")
-    config.name_or_path = model
-    return config
-
-
-@dataclass
-class _Workload:
-    """Request ids and prompts: the same on both hosts for the same arguments."""
-
-    model: str
-    spec: ModelSpec
-    ids: list[str]
-    prompts: list[list[int]]
-
-    @property
-    def lengths(self) -> list[int]:
-        return [len(p) for p in self.prompts]
-
-
-def _workload(model: str, prompt: Sequence[int] | int | None, prompt_ids: Sequence[int] | None,
-              prompt_len: int | None, seed: int, num_requests: int) -> _Workload:
-    from kvbridge.proofs.proof import make_prompt_ids
-    from kvbridge.proofs.tiny_models import spec_for
-    if prompt is not None and prompt_ids is not None:
-        raise InvalidRequest("give the prompt once: positional `prompt` or `prompt_ids`, not both")
-    if num_requests < 1:
-        raise InvalidRequest(f"num_requests must be >= 1, got {num_requests}")
-    if prompt is None:
-        prompt = prompt_ids if prompt_ids is not None else (32 if prompt_len is None else prompt_len)
-    config = _model_config(model)
-    spec = spec_for(config, torch.float32)
-    vocab = int(config.get_text_config().vocab_size)
-    prompts = [make_prompt_ids(prompt, vocab, seed + i) for i in range(num_requests)]
-    return _Workload(model, spec, [f"req-{seed}-{i}" for i in range(num_requests)], prompts)
-
-
-def _sized_layout(layout: EngineLayout | None, spec: ModelSpec, lengths: list[int], tp: int, side: str) -> EngineLayout:
-    """The given layout (checked to hold every request) or a default with room to scatter blocks."""
-    groups = len(spec.groups)
-    if layout is None:
-        need = groups * sum(math.ceil(n / 16) for n in lengths)
-        return EngineLayout(tp_size=tp, block_size=16, num_blocks=max(4, 2 * need + 2))
-    need = groups * sum(math.ceil(n / layout.block_size) for n in lengths)
-    if need > layout.num_blocks:
-        raise InvalidRequest(f"{side} layout has {layout.num_blocks} blocks of {layout.block_size} tokens; "
-                             f"{len(lengths)} request(s) of {sum(lengths)} tokens over {groups} KV-cache group(s) need "
-                             f"{need} (set num_blocks >= {need})")
-    return layout
-
-
-def _block_tables(spec: ModelSpec, layout: EngineLayout, lengths: list[int],
-                  rng: random.Random) -> list[tuple[tuple[int, ...], ...]]:
-    """Disjoint random block ids for every request and group (one permutation, sliced)."""
-    perm = list(range(layout.num_blocks))
-    rng.shuffle(perm)
-    out, at = [], 0
-    for n in lengths:
-        per = math.ceil(n / layout.block_size)
-        groups = []
-        for _ in spec.groups:
-            groups.append(tuple(perm[at:at + per]))
-            at += per
-        out.append(tuple(groups))
-    return out
-
-
-
-
 def local_address_towards(address: str) -> str:
     """This host's address on the route to `address` (a UDP connect sends no packet)."""
     host, port = parse_address(address)
@@ -239,7 +161,7 @@ def _releases_summary(releases: dict[int, list[tuple[str, str]]], ids: list[str]
 # Prefill work in the parent
 # -------------------------------------------------------------------------------------------------
 @torch.inference_mode()
-def _prefill(model_name: str, seed: int, work: _Workload, layout: EngineLayout,
+def _prefill(model_name: str, seed: int, work: Workload, layout: EngineLayout,
              tables: list[tuple[tuple[int, ...], ...]], fill_seed: int) -> tuple[list[int], list[list[np.ndarray]]]:
     """Run every request's prefill; returns first tokens and each prefill rank's region bytes."""
     from kvbridge.proofs.hf_cache import export_cache
@@ -272,7 +194,7 @@ def _plan_totals(spec: ModelSpec, prefill: EngineLayout, decode: EngineLayout, l
     return nbytes, nruns, seconds, warnings
 
 
-def _demo_result(work: _Workload, prefill: EngineLayout, decode: EngineLayout, new_tokens: int, transport: str,
+def _demo_result(work: Workload, prefill: EngineLayout, decode: EngineLayout, new_tokens: int, transport: str,
                  mode: Mode, results: dict[int, dict[str, dict[str, Any]]], decoded: dict[str, Any],
                  src_tables: list | None, dst_tables: list, firsts: list[int | None]) -> MultiProcessDemoResult:
     requests = []
@@ -313,7 +235,7 @@ def _demo_result(work: _Workload, prefill: EngineLayout, decode: EngineLayout, n
         bytes_measured=measured)
 
 
-def _decode_job(work: _Workload, model: str, seed: int, new_tokens: int, dst_tables: list, firsts: list,
+def _decode_job(work: Workload, model: str, seed: int, new_tokens: int, dst_tables: list, firsts: list,
                 ok_ids: set[str], dump: str | Path | None) -> dict[str, Any]:
     reqs = [{"id": rid, "prompt_ids": p, "block_ids": t, "first_token": f}
             for rid, p, t, f in zip(work.ids, work.prompts, dst_tables, firsts) if rid in ok_ids]
@@ -321,11 +243,11 @@ def _decode_job(work: _Workload, model: str, seed: int, new_tokens: int, dst_tab
             "dump": str(dump) if dump is not None and reqs and reqs[0]["id"] == work.ids[0] else None}
 
 
-def _leases(work: _Workload, tables: list, firsts: list[int | None]) -> list[rp.Lease]:
+def _leases(work: Workload, tables: list, firsts: list[int | None]) -> list[rp.Lease]:
     return [rp.Lease(rid, t, n, f) for rid, t, n, f in zip(work.ids, tables, work.lengths, firsts)]
 
 
-def _incoming(work: _Workload, tables: list, config: ConnectorConfig) -> list[rp.Incoming]:
+def _incoming(work: Workload, tables: list, config: ConnectorConfig) -> list[rp.Incoming]:
     return [rp.Incoming(rid, t, n, config.transfer_timeout) for rid, t, n in zip(work.ids, tables, work.lengths)]
 
 
@@ -378,16 +300,16 @@ def run_multiprocess_demo(transport: str = "shm", model: str = "tiny-llama", pro
     if new_tokens < 1:
         raise InvalidRequest(f"new_tokens must be >= 1, got {new_tokens}")
     t0 = time.monotonic()
-    work = _workload(model, prompt, prompt_ids, prompt_len, seed, num_requests)
-    prefill = _sized_layout(prefill, work.spec, work.lengths, 1, "prefill")
-    decode = _sized_layout(decode, work.spec, work.lengths, 2, "decode")
+    work = workload(model, prompt, prompt_ids, prompt_len, seed, num_requests)
+    prefill = sized_layout(prefill, work.spec, work.lengths, 1, "prefill")
+    decode = sized_layout(decode, work.spec, work.lengths, 2, "decode")
     if secret is None and not insecure:
         secret = generate_secret()  # both halves are ours: hand the per-run secret to each
     config = _demo_config(config, timeout, secret, None, insecure)
     _check_transport(transport)
     rng = random.Random(seed)
-    src_tables = _block_tables(work.spec, prefill, work.lengths, rng)
-    dst_tables = _block_tables(work.spec, decode, work.lengths, rng)
+    src_tables = block_tables(work.spec, prefill, work.lengths, rng)
+    dst_tables = block_tables(work.spec, decode, work.lengths, rng)
     ctx = process_context(MODEL_PRELOAD)
     pre: PrefillEngine | None = None
     dec: DecodeEngine | None = None
@@ -447,11 +369,11 @@ def run_prefill_server(listen: str = "127.0.0.1:5600", *, transport: str = "shm"
     host, _ = parse_address(listen)
     if host in ("0.0.0.0", "::", "*"):
         raise InvalidRequest(f"listen on a concrete address (peers connect to what rank 0 advertises), got {listen!r}")
-    work = _workload(model, prompt, prompt_ids, prompt_len, seed, num_requests)
-    prefill = _sized_layout(prefill, work.spec, work.lengths, 1, "prefill")
+    work = workload(model, prompt, prompt_ids, prompt_len, seed, num_requests)
+    prefill = sized_layout(prefill, work.spec, work.lengths, 1, "prefill")
     config = _demo_config(config, timeout, secret, secret_file, insecure)
     _check_transport(transport)
-    src_tables = _block_tables(work.spec, prefill, work.lengths, random.Random(seed))
+    src_tables = block_tables(work.spec, prefill, work.lengths, random.Random(seed))
     pre = PrefillEngine(process_context(), transport, "prefill", work.spec, prefill, mode, listen, config,
                         max_lifetime=4 * timeout + 60)
     try:
@@ -489,11 +411,11 @@ def run_decode_client(prefill: str = "127.0.0.1:5600", *, transport: str = "shm"
     if mode not in ("pull", "push"):
         raise InvalidRequest(f"mode must be 'pull' or 'push', got {mode!r}")
     t0 = time.monotonic()
-    work = _workload(model, prompt, prompt_ids, prompt_len, seed, num_requests)
-    decode = _sized_layout(decode, work.spec, work.lengths, 2, "decode")
+    work = workload(model, prompt, prompt_ids, prompt_len, seed, num_requests)
+    decode = sized_layout(decode, work.spec, work.lengths, 2, "decode")
     config = _demo_config(config, timeout, secret, secret_file, insecure)
     _check_transport(transport)
-    dst_tables = _block_tables(work.spec, decode, work.lengths, random.Random(seed + 7919))
+    dst_tables = block_tables(work.spec, decode, work.lengths, random.Random(seed + 7919))
     host = host or local_address_towards(prefill)
     dec = DecodeEngine(process_context(MODEL_PRELOAD), transport, "decode", work.spec, decode, mode, host, config,
                        max_lifetime=4 * timeout + 60)
@@ -515,7 +437,7 @@ def run_decode_client(prefill: str = "127.0.0.1:5600", *, transport: str = "shm"
                           firsts)
     result.prefill = remote.describe() if remote is not None else f"remote prefill engine at {prefill}"
     if remote is not None:  # what the plans move depends on the layouts and token counts, not on block ids
-        src_tables = _block_tables(work.spec, remote, work.lengths, random.Random(seed))
+        src_tables = block_tables(work.spec, remote, work.lengths, random.Random(seed))
         result.bytes_moved, result.num_runs, result.plan_seconds, result.warnings = _plan_totals(
             work.spec, remote, decode, work.lengths, src_tables, dst_tables)
     result.processes = decode.tp_size

@@ -1,9 +1,12 @@
 """Transports execute plans; they know nothing about models.
 
 - `cache`: `RankCache`, one rank's regions as torch tensors (what every engine registers).
-- `local`: one process (`LocalExecutor`, `execute_plan`, the compiled run copier `copy_runs`).
+- `copy`: every compiled copy kernel (`copy_runs` parallel, `copy_addresses` serial or parallel).
+- `local`: one process (`LocalExecutor`, `execute_plan`).
 - `base`: the `Transport` protocol every engine agent implements.
-- `agent`: what the engine agents share (validation, worker threads, deadlines, abort, staging).
+- `agent`: what the engine agents share (regions, metadata, peers, handles, worker and service
+  threads); `direct` and `staging`: the two ways a transfer moves (mixins of `Agent`).
+- `backoff`, `frame_auth`, `peer_meta`: waiting without spinning, signed frames, peer metadata bounds.
 - `shm`, `nixl`, `mooncake`: the agents (import them directly; the engines are optional extras).
 - `notify`: the ZMQ channel for notifications and staging control.
 """

@@ -18,7 +18,13 @@ import msgspec
 import numpy as np
 import torch
 
+from kvbridge.errors import KVBridgeError
+
 Op = Literal["read", "write"]
+
+
+class TransferFailed(KVBridgeError, RuntimeError):
+    """An engine reported a transfer failure; the message is the reason a handle carries."""
 
 
 class XferState(str, enum.Enum):

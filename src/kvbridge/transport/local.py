@@ -14,51 +14,13 @@ import time
 from collections.abc import Sequence
 from typing import Literal
 
-import numba
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 import numpy as np
 import torch
 
 from kvbridge.errors import InvalidRequest
+from kvbridge.transport.copy import copy_runs, int64_array
 from kvbridge.transport.cache import RankCache
 from kvbridge.core.plan import Plan
-
-
-@intrinsic
-def _memcpy(typingctx, dst_addr, src_addr, nbytes):  # pragma: no cover - compiled
-    """LLVM's memcpy between raw addresses; an intrinsic keeps `copy_runs` cacheable on disk."""
-    def codegen(context, builder, signature, args):
-        dst, src, n = args
-        cgutils.raw_memcpy(builder, builder.inttoptr(dst, cgutils.voidptr_t),
-                           builder.inttoptr(src, cgutils.voidptr_t), n, 1)
-        return context.get_dummy_value()
-    return types.void(types.int64, types.int64, types.int64), codegen
-
-
-@numba.njit(parallel=True, nogil=True, cache=True)
-def copy_runs(src_base, dst_base, src_region, src_off, dst_region, dst_off, length):  # pragma: no cover - compiled
-    """memcpy every run; regions are given by base address, so any process-visible memory works."""
-    for i in numba.prange(length.shape[0]):
-        _memcpy(dst_base[dst_region[i]] + dst_off[i], src_base[src_region[i]] + src_off[i], length[i])
-
-
-@numba.njit(nogil=True, cache=True)
-def copy_addresses_serial(src_addr, dst_addr, length):  # pragma: no cover - compiled
-    """memcpy `length[i]` bytes from `src_addr[i]` to `dst_addr[i]`, in the calling thread.
-
-    For copies that run beside a transfer engine (staging windows): a parallel region's OpenMP
-    threads spin after it ends, and on a small host that spinning took a quarter of the CPU the
-    engine's own threads needed. Releases the GIL, so concurrent windows copy in parallel.
-    """
-    for i in range(length.shape[0]):
-        _memcpy(dst_addr[i], src_addr[i], length[i])
-
-
-def int64_array(a: np.ndarray) -> np.ndarray:
-    """Contiguous, writable int64: one compiled signature for every caller."""
-    return np.require(a, np.int64, ["C", "W"])
 
 
 class LocalExecutor:

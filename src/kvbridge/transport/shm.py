@@ -4,7 +4,7 @@ Regions live in POSIX shared memory: files under /dev/shm, one per rank cache
 (`allocate_shared`), mapped `MAP_SHARED` and wrapped as torch tensors. An agent's metadata names
 each region's segment (by file name in /dev/shm, never a path) and offset; `connect` maps the
 peer's segments, so a transfer is the compiled
-run copier (`local.copy_runs`) between this process's regions and its mappings of the peer's:
+run copier (`copy.copy_runs`) between this process's regions and its mappings of the peer's:
 reads copy remote -> local, writes local -> remote. The copy runs on a worker thread (in pieces
 of at most 64 MiB, so an abort waits for one piece at most); `submit` returns at once.
 Notifications go through the agent's ZMQ channel after the copy finished.
@@ -43,7 +43,8 @@ from kvbridge.errors import InvalidRequest
 from kvbridge.core.layout import EngineLayout
 from kvbridge.transport.cache import RankCache, TORCH_DTYPES
 from kvbridge.core.spec import ModelSpec
-from kvbridge.transport.agent import Agent, AgentMeta, RegionInfo, copy_addresses, host_id
+from kvbridge.transport.agent import Agent, AgentMeta, RegionInfo, host_id
+from kvbridge.transport.copy import copy_addresses
 from kvbridge.transport.base import Op
 
 SHM_DIR = "/dev/shm"
