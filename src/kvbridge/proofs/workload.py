@@ -10,6 +10,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvbridge.core.layout import EngineLayout
