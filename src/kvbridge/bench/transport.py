@@ -157,7 +157,6 @@ def bench_transport(transport: str = "nixl", model: str = "llama-3-8b", num_toke
 
         # Who posts: each decode rank in its own process (read), or the prefill rank (write).
         p_stride = int(prefill.addressing(spec, 0).block_stride[0, 0])
-        one = np.array([0], np.int64)
         p_start = np.concatenate([[0], np.cumsum(share)[:-1]]).astype(np.int64)
 
         def pair(d: int, tag: str = "") -> tuple[str, str]:

@@ -109,5 +109,4 @@ def bench_vllm(model_dir: str | os.PathLike | None = None, prefill_tp: int = 1, 
     return out
 
 
-__all__ = ["Cluster", "Instance", "VllmDemoError", "bench_vllm", "free_ports", "kvbridge_transfer_config",
-           "nixl_transfer_config", "run_vllm_demo", "vllm_python"]
+__all__ = ["bench_vllm"]

@@ -10,10 +10,8 @@ block-id list per group, as vLLM's hybrid allocator does.
 from __future__ import annotations
 
 import hashlib
-import json
 from functools import cached_property
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 

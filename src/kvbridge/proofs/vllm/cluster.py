@@ -425,3 +425,7 @@ def workspace(workdir: str | os.PathLike | None, prefix: str) -> Iterator[tuple[
     yield work, owned
     if owned:
         shutil.rmtree(work, ignore_errors=True)
+
+
+__all__ = ["Cluster", "Instance", "VllmDemoError", "free_ports", "kvbridge_transfer_config", "median_seconds",
+           "model_directory", "nixl_transfer_config", "prompt_ids_for", "vllm_python", "workspace"]

@@ -96,3 +96,6 @@ def run_vllm_demo(model_dir: str | os.PathLike | None = None, prefill_tp: int = 
                 "wall_seconds": time.monotonic() - t_start, "workdir": None if own_dir else str(work),
             }
     return out
+
+
+__all__ = ["run_vllm_demo"]
