@@ -133,12 +133,14 @@ class Plan:
         """Whether some run converts elements (a byte-copying transport cannot execute it)."""
         return bool(len(self.convert)) and bool((self.convert >= 0).any())
 
-    def runs(self) -> dict[str, np.ndarray]:
-        return {name: getattr(self, name) for name in _RUN_FIELDS + _EXTRA_FIELDS}
+    def runs(self, conversion: bool = False) -> dict[str, np.ndarray]:
+        """The run arrays; with `conversion` also `src_length` and `convert` (a plan built from
+        runs without them copies bytes: `src_length = length`)."""
+        return {name: getattr(self, name) for name in _RUN_FIELDS + (_EXTRA_FIELDS if conversion else ())}
 
     def select(self, mask: np.ndarray) -> Plan:
         """The runs where `mask` holds (e.g. one rank pair), as a plan of its own."""
-        return Plan(self.spec, self.src, self.dst, {n: a[mask] for n, a in self.runs().items()},
+        return Plan(self.spec, self.src, self.dst, {n: a[mask] for n, a in self.runs(True).items()},
                     self.plan_seconds, self.conversions)
 
 
