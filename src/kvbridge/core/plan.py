@@ -104,7 +104,7 @@ class Plan:
         for name in _RUN_FIELDS:
             setattr(self, name, runs[name])
         self.src_length = runs.get("src_length", self.length)
-        self.convert = runs.get("convert", np.full(len(self.length), -1, dtype=np.int64))
+        self.convert = runs.get("convert", np.broadcast_to(np.int64(-1), self.length.shape))
         self.plan_seconds, self.conversions = plan_seconds, conversions
 
     @cached_property
@@ -131,7 +131,7 @@ class Plan:
     @property
     def needs_conversion(self) -> bool:
         """Whether some run converts elements (a byte-copying transport cannot execute it)."""
-        return bool(len(self.convert)) and bool((self.convert >= 0).any())
+        return bool(self.conversions) and bool((self.convert >= 0).any())
 
     def runs(self, conversion: bool = False) -> dict[str, np.ndarray]:
         """The run arrays; with `conversion` also `src_length` and `convert` (a plan built from
@@ -157,8 +157,9 @@ def plan_request(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, request:
         if not 0 <= d < dst.world_size:
             raise InvalidRequest(f"destination rank {d} outside {dst.describe_ranks()}")
         parts.append(_plan_rank(spec, src, dst, d, segments))
-    return Plan(spec, src, dst, _concat(parts, _RUN_FIELDS + _EXTRA_FIELDS), time.perf_counter() - t0,
-                _conversions(spec, src, dst)[0])
+    conversions = _conversions(spec, src, dst)[0]
+    return Plan(spec, src, dst, _concat(parts, _RUN_FIELDS + (_EXTRA_FIELDS if conversions else ())),
+                time.perf_counter() - t0, conversions)
 
 
 def _concat(parts: list[dict[str, np.ndarray]], fields: Sequence[str]) -> dict[str, np.ndarray]:
@@ -378,6 +379,7 @@ def _pieces(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int, src_c
 def _plan_rank(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int,
                segments: list[_Segments | None]) -> dict[str, np.ndarray]:
     cp = dst.rank_coords(d).cp
+    fields = _RUN_FIELDS[1:] + (_EXTRA_FIELDS if _conversions(spec, src, dst)[0] else ())
     cells = []
     for g, seg in enumerate(segments):
         if seg is None:
@@ -390,14 +392,13 @@ def _plan_rank(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int,
         for c, part in parts:
             pieces = _pieces(spec, src, dst, d, c)[g]
             if len(pieces) and len(part.n):
-                cells.append(_expand(pieces, part))
-    runs = _coalesce(_concat(cells, _RUN_FIELDS[1:] + _EXTRA_FIELDS)) if cells else {
-        n: np.zeros(0, np.int64) for n in _RUN_FIELDS[1:] + _EXTRA_FIELDS}
+                cells.append(_expand(pieces, part, len(fields) > len(_RUN_FIELDS) - 1))
+    runs = _coalesce(_concat(cells, fields)) if cells else {n: np.zeros(0, np.int64) for n in fields}
     runs["dst_rank"] = np.full(len(runs["length"]), d, dtype=np.int64)
     return runs
 
 
-def _expand(p: np.ndarray, seg: _Segments) -> dict[str, np.ndarray]:
+def _expand(p: np.ndarray, seg: _Segments, converting: bool) -> dict[str, np.ndarray]:
     """Runs of every piece x segment box, vectorized over the (piece, segment) grid.
 
     A box is `n` tokens x `m` heads of rows (`R` bytes on the destination, `Rs` on the source).
@@ -405,7 +406,8 @@ def _expand(p: np.ndarray, seg: _Segments) -> dict[str, np.ndarray]:
     form one span per token, and the tokens fuse too when the token stride equals that span. If
     each head's tokens are adjacent on both sides (HND-like) the tokens form one span per head,
     and the heads fuse when the head stride equals that span (a whole kernel block). Otherwise
-    every row is its own run.
+    every row is its own run. `converting`: also return `src_length` and `convert` (only pairs
+    with a conversion pay for them).
     """
     (s_rank, s_reg, s_base, s_bs, s_ts, s_hs, d_reg, d_base, d_bs, d_ts, d_hs, m, R, Rs, conv) = (
         p[:, i][:, None] for i in range(p.shape[1]))
@@ -420,9 +422,11 @@ def _expand(p: np.ndarray, seg: _Segments) -> dict[str, np.ndarray]:
     if whole.all():  # fast path: one run per box
         # Full-shape arrays reshape to writable views; broadcasts reshape to (writable) copies.
         flat = lambda a: a.reshape(-1) if a.shape == shape else np.broadcast_to(a, shape).reshape(-1)  # noqa: E731
-        return {"src_rank": flat(s_rank), "src_region": flat(s_reg), "src_offset": s_start.reshape(-1),
-                "dst_region": flat(d_reg), "dst_offset": d_start.reshape(-1), "length": flat(n * m * R),
-                "src_length": flat(n * m * Rs), "convert": flat(conv)}
+        out = {"src_rank": flat(s_rank), "src_region": flat(s_reg), "src_offset": s_start.reshape(-1),
+               "dst_region": flat(d_reg), "dst_offset": d_start.reshape(-1), "length": flat(n * m * R)}
+        if converting:
+            out |= {"src_length": flat(n * m * Rs), "convert": flat(conv)}
+        return out
     mixed = ~heads_inner & ~tokens_inner
     flat = lambda a: np.broadcast_to(a, shape).reshape(-1)  # noqa: E731
     c1 = flat(np.where(whole, 1, np.where(tokens_inner, m, n)))
@@ -435,16 +439,17 @@ def _expand(p: np.ndarray, seg: _Segments) -> dict[str, np.ndarray]:
     j = np.arange(cell.size) - np.repeat(np.cumsum(count) - count, count)
     c2r = c2[cell]
     i1, i2 = j // c2r, j % c2r
-    return {
+    out = {
         "src_rank": flat(s_rank)[cell],
         "src_region": flat(s_reg)[cell],
         "src_offset": s_start.reshape(-1)[cell] + i1 * st1_s[cell] + i2 * flat(s_hs)[cell],
         "dst_region": flat(d_reg)[cell],
         "dst_offset": d_start.reshape(-1)[cell] + i1 * st1_d[cell] + i2 * flat(d_hs)[cell],
         "length": (rows * flat(R))[cell],
-        "src_length": (rows * flat(Rs))[cell],
-        "convert": flat(conv)[cell],
     }
+    if converting:
+        out |= {"src_length": (rows * flat(Rs))[cell], "convert": flat(conv)[cell]}
+    return out
 
 
 def _coalesce(r: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -455,18 +460,21 @@ def _coalesce(r: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     if np.any(key[1:] < key[:-1]):
         order = np.argsort(key, kind="stable")
         r = {k: v[order] for k, v in r.items()}
+    src_length = r.get("src_length", r["length"])
     touches = ((r["dst_region"][1:] == r["dst_region"][:-1])
                & (r["dst_offset"][1:] == r["dst_offset"][:-1] + r["length"][:-1])
                & (r["src_rank"][1:] == r["src_rank"][:-1])
                & (r["src_region"][1:] == r["src_region"][:-1])
-               & (r["src_offset"][1:] == r["src_offset"][:-1] + r["src_length"][:-1])
-               & (r["convert"][1:] == r["convert"][:-1]))
+               & (r["src_offset"][1:] == r["src_offset"][:-1] + src_length[:-1]))
+    if "convert" in r:
+        touches &= r["convert"][1:] == r["convert"][:-1]
     if not touches.any():
         return r
     heads = np.flatnonzero(np.concatenate(([True], ~touches)))
     out = {k: v[heads] for k, v in r.items() if k not in ("length", "src_length")}
-    out["length"] = np.add.reduceat(r["length"], heads)
-    out["src_length"] = np.add.reduceat(r["src_length"], heads)
+    for k in ("length", "src_length"):
+        if k in r:
+            out[k] = np.add.reduceat(r[k], heads)
     return out
 
 
