@@ -520,3 +520,14 @@ def test_pp_stage_rank_outside_the_engine_is_refused():
     t = TransferTopology("D", spec, EngineLayout(tp_size=2))
     with pytest.raises(IncompatibleEngines, match="layer split"):
         t.register_remote_engine("P", EngineLayout(tp_size=2, pp_size=2, layer_split=(1, 2)))
+
+
+def test_a_peer_in_another_kv_dtype_is_refused_unless_the_executor_converts():
+    spec = ModelSpec.uniform(2, 4, 8)
+    t = TransferTopology("D", spec, EngineLayout(tp_size=2, kv_dtype="fp8"))
+    with pytest.raises(IncompatibleEngines, match="KV dtype or scales differ: local float8_e4m3fn, remote 'P' bfloat16"):
+        t.register_remote_engine("P", EngineLayout(tp_size=2))
+    assert t.remote_engine_ids == ()
+    c = TransferTopology("D", spec, EngineLayout(tp_size=2, kv_dtype="fp8"), converts=True)
+    c.register_remote_engine("P", EngineLayout(tp_size=2))
+    assert c.plan_pull("P", Request.single_group([0], [1], 8)).needs_conversion

@@ -329,6 +329,11 @@ def source_slices(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int,
     return tuple(out)
 
 
+def pair_conversions(spec: ModelSpec, src: EngineLayout, dst: EngineLayout) -> tuple[Conversion, ...]:
+    """The element conversions a transfer from `src` to `dst` needs (empty: bytes move as they are)."""
+    return _conversions(spec, src, dst)[0]
+
+
 @lru_cache(maxsize=256)
 def _conversions(spec: ModelSpec, src: EngineLayout,
                  dst: EngineLayout) -> tuple[tuple[Conversion, ...], dict[tuple[int, int], tuple[int, ...]]]:
@@ -498,5 +503,5 @@ def _stats(plan: Plan, seconds: float) -> PlanStats:
                      pair_bytes, seconds, warnings)
 
 
-__all__ = ["Conversion", "Plan", "PlanStats", "Request", "SourceSlice", "plan_request", "source_slices",
+__all__ = ["Conversion", "Plan", "pair_conversions", "PlanStats", "Request", "SourceSlice", "plan_request", "source_slices",
            "TINY_RUN_BYTES"]

@@ -36,7 +36,7 @@ import numpy as np
 from kvbridge.core.blocks import check_prefix_caching
 from kvbridge.errors import IncompatibleEngines, KVBridgeError, ShardingError
 from kvbridge.core.layout import EngineLayout
-from kvbridge.core.plan import Plan, Request, plan_request, source_slices
+from kvbridge.core.plan import Plan, Request, pair_conversions, plan_request, source_slices
 from kvbridge.core.shard import HeadSlice, assign_sources, head_range, overlapping_ranks
 from kvbridge.core.spec import ModelSpec
 
@@ -122,8 +122,13 @@ class TransferTopology:
     """Topology of one local rank against any number of remote engines."""
 
     def __init__(self, engine_id: str, spec: ModelSpec, layout: EngineLayout, tp_rank: int = 0, *,
-                 prefix_caching: bool = False, block_ids: Literal["logical", "kernel"] = "logical"):
+                 prefix_caching: bool = False, block_ids: Literal["logical", "kernel"] = "logical",
+                 converts: bool = False):
         """`tp_rank` is the local rank, flat (the TP rank when PP = PCP = 1, see `EngineLayout`).
+
+        `converts`: the executor converts KV dtypes on its copy path (the local executor does); a
+        byte-moving transport leaves it False, and a peer whose KV dtype or scales differ is then
+        refused at registration instead of receiving reinterpreted bytes.
 
         `block_ids="kernel"` declares that peers exchange vLLM's kernel-granular id lists; with
         a hybrid model, prefix caching and different kernel ratios that is refused at registration."""
@@ -134,7 +139,7 @@ class TransferTopology:
         self.coords = layout.rank_coords(tp_rank)
         self.tp_rank, self.pp_rank = self.coords.tp, self.coords.pp
         self.layers = layout.stage_layers(spec.num_layers, self.pp_rank)
-        self.prefix_caching, self.block_ids = prefix_caching, block_ids
+        self.prefix_caching, self.block_ids, self.converts = prefix_caching, block_ids, converts
         self.local = EngineTransferInfo(engine_id, layout, spec)
         self._remotes: dict[str, EngineTransferInfo] = {}
 
@@ -157,6 +162,11 @@ class TransferTopology:
             return known
         self.spec.check_compatible(spec, "local", f"remote {engine_id!r}")
         layout.check_model(spec, f"remote engine {engine_id!r}")
+        if not self.converts and pair_conversions(self.spec, layout, self.local.layout):
+            raise IncompatibleEngines(
+                f"KV dtype or scales differ: local {self.local.layout.kv_dtype or self.spec.dtype}, remote "
+                f"{engine_id!r} {layout.kv_dtype or spec.dtype} (or their k/v scales); this transport moves bytes "
+                f"only: convert with the local executor (converts=True) or run both sides in one KV dtype")
         if self.block_ids == "kernel":
             check_prefix_caching(self.local.kernel_blocks_per_block, info.kernel_blocks_per_block,
                                  spec.has_recurrent, self.prefix_caching)
