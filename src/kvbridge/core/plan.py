@@ -208,6 +208,12 @@ def _state_segment(g: int, src: EngineLayout, dst: EngineLayout, req: Request) -
                      state=True)
 
 
+def full_block_ids(layout: EngineLayout, group: int, ids: Sequence[int], num_tokens: int) -> np.ndarray:
+    """An id list over `[0, num_tokens)`, a clipped one padded in front with -1 (never read)."""
+    need = -(-num_tokens // layout.tokens_per_block_id(group))
+    return np.concatenate([np.full(max(0, need - len(ids)), -1, dtype=np.int64), np.asarray(ids, dtype=np.int64)])
+
+
 def _block_ids(side: str, g: int, layout: EngineLayout, ids: Sequence[int], num_tokens: int,
                first: int) -> np.ndarray:
     """A side's id list over `[0, num_tokens)`: full, or clipped to the blocks from `first` on.
@@ -222,7 +228,7 @@ def _block_ids(side: str, g: int, layout: EngineLayout, ids: Sequence[int], num_
         return arr
     fewest = need - first // per
     if fewest <= len(arr) < need:
-        return np.concatenate([np.full(need - len(arr), -1, dtype=np.int64), arr])
+        return full_block_ids(layout, g, arr, num_tokens)
     window = "" if fewest == need else f" (or at least the last {fewest}, clipped to the tokens kept)"
     raise InvalidRequest(
         f"{side} group {g}: {num_tokens} tokens with block size {layout.group_block_size(g)}"
@@ -503,5 +509,5 @@ def _stats(plan: Plan, seconds: float) -> PlanStats:
                      pair_bytes, seconds, warnings)
 
 
-__all__ = ["Conversion", "Plan", "pair_conversions", "PlanStats", "Request", "SourceSlice", "plan_request", "source_slices",
+__all__ = ["Conversion", "Plan", "full_block_ids", "pair_conversions", "PlanStats", "Request", "SourceSlice", "plan_request", "source_slices",
            "TINY_RUN_BYTES"]

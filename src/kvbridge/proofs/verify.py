@@ -24,7 +24,7 @@ import torch
 from kvbridge.core.layout import EngineLayout
 
 from kvbridge.transport.cache import TORCH_DTYPES, RankCache
-from kvbridge.core.plan import Plan, Request, plan_request
+from kvbridge.core.plan import Plan, Request, full_block_ids, plan_request
 from kvbridge.core.spec import Component, LayerSpec, ModelSpec
 from kvbridge.transport.local import LocalExecutor
 
@@ -129,8 +129,7 @@ def fill_source(caches: list[RankCache], block_ids: tuple[tuple[int, ...], ...],
 
 def _padded(layout: EngineLayout, group: int, ids: tuple[int, ...], num_tokens: int) -> np.ndarray:
     """A clipped id list put back in place (the dropped leading blocks hold no moved token)."""
-    need = -(-num_tokens // layout.tokens_per_block_id(group))
-    return np.concatenate([np.zeros(need - len(ids), dtype=np.int64), np.asarray(ids, dtype=np.int64)])
+    return full_block_ids(layout, group, ids, num_tokens)
 
 
 def expected_destination(before: list[RankCache], request: Request, src: EngineLayout | None = None,
@@ -241,10 +240,8 @@ def check_case(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, request: R
     plan = plan_request(spec, src, dst, request)
     LocalExecutor(src_caches, dst_caches, backend=backend).execute(plan)  # type: ignore[arg-type]
     mismatches = mismatch_report(dst_caches, expected)
-    # The request checksum hashes bytes of a TP-only engine: it has no meaning across a conversion
-    # and does not yet follow PP stages or CP token shards.
-    checksum = checksum and not plan.needs_conversion and all(
-        x.world_size == x.tp_size and x.cp_size == 1 for x in (src, dst))
+    # The request checksum hashes bytes: it has no meaning across a conversion.
+    checksum = checksum and not plan.needs_conversion
     if checksum:
         from kvbridge.core.integrity import verify_request
         mismatches += verify_request(src_caches, dst_caches, request)
