@@ -501,3 +501,14 @@ def test_axes_errors_are_one_line():
     with pytest.raises(InvalidRequest, match=r"need 2 block ids, got 3"):
         plan_request(spec, EngineLayout(block_size=4, dcp_size=2, tp_size=8, num_blocks=8), EngineLayout(num_blocks=4),
                      Request.single_group([0, 1, 2], [0], 16))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_verify_draws_every_axis_and_checks_it(seed):
+    """`verify`'s all-axes draw (what `kvbridge verify` should use): byte-exact, checksum when no conversion."""
+    import random
+
+    from kvbridge.proofs.verify import random_case
+    spec, src, dst, req = random_case(random.Random(seed * 7919), all_axes=True)
+    result = check_case(spec, src, dst, req, seed=seed, checksum=True)
+    assert result.ok, (result.mismatches, spec.describe(), src.describe(), dst.describe(), req)

@@ -22,6 +22,9 @@ conversion id (`convert`, an index into `Plan.conversions`; -1 = a byte copy) an
 differs from `length` (destination bytes). Such runs never span heads whose scales differ. The
 executor converts element by element on its copy path; a transport that only moves bytes must
 refuse a plan with `needs_conversion`.
+
+(Just over 500 lines: the planner is one pipeline — validate, segment, pieces, expand, coalesce —
+kept in one file so its vectorized steps read in order.)
 """
 
 from __future__ import annotations
