@@ -13,7 +13,7 @@ import pytest
 from kvbridge import EngineLayout, IncompatibleEngines, KVBridgeError, LayerSpec, ModelSpec, ShardingError
 from kvbridge.core.plan import Request, plan_request
 from kvbridge.core.shard import assign_sources, head_range, holders, overlapping_ranks
-from kvbridge.core.topology import TransferTopology
+from kvbridge.core.topology import StageInfo, TransferTopology
 
 
 def topo(local_tp: int, rank: int, remote_tp: int, heads: int = 8, mla: bool = False,
@@ -446,3 +446,88 @@ def test_plan_pull_and_push_partition_the_request():
         assert np.all(plan.src_rank == p)
         pushes += key(plan)
     assert sorted(pushes) == key(full)
+
+
+# --------------------------------------------------------------------------------------------
+# Pipeline and context parallel (shared/reference/topology.md §2.11, §4.O)
+# --------------------------------------------------------------------------------------------
+
+def test_remote_engine_per_pp_stage_and_what_each_rank_reads():
+    """P: TP 2 x PP 2 with vLLM's split "3,1"; D: TP 1. D reads layers 0-2 from the first stage's
+    two TP ranks and layer 3 from the second stage's."""
+    spec = ModelSpec.uniform(4, 4, 8)
+    d = TransferTopology("D", spec, EngineLayout(tp_size=1, num_blocks=8))
+    d.register_remote_engine("P", EngineLayout(tp_size=2, pp_size=2, layer_split=(3, 1), num_blocks=8))
+    assert d.remote_stages("P") == (StageInfo("P", 0, 0, 3, (0, 1)), StageInfo("P", 1, 3, 4, (2, 3)))
+    assert d.get_stage("P", 1).start_layer == 3
+    reads = {r.rank: (r.tp_rank, r.pp_rank, r.layers) for r in d.read_sources("P")}
+    assert reads == {0: (0, 0, (0, 1, 2)), 1: (1, 0, (0, 1, 2)), 2: (0, 1, (3,)), 3: (1, 1, (3,))}
+    assert d.handshake_target_ranks("P") == (0, 1, 2, 3)
+    req = Request.single_group([1, 2], [3, 4], 20)
+    plan = d.plan_pull("P", req)
+    assert set(plan.src_rank.tolist()) == {0, 1, 2, 3} and set(plan.dst_rank.tolist()) == {0}
+    assert "reads rank 2 (tp 0, pp 1, cp 0) layers 3" in d.describe()
+
+
+def test_decode_pp_rank_reads_only_its_layers_and_push_targets_follow():
+    spec = ModelSpec.uniform(4, 4, 8)
+    p_layout, d_layout = EngineLayout(tp_size=1, num_blocks=8), EngineLayout(tp_size=2, pp_size=2, num_blocks=8)
+    d = TransferTopology("D", spec, d_layout, 3)  # tp 1, pp 1: layers 2, 3
+    d.register_remote_engine("P", p_layout)
+    assert (d.tp_rank, d.pp_rank, d.layers) == (1, 1, (2, 4))
+    assert [(r.rank, r.layers) for r in d.read_sources("P")] == [(0, (2, 3))]
+    p = TransferTopology("P", spec, p_layout, 0)
+    p.register_remote_engine("D", d_layout)
+    assert p.reader_ranks("D") == (0, 1, 2, 3)
+    req = Request.single_group([1, 2], [3, 4], 20)
+    push = p.plan_push("D", req)
+    full = plan_request(spec, p_layout, d_layout, req)
+    assert push.nbytes == full.nbytes and set(push.dst_rank.tolist()) == {0, 1, 2, 3}
+    assert d.plan_pull("P", req).nbytes == int(full.length[full.dst_rank == 3].sum())
+
+
+@pytest.mark.parametrize(("local", "remote", "expected"), [
+    ((4, 1), (4, 4), [[0, 1, 2, 3]] * 4),
+    ((4, 4), (4, 4), [[0], [1], [2], [3]]),
+    ((8, 8), (4, 4), [[r % 4] for r in range(8)]),
+    ((2, 1), (8, 8), [list(range(8))] * 2),
+])
+def test_dcp_read_sets_are_vllms(local, remote, expected):
+    """§4.O: MLA with DCP on either side; local = decode reading the remote prefill."""
+    spec = ModelSpec.uniform(2, 1, 16, kinds=("mla",))
+    for r, want in enumerate(expected):
+        t = TransferTopology("D", spec, EngineLayout(tp_size=local[0], dcp_size=local[1], num_blocks=8), r)
+        t.register_remote_engine("P", EngineLayout(tp_size=remote[0], dcp_size=remote[1], num_blocks=8))
+        assert list(t.source_ranks("P")) == want, r
+        assert set(want) <= set(t.handshake_target_ranks("P"))
+
+
+def test_gqa_dcp_reads_the_replica_holding_the_tokens():
+    """K = 2, P: TP 4 with DCP 2 (ranks 0, 1 hold head 0, split by tokens); D: TP 1 reads all four."""
+    spec = ModelSpec.uniform(1, 2, 8)
+    t = TransferTopology("D", spec, EngineLayout(tp_size=1, num_blocks=8))
+    t.register_remote_engine("P", EngineLayout(tp_size=4, dcp_size=2, num_blocks=8))
+    assert t.source_ranks("P") == (0, 1, 2, 3)
+    t2 = TransferTopology("D", spec, EngineLayout(tp_size=4, dcp_size=2, num_blocks=8), 3)
+    t2.register_remote_engine("P", EngineLayout(tp_size=1, num_blocks=8))
+    assert t2.source_ranks("P") == (0,)
+
+
+def test_pp_stage_rank_outside_the_engine_is_refused():
+    spec = ModelSpec.uniform(4, 4, 8)
+    with pytest.raises(ShardingError, match=r"the engine's 4 ranks \(TP 2 x PCP 1 x PP 2\)"):
+        TransferTopology("D", spec, EngineLayout(tp_size=2, pp_size=2), 4)
+    t = TransferTopology("D", spec, EngineLayout(tp_size=2))
+    with pytest.raises(IncompatibleEngines, match="layer split"):
+        t.register_remote_engine("P", EngineLayout(tp_size=2, pp_size=2, layer_split=(1, 2)))
+
+
+def test_a_peer_in_another_kv_dtype_is_refused_unless_the_executor_converts():
+    spec = ModelSpec.uniform(2, 4, 8)
+    t = TransferTopology("D", spec, EngineLayout(tp_size=2, kv_dtype="fp8"))
+    with pytest.raises(IncompatibleEngines, match="KV dtype or scales differ: local float8_e4m3fn, remote 'P' bfloat16"):
+        t.register_remote_engine("P", EngineLayout(tp_size=2))
+    assert t.remote_engine_ids == ()
+    c = TransferTopology("D", spec, EngineLayout(tp_size=2, kv_dtype="fp8"), converts=True)
+    c.register_remote_engine("P", EngineLayout(tp_size=2))
+    assert c.plan_pull("P", Request.single_group([0], [1], 8)).needs_conversion

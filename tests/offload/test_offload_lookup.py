@@ -70,3 +70,19 @@ def test_request_hits_full_and_sliding_groups():
     assert request_hits([full, slide], [None, 8], 4, 13, Lookup(hits=full + slide[:2], retry=slide[2:])) is None
     # A full-attention-only model may hit every full block.
     assert request_hits([full], [None], 4, 12, Lookup(hits=full)) == 12
+
+
+def test_groups_with_different_block_sizes():
+    """vLLM's test_two_groups_different_block_sizes shape: groups of 12- and 16-token blocks,
+    everything offloaded up to 96 tokens. A 48-token prompt hits all 48 (4 and 3 blocks); an
+    85-token prompt with 48 computed hits 80: group 1 covers 5 blocks of 16, group 0 then loads
+    its blocks up to token 80 (blocks 4..6)."""
+    g0 = [("a", i) for i in range(8)]
+    g1 = [("b", i) for i in range(6)]
+    look = Lookup(hits=g0 + g1)
+    assert request_hits([g0[:4], g1[:3]], [None, None], [12, 16], 48, look) == 48
+    assert request_hits([g0[:7], g1[:5]], [None, None], [12, 16], 85, look, num_computed_tokens=48) == 80
+    # one size for both: group 1's 5 keys read as 12-token blocks cover only 60 tokens
+    assert request_hits([g0[:7], g1[:5]], [None, None], 12, 85, look, num_computed_tokens=48) == 60
+    with pytest.raises(ValueError, match="one block size >= 1 per group"):
+        request_hits([g0, g1], [None, None], [12], 48, look)

@@ -6,7 +6,7 @@ import pytest
 
 from kvbridge.offload.errors import OffloadStateError
 from kvbridge.offload.keys import make_offload_key, split_offload_key
-from kvbridge.offload.manager import FilterReusedManager, OffloadingManager
+from kvbridge.offload.manager import FilterReusedManager, LookupResult, OffloadingManager
 from kvbridge.offload.policy import ARCPolicy
 
 
@@ -30,13 +30,16 @@ def events(m) -> list[tuple[bool, set[bytes]]]:
 
 
 def test_lru_vector():
+    """vLLM's current test_cpu_manager: a completed load makes 2 and 3 recent, so 4, 5, 2 go first."""
     m = OffloadingManager(4, "lru", block_size=256)
     out = m.prepare_store(h(1, 2))  # 1
     assert (out.keys_to_store, ids(out), out.evicted_keys) == (h(1, 2), [0, 1], [])
     assert m.lookup(h(1, 2)) == 0 and m.take_events() == []  # 2: not ready, no events yet
+    assert [m.lookup_result(k) for k in h(1, 2)] == [LookupResult.HIT_PENDING] * 2
     m.complete_store(h(1, 2))  # 3
     assert events(m) == [(False, set(h(1, 2)))]
     assert (m.lookup(h(1)), m.lookup(h(1, 2)), m.lookup(h(1, 2, 3))) == (1, 2, 2)  # 4
+    assert [m.lookup_result(k) for k in h(1, 2, 3)] == [LookupResult.HIT] * 2 + [LookupResult.MISS]
     out = m.prepare_store(h(2, 3, 4, 5))  # 5
     assert (out.keys_to_store, ids(out), out.evicted_keys) == (h(3, 4, 5), [2, 3, 0], h(1))
     assert events(m) == [(True, set(h(1)))]
@@ -44,18 +47,54 @@ def test_lru_vector():
     m.complete_store(h(2, 3, 4, 5))  # 7
     assert ids(m.prepare_load(h(2, 3))) == [1, 2]  # 8
     assert m.prepare_store(h(6, 7, 8)) is None  # 9: 2 and 3 are being read
-    m.complete_load(h(2, 3))  # 10
+    m.complete_load(h(2, 3))  # 10: the completed load is a use
     out = m.prepare_store(h(6, 7, 8))
-    assert (out.keys_to_store, ids(out), out.evicted_keys) == (h(6, 7, 8), [3, 2, 1], h(2, 3, 4))
+    assert (out.keys_to_store, ids(out), out.evicted_keys) == (h(6, 7, 8), [1, 0, 3], h(4, 5, 2))
     m.complete_store(h(6, 7, 8))  # 11
-    m.touch(h(5, 6, 7))
-    assert list(m.policy.blocks) == h(8, 7, 6, 5)
+    m.touch(h(3, 6, 7))
+    assert list(m.policy.evictable) == h(8, 7, 6, 3)
     out = m.prepare_store(h(9))  # 12
-    assert (ids(out), out.evicted_keys) == ([1], h(8))
+    assert (ids(out), out.evicted_keys) == ([3], h(8))
     m.complete_store(h(7, 9), success=False)  # 13
     assert (m.lookup(h(7)), m.lookup(h(9))) == (1, 0)
-    assert events(m) == [(False, set(h(3, 4, 5))), (True, set(h(2, 3, 4))), (False, set(h(6, 7, 8))),
+    assert events(m) == [(False, set(h(3, 4, 5))), (True, set(h(4, 5, 2))), (False, set(h(6, 7, 8))),
                          (True, set(h(8)))]  # 14
+
+
+def test_lru_touch_skips_blocks_in_flight():
+    """A block being written or read is not on the eviction list; touch leaves it, and it joins
+    the most-recent end when its store (or its last load) completes."""
+    m = OffloadingManager(4, "lru")
+    stored(m, 1, 2)
+    m.prepare_store(h(3))
+    m.touch(h(3, 1))  # 3 is pending: only 1 moves
+    assert list(m.policy.evictable) == h(2, 1)
+    m.complete_store(h(3))
+    assert list(m.policy.evictable) == h(2, 1, 3)
+    m.prepare_load(h(2))
+    m.prepare_load(h(2))  # two readers
+    m.touch(h(2))
+    assert list(m.policy.evictable) == h(1, 3)
+    m.complete_load(h(2))
+    assert list(m.policy.evictable) == h(1, 3)  # still read by one
+    m.complete_load(h(2))
+    assert list(m.policy.evictable) == h(1, 3, 2)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_pending_store_answers_retry(policy):
+    """vLLM's HIT_PENDING: the per-key lookup says "ask again" (None) until the store completes."""
+    from kvbridge.offload.lookup import request_hits
+
+    m = OffloadingManager(8, policy)
+    stored(m, 1)
+    m.prepare_store(h(2))
+    assert (m.lookup_key(h(1)[0]), m.lookup_key(h(2)[0]), m.lookup_key(h(3)[0])) == (True, None, False)
+    assert request_hits([h(1, 2)], [None], 16, 40, m.lookup_key) is None
+    m.complete_store(h(2))
+    assert request_hits([h(1, 2)], [None], 16, 40, m.lookup_key) == 32
+    f = FilterReusedManager(m)
+    assert f.lookup_key(h(2)[0]) is True
 
 
 def test_failed_store_frees_the_slot():

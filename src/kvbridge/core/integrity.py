@@ -7,6 +7,10 @@ rank, the sum over the rows that rank must hold, each source rank adding only th
 to that rank (the rank the plan reads them from), so replicated source heads count once. Each destination rank
 sums every row it holds, replicas included. Equal sums mean every row arrived intact and in its
 place (a row in the wrong place changes its coordinates' weights); a mismatch names the rank.
+
+A rank holds the layers of its PP stage and the tokens of its CP rank; which source rank serves
+which (layer, head, token) to which destination rank is the planner's `source_slices`. Bytes are
+hashed, so a transfer that converts the KV dtype has no checksum (its proof is element-wise).
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvbridge.core.layout import EngineLayout
-from kvbridge.core.plan import Request
-from kvbridge.core.shard import head_range, preferred_holder
+from kvbridge.core.plan import Request, full_block_ids, source_slices
+from kvbridge.core.spec import ModelSpec
 
 if TYPE_CHECKING:  # the caches are the engines' torch tensors; the core only reads their bytes
     from kvbridge.transport.cache import RankCache
@@ -63,10 +67,13 @@ def _bytes(t: Any, rows: int) -> np.ndarray:
 
 
 def _rank_rows(cache: RankCache, block_ids: tuple[tuple[int, ...], ...], request: Request):
-    """Yield (layer, comp, global heads of each row, row hashes) for the rows this rank holds."""
-    spec, a = cache.spec, cache.addr
-    for li, layer in enumerate(spec.layers):
-        ids = block_ids[spec.layer_group[li]]
+    """Yield (layer, comp, global heads of each row, token of each row or None, row hashes) for
+    the rows this rank holds (its stage's layers, its CP rank's tokens)."""
+    spec, a, layout = cache.spec, cache.addr, cache.layout
+    coords = layout.rank_coords(cache.rank)
+    for li in range(*layout.stage_layers(spec.num_layers, coords.pp)):
+        layer, g = spec.layers[li], spec.layer_group[li]
+        ids = block_ids[g]
         for ci in range(len(layer.components)):
             h0, nh = int(a.first_head[li, ci]), int(a.heads[li, ci])
             heads = np.arange(h0, h0 + nh, dtype=np.int64)
@@ -74,16 +81,18 @@ def _rank_rows(cache: RankCache, block_ids: tuple[tuple[int, ...], ...], request
                 if request.num_cached_tokens >= request.num_tokens:
                     continue
                 data = _bytes(cache.read_state(li, ci, ids[-1], as_int=True), nh)
-                coords, row_heads = heads, heads
+                where, row_heads, row_pos = heads, heads, None
             else:
                 start = max(request.num_cached_tokens, layer.tokens_kept(request.num_tokens))
                 pos = np.arange(start, request.num_tokens, dtype=np.int64)
+                pos = pos[layout.token_owner(pos, g) == coords.cp]
                 if not len(pos):
                     continue
-                data = _bytes(cache.read_tokens(li, ci, ids, pos, as_int=True), len(pos) * nh)  # [T*H, D bytes]
-                coords = (pos[:, None] * 65536 + heads[None, :]).reshape(-1)
-                row_heads = np.tile(heads, len(pos))
-            yield li, ci, row_heads, _row_hashes(data, li, ci, coords)
+                full = full_block_ids(layout, g, ids, request.num_tokens)
+                data = _bytes(cache.read_tokens(li, ci, full, pos, as_int=True), len(pos) * nh)  # [T*H, D bytes]
+                where = (pos[:, None] * 65536 + heads[None, :]).reshape(-1)
+                row_heads, row_pos = np.tile(heads, len(pos)), np.repeat(pos, nh)
+            yield li, ci, row_heads, row_pos, _row_hashes(data, li, ci, where)
 
 
 def _sum(x: np.ndarray) -> int:
@@ -101,7 +110,7 @@ def source_checksums(caches: list[RankCache], request: Request, dst: EngineLayou
     The sum over source ranks of their `contribution_checksums`: every row a destination rank
     holds counts once, on the source rank that serves it, replicated source heads included.
     """
-    out = [0] * dst.tp_size
+    out = [0] * dst.world_size
     for cache in caches:
         out = [(a + b) & _MASK for a, b in zip(out, contribution_checksums(cache, request, dst))]
     return out
@@ -110,24 +119,39 @@ def source_checksums(caches: list[RankCache], request: Request, dst: EngineLayou
 def contribution_checksums(cache: RankCache, request: Request, dst: EngineLayout) -> list[int]:
     """One source rank's share of each destination rank's expected checksum.
 
-    A row counts on the source rank that *serves* it to that destination rank (`shard.preferred_holder`, the rank the transfer plan
-    reads it from), so every destination rank's expectation is the sum of the contributions of
-    exactly the source ranks it talks to, and each can be sent with that rank's announcement.
-    Only `request.src_block_ids`, `num_tokens` and `num_cached_tokens` are used.
+    A row counts on the source rank that *serves* it to that destination rank (`plan.source_slices`,
+    the rank the transfer plan reads it from), so every destination rank's expectation is the sum of
+    the contributions of exactly the source ranks it talks to, and each can be sent with that rank's
+    announcement. Only `request.src_block_ids`, `num_tokens` and `num_cached_tokens` are used.
     """
-    spec = cache.spec
-    src_tp = cache.layout.tp_size
-    out = [0] * dst.tp_size
-    for li, ci, row_heads, hashes in _rank_rows(cache, request.src_block_ids, request):
-        layer, comp = spec.layers[li], spec.layers[li].components[ci]
-        for d in range(dst.tp_size):
-            d0, d1 = head_range(comp.heads, dst.tp_size, d, layer.replicated)
-            served = np.zeros(comp.heads, dtype=bool)
-            for h in range(d0, d1):
-                served[h] = preferred_holder(comp.heads, src_tp, dst.tp_size, d, h, layer.replicated) == cache.rank
-            sel = served[row_heads]
+    spec, src = cache.spec, cache.layout
+    my_cp = src.rank_coords(cache.rank).cp
+    rows = list(_rank_rows(cache, request.src_block_ids, request))
+    out = [0] * dst.world_size
+    for d in range(dst.world_size):
+        d_cp = dst.rank_coords(d).cp
+        # Tokens: what d reads from the CP rank holding them (ours); state: from CP rank d_cp % cp_size.
+        served = {False: _served(spec, src, dst, d, my_cp, cache.rank),
+                  True: _served(spec, src, dst, d, d_cp % src.cp_size, cache.rank)}
+        for li, ci, row_heads, row_pos, hashes in rows:
+            mask = served[row_pos is None].get((li, ci))
+            if mask is None:
+                continue
+            sel = mask[row_heads]
+            if row_pos is not None:
+                sel &= dst.token_owner(row_pos, spec.layer_group[li]) == d_cp
             out[d] = (out[d] + _sum(hashes[sel])) & _MASK
     return out
+
+
+def _served(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int, src_cp: int, rank: int) -> dict[tuple[int, int], np.ndarray]:
+    """(layer, comp) -> heads that source `rank` serves to destination rank `d` for CP rank `src_cp`."""
+    served: dict[tuple[int, int], np.ndarray] = {}
+    for sl in source_slices(spec, src, dst, d, src_cp):
+        if sl.src_rank == rank:
+            heads = spec.layers[sl.layer].components[sl.comp].heads
+            served.setdefault((sl.layer, sl.comp), np.zeros(heads, dtype=bool))[sl.start:sl.stop] = True
+    return served
 
 
 def verify_request(src: list[RankCache], dst: list[RankCache], request: Request) -> list[str]:

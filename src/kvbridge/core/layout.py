@@ -1,32 +1,57 @@
 """Physical layouts: where each (layer, component, block, token, head) row lives in memory.
 
-An `EngineLayout` is what every rank of one engine shares: TP size, block size, kernel blocks
-per logical block, order inside a block (NHD token-major, HND head-major), K/V placement and
-whether regions are per layer or one cross-layer region. For one rank it resolves to an
-`Addressing` table: for every (layer, component) a region and the byte strides of
-block, token and head. Everything downstream (planner, executors, the transformers bridge,
+An `EngineLayout` is what every rank of one engine shares: its parallel shape (TP x PP x PCP,
+with DCP inside TP), block size (one per KV-cache group if they differ), kernel blocks per
+logical block, order inside a block (NHD token-major, HND head-major), K/V placement, whether
+regions are per layer or one cross-layer region, and the KV dtype with its scales. For one rank
+it resolves to an `Addressing` table: for every (layer, component) a region and the byte strides
+of block, token and head. Everything downstream (planner, executors, the transformers bridge,
 verification) addresses memory through that table and nothing else, so a layout is described
 exactly once.
+
+Ranks. An engine's ranks are numbered flat, as vLLM numbers its world (TP fastest, then PCP,
+then PP): `rank = (pp_rank * pcp_size + pcp_rank) * tp_size + tp_rank`; the DCP rank is
+`tp_rank % dcp_size` and the CP rank (which tokens a rank holds) `pcp_rank * dcp_size + dcp_rank`.
+With PP = PCP = 1 the flat rank is the TP rank, so executors that index caches by rank, and
+every plan of a TP-only pair, are unchanged. A rank holds the layers of its PP stage only: its
+regions are those layers' regions, numbered from 0 in layer order.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import msgspec
 import numpy as np
 
-from kvbridge.errors import InvalidRequest, IncompatibleEngines
-from kvbridge.core.shard import check_shardable, head_range
-from kvbridge.core.spec import ModelSpec
+from kvbridge.errors import InvalidRequest, IncompatibleEngines, KVBridgeError
+from kvbridge.core.shard import check_dcp, check_shardable, cp_slots, head_range, pp_layer_range
+from kvbridge.core.spec import ModelSpec, normalize_dtype
 
 KVOrder = Literal["NHD", "HND"]
 KVPlacement = Literal["kv_first", "blocks_first"]
 LayerPlacement = Literal["per_layer", "cross_layer"]
 
+class RankCoords(NamedTuple):
+    """Where a flat rank sits in its engine."""
+
+    tp: int
+    pp: int
+    pcp: int
+    dcp: int
+    cp: int  # pcp * dcp_size + dcp: which tokens it holds
+
+
 class EngineLayout(msgspec.Struct, frozen=True):
-    """How one engine (all its TP ranks) lays out its paged KV cache."""
+    """How one engine (all its ranks) lays out its paged KV cache.
+
+    `layer_split` is vLLM's `VLLM_PP_LAYER_PARTITION` (empty: vLLM's even split).
+    `group_block_sizes` gives each KV-cache group its own block size (empty: `block_size` for all).
+    `kv_dtype` is the attention cache's element type (None: the model's); recurrent state keeps
+    the model's. `kv_scales[layer][component]` holds one scale (per tensor, vLLM's k_scale /
+    v_scale) or one per KV head; a stored element means `element * scale` (empty: all 1).
+    """
 
     tp_size: int = 1
     block_size: int = 16
@@ -35,19 +60,48 @@ class EngineLayout(msgspec.Struct, frozen=True):
     kv_order: KVOrder = "HND"
     kv_placement: KVPlacement = "kv_first"
     layer_placement: LayerPlacement = "per_layer"
+    pp_size: int = 1
+    layer_split: tuple[int, ...] = ()
+    dcp_size: int = 1
+    pcp_size: int = 1
+    cp_interleave: int = 1
+    group_block_sizes: tuple[int, ...] = ()
+    kv_dtype: str | None = None
+    kv_scales: tuple[tuple[tuple[float, ...], ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.block_size < 1 or self.num_blocks < 1:
             raise IncompatibleEngines(
                 f"TP size, block size and block count must be >= 1, got {self.tp_size}, "
                 f"{self.block_size}, {self.num_blocks}")
+        if min(self.pp_size, self.dcp_size, self.pcp_size, self.cp_interleave) < 1:
+            raise IncompatibleEngines(
+                f"PP, DCP, PCP sizes and the CP interleave must be >= 1, got {self.pp_size}, {self.dcp_size}, "
+                f"{self.pcp_size}, {self.cp_interleave}")
+        if self.tp_size % self.dcp_size:
+            raise IncompatibleEngines(f"DCP size {self.dcp_size} must divide TP size {self.tp_size} (DCP reuses TP ranks)")
+        if self.layer_split and len(self.layer_split) != self.pp_size:
+            raise IncompatibleEngines(f"layer split {list(self.layer_split)} needs one entry per PP stage ({self.pp_size})")
+        if any(b < 1 for b in self.group_block_sizes):
+            raise IncompatibleEngines(f"group block sizes must be >= 1, got {list(self.group_block_sizes)}")
+        if self.kv_dtype is not None:
+            try:
+                msgspec.structs.force_setattr(self, "kv_dtype", normalize_dtype(self.kv_dtype))
+            except KVBridgeError as exc:
+                raise IncompatibleEngines(str(exc)) from None
+        for sizes in (self.group_block_sizes or (self.block_size,)):
+            if sizes % self.cp_interleave:
+                raise IncompatibleEngines(
+                    f"CP interleave {self.cp_interleave} must divide every block size, got {sizes}")
+        if self.layer_placement == "cross_layer" and len(set(self.group_block_sizes)) > 1:
+            raise IncompatibleEngines("a cross_layer region needs one block size for every group")
         if self.kernel_block_size is not None and self.kernel_block_size < 1:
             raise IncompatibleEngines(
                 f"kernel block size must be >= 1 (block size {self.block_size}), got {self.kernel_block_size}")
-        kbs = self.kernel_block_size or self.block_size
-        if self.block_size % kbs:
-            raise IncompatibleEngines(
-                f"kernel block size {kbs} must divide the logical block size {self.block_size}")
+        for size in (self.block_size, *self.group_block_sizes):
+            kbs = self.kernel_block_size or size
+            if size % kbs:
+                raise IncompatibleEngines(f"kernel block size {kbs} must divide the logical block size {size}")
         if self.kv_order not in ("NHD", "HND"):
             raise IncompatibleEngines(f"kv_order must be NHD or HND, got {self.kv_order!r}")
         if self.kv_placement not in ("kv_first", "blocks_first"):
@@ -57,10 +111,60 @@ class EngineLayout(msgspec.Struct, frozen=True):
         if self.layer_placement == "cross_layer" and self.kv_placement != "blocks_first":
             raise IncompatibleEngines("a cross_layer region keeps K and V inside each block: use blocks_first")
 
+    # -- ranks ----------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """Ranks of the engine: TP x PCP x PP (DCP reuses TP ranks)."""
+        return self.tp_size * self.pcp_size * self.pp_size
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks a token's KV is spread over (PCP x DCP); each holds every cp_size-th chunk."""
+        return self.pcp_size * self.dcp_size
+
+    def describe_ranks(self) -> str:
+        """'TP size 4', or 'the engine's 8 ranks (TP 2 x PCP 1 x PP 4)' (for error messages)."""
+        if self.world_size == self.tp_size:
+            return f"TP size {self.tp_size}"
+        return f"the engine's {self.world_size} ranks (TP {self.tp_size} x PCP {self.pcp_size} x PP {self.pp_size})"
+
+    def rank_coords(self, rank: int) -> RankCoords:
+        if not 0 <= rank < self.world_size:
+            raise InvalidRequest(f"rank {rank} outside {self.describe_ranks()}")
+        tp, rest = rank % self.tp_size, rank // self.tp_size
+        pcp, pp = rest % self.pcp_size, rest // self.pcp_size
+        dcp = tp % self.dcp_size
+        return RankCoords(tp, pp, pcp, dcp, pcp * self.dcp_size + dcp)
+
+    def flat_rank(self, tp: int, pp: int = 0, pcp: int = 0) -> int:
+        return (pp * self.pcp_size + pcp) * self.tp_size + tp
+
+    def stage_layers(self, num_layers: int, pp_rank: int) -> tuple[int, int]:
+        """Layers `[start, stop)` held by PP stage `pp_rank`."""
+        return pp_layer_range(num_layers, self.pp_size, pp_rank, self.layer_split)
+
+    def layer_stage(self, num_layers: int) -> np.ndarray:
+        """PP stage of every layer."""
+        return _layer_stage(num_layers, self.pp_size, self.layer_split)
+
+    # -- blocks -----------------------------------------------------------------------------------
+    def group_block_size(self, group: int) -> int:
+        return self.group_block_sizes[group] if self.group_block_sizes else self.block_size
+
+    def group_kernel_size(self, group: int) -> int:
+        return self.kernel_block_size or self.group_block_size(group)
+
+    def group_num_kernel_blocks(self, group: int) -> int:
+        return self.num_blocks * (self.group_block_size(group) // self.group_kernel_size(group))
+
+    def tokens_per_block_id(self, group: int) -> int:
+        """Tokens one block id of `group` covers across the CP ranks (vLLM's virtual block)."""
+        return self.group_block_size(group) * self.cp_size
+
     @property
     def kernel_size(self) -> int:
-        """Tokens per kernel (physical) block."""
-        return self.kernel_block_size or self.block_size
+        """Tokens per kernel (physical) block of group 0."""
+        return self.group_kernel_size(0)
 
     @property
     def kernel_blocks_per_block(self) -> int:
@@ -68,28 +172,78 @@ class EngineLayout(msgspec.Struct, frozen=True):
 
     @property
     def num_kernel_blocks(self) -> int:
-        return self.num_blocks * self.kernel_blocks_per_block
+        return self.group_num_kernel_blocks(0)
 
     def check_model(self, spec: ModelSpec, what: str = "engine") -> None:
         for layer in spec.layers:
-            if not layer.replicated:
-                for comp in layer.components:
+            for comp in layer.components:
+                if not layer.replicated:
                     check_shardable(comp.heads, self.tp_size,
                                     what if comp.name in ("k", "v") else f"{what} ({comp.name} units)")
+                if not layer.is_recurrent:
+                    check_dcp(comp.heads, self.tp_size, self.dcp_size, layer.replicated, what)
+        if self.pp_size > 1 or self.layer_split:
+            try:
+                self.stage_layers(spec.num_layers, 0)
+            except KVBridgeError as exc:
+                raise IncompatibleEngines(f"{what}: {exc}") from None
+        if self.group_block_sizes and len(self.group_block_sizes) != len(spec.groups):
+            raise IncompatibleEngines(
+                f"{what}: {len(self.group_block_sizes)} group block sizes for a model with {len(spec.groups)} "
+                f"KV-cache groups")
+        if self.kv_scales:
+            if len(self.kv_scales) != spec.num_layers:
+                raise IncompatibleEngines(f"{what}: KV scales for {len(self.kv_scales)} layers, the model has "
+                                          f"{spec.num_layers}")
+            for li, (layer, scales) in enumerate(zip(spec.layers, self.kv_scales)):
+                comps = layer.components
+                if len(scales) not in (0, len(comps)) or any(len(x) not in (1, c.heads) or min(x) <= 0
+                                                             for x, c in zip(scales, comps)):
+                    raise IncompatibleEngines(
+                        f"{what}: layer {li} KV scales need one positive scale per component, or one per head")
 
-    def kernel_slots(self, block_ids: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Kernel block id and offset inside it of each token position, given logical block ids."""
-        logical = np.asarray(block_ids, dtype=np.int64)[positions // self.block_size]
-        within = positions % self.block_size
-        return logical * self.kernel_blocks_per_block + within // self.kernel_size, within % self.kernel_size
+    def scales(self, layer: int, comp: int) -> tuple[float, ...]:
+        """Scales of one component: one (per tensor) or one per global head; (1.0,) without scales."""
+        if not self.kv_scales or not self.kv_scales[layer]:
+            return (1.0,)
+        return self.kv_scales[layer][comp]
+
+    def engine_spec(self, spec: ModelSpec) -> ModelSpec:
+        """The model as this engine stores it: attention components in `kv_dtype`."""
+        return spec if self.kv_dtype is None or self.kv_dtype == spec.dtype else _engine_spec(spec, self.kv_dtype)
+
+    def kernel_slots(self, block_ids: np.ndarray, positions: np.ndarray,
+                     group: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Kernel block id and offset inside it of each token position, given logical block ids,
+        on the CP rank that holds the token (`token_owner`)."""
+        vb, _, off = cp_slots(positions, self.group_block_size(group), self.cp_size, self.cp_interleave)
+        logical = np.asarray(block_ids, dtype=np.int64)[vb]
+        kbs = self.group_kernel_size(group)
+        return logical * (self.group_block_size(group) // kbs) + off // kbs, off % kbs
+
+    def token_owner(self, positions: np.ndarray, group: int = 0) -> np.ndarray:
+        """CP rank holding each token position."""
+        return cp_slots(positions, self.group_block_size(group), self.cp_size, self.cp_interleave)[1]
 
     def addressing(self, spec: ModelSpec, rank: int) -> Addressing:
         return _addressing(spec, self, rank)
 
     def describe(self) -> str:
         kb = f", kernel {self.kernel_size}" if self.kernel_size != self.block_size else ""
-        return (f"TP={self.tp_size} block {self.block_size}{kb} {self.kv_order} {self.kv_placement}"
-                f"{' cross-layer' if self.layer_placement == 'cross_layer' else ''}")
+        shape = f"TP={self.tp_size}"
+        if self.pp_size > 1:
+            shape += f" PP={self.pp_size}" + (f" split {','.join(map(str, self.layer_split))}" if self.layer_split else "")
+        if self.pcp_size > 1:
+            shape += f" PCP={self.pcp_size}"
+        if self.dcp_size > 1:
+            shape += f" DCP={self.dcp_size}"
+        if self.cp_size > 1 and self.cp_interleave > 1:
+            shape += f" interleave {self.cp_interleave}"
+        block = (f"blocks {'/'.join(map(str, self.group_block_sizes))}" if len(set(self.group_block_sizes)) > 1
+                 else f"block {self.group_block_size(0)}")
+        dtype = f" {self.kv_dtype}" if self.kv_dtype else ""
+        return (f"{shape} {block}{kb} {self.kv_order} {self.kv_placement}"
+                f"{' cross-layer' if self.layer_placement == 'cross_layer' else ''}{dtype}")
 
 
 class Addressing(msgspec.Struct, frozen=True):
@@ -112,14 +266,37 @@ class Addressing(msgspec.Struct, frozen=True):
     region_nbytes: tuple[int, ...]
 
 
+@lru_cache(maxsize=64)
+def _layer_stage(num_layers: int, pp_size: int, split: tuple[int, ...]) -> np.ndarray:
+    out = np.zeros(num_layers, dtype=np.int64)
+    for p in range(pp_size):
+        out[slice(*pp_layer_range(num_layers, pp_size, p, split))] = p
+    out.setflags(write=False)
+    return out
+
+
+@lru_cache(maxsize=64)
+def _engine_spec(spec: ModelSpec, kv_dtype: str) -> ModelSpec:
+    """Attention in `kv_dtype`; recurrent components pinned to the model dtype (vLLM's
+    `kv_cache_dtype` does not apply to Mamba state)."""
+    layers = tuple(msgspec.structs.replace(layer, state=tuple(
+        c if c.dtype else msgspec.structs.replace(c, dtype=spec.dtype) for c in layer.state))
+        if layer.is_recurrent else layer for layer in spec.layers)
+    return ModelSpec(layers, kv_dtype, spec.name)
+
+
 @lru_cache(maxsize=256)
 def _addressing(spec: ModelSpec, layout: EngineLayout, rank: int) -> Addressing:
-    if not 0 <= rank < layout.tp_size:
-        raise InvalidRequest(f"rank {rank} outside TP size {layout.tp_size}")
+    if not 0 <= rank < layout.world_size:
+        raise InvalidRequest(f"rank {rank} outside {layout.describe_ranks()}")
     layout.check_model(spec)
+    spec = layout.engine_spec(spec)
+    coords = layout.rank_coords(rank)
+    tp_rank = coords.tp
+    first_layer, stop_layer = layout.stage_layers(spec.num_layers, coords.pp)
     if spec.has_recurrent and layout.layer_placement == "cross_layer":
         raise IncompatibleEngines("recurrent state needs per-layer regions; cross_layer holds attention layers only")
-    L, C, kbs, nkb = spec.num_layers, spec.max_components, layout.kernel_size, layout.num_kernel_blocks
+    L, C = spec.num_layers, spec.max_components
     arrays = {k: np.zeros((L, C), dtype=np.int64) for k in
               ("region", "base", "block_stride", "token_stride", "head_stride", "row_bytes", "heads", "first_head")}
     ncomp = np.zeros(L, dtype=np.int64)
@@ -134,13 +311,18 @@ def _addressing(spec: ModelSpec, layout: EngineLayout, rank: int) -> Addressing:
     for li, layer in enumerate(spec.layers):
         comps = layer.components
         ncomp[li] = len(comps)
-        ranges = [head_range(c.heads, layout.tp_size, rank, layer.replicated) for c in comps]
+        if not first_layer <= li < stop_layer:
+            arrays["region"][li, :] = -1  # another PP stage's layer: no region, no heads here
+            continue
+        g = spec.layer_group[li]
+        kbs, nkb = layout.group_kernel_size(g), layout.group_num_kernel_blocks(g)
+        ranges = [head_range(c.heads, layout.tp_size, tp_rank, layer.replicated) for c in comps]
         rows = [c.dim * spec.component_itemsize(c) for c in comps]
         if layer.is_recurrent:
             # One state slot per logical block id; components back to back, each aligned to 16 B.
             base = 0
             for ci, ((h0, h1), row) in enumerate(zip(ranges, rows)):
-                put(li, ci, region=li, base=base, token_stride=0, head_stride=row, row_bytes=row,
+                put(li, ci, region=li - first_layer, base=base, token_stride=0, head_stride=row, row_bytes=row,
                     heads=h1 - h0, first_head=h0)
                 base += _align((h1 - h0) * row)
             arrays["block_stride"][li, : len(comps)] = base
@@ -161,7 +343,7 @@ def _addressing(spec: ModelSpec, layout: EngineLayout, rank: int) -> Addressing:
             if layout.layer_placement == "cross_layer":
                 base, region = cross_offset + base, 0
             else:
-                region = li
+                region = li - first_layer
             put(li, ci, region=region, base=base, block_stride=bstride, token_stride=tstride, head_stride=hstride,
                 row_bytes=row, heads=nheads, first_head=h0)
         slot_bytes.append(layer_block)
@@ -169,8 +351,8 @@ def _addressing(spec: ModelSpec, layout: EngineLayout, rank: int) -> Addressing:
         if layout.layer_placement == "per_layer":
             region_nbytes.append(nkb * layer_block)
     if layout.layer_placement == "cross_layer":
-        arrays["block_stride"][:, :] = sum(slot_bytes)
-        region_nbytes = [nkb * sum(slot_bytes)]
+        arrays["block_stride"][first_layer:stop_layer, :] = sum(slot_bytes)
+        region_nbytes = [layout.num_kernel_blocks * sum(slot_bytes)]
     for a in arrays.values():
         a.setflags(write=False)
     return Addressing(num_components=ncomp, region_nbytes=tuple(region_nbytes), **arrays)

@@ -1,4 +1,12 @@
-"""How TP ranks split KV heads, and which source rank serves each head a destination needs.
+"""How ranks split the KV state, and which source rank serves each piece a destination needs.
+
+Three axes are sharded, each by its own rule here and nowhere else:
+* heads over TP ranks (below);
+* layers over PP stages: contiguous intervals, even by vLLM's rule or an explicit split
+  (`pp_layer_range`, vLLM's `get_pp_indices` with `VLLM_PP_LAYER_PARTITION`);
+* tokens over context-parallel ranks: `interleave` tokens at a time, round robin inside each
+  *virtual block* of `block_size * cp_size` tokens that one block id names on every CP rank
+  (`cp_slots`, vLLM's DCP/PCP slot mapping, cp rank = pcp_rank * dcp_size + dcp_rank).
 
 Heads are split into contiguous intervals. When TP exceeds the head count each rank holds one
 head and consecutive ranks share it (ranks 0,1 -> head 0 ...), as vLLM partitions GQA weights.
@@ -9,7 +17,10 @@ source ranks) and for the planner (which bytes to read).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
 
 from kvbridge.errors import ShardingError
 
@@ -68,14 +79,18 @@ class HeadSlice(NamedTuple):
 
 
 def preferred_holder(num_heads: int, src_tp: int, dst_tp: int, dst_rank: int, head: int,
-                     replicated: bool = False) -> int:
+                     replicated: bool = False, src_dcp: tuple[int, int] = (1, 0)) -> int:
     """The source rank a destination rank reads `head` from, spreading reads over replicas.
 
     Follows vLLM's current read plan where vLLM defines one: the rank `floor(r*P/D)` when it
     holds the head, else the first holder among the destination's overlapping ranks (its GQA
     dedup), else a replica picked by destination rank so that readers spread out.
+    `src_dcp = (dcp_size, dcp_rank)`: only TP ranks with `tp_rank % dcp_size == dcp_rank` hold
+    the tokens being read (decode context parallel splits a head's replicas by tokens).
     """
-    owners = holders(num_heads, src_tp, head, replicated)
+    owners = [q for q in holders(num_heads, src_tp, head, replicated) if q % src_dcp[0] == src_dcp[1]]
+    if not owners:
+        raise ShardingError(f"no source TP rank holds head {head} for DCP rank {src_dcp[1]} of {src_dcp[0]}")
     first = dst_rank * src_tp // dst_tp
     if first in owners:
         return first
@@ -86,12 +101,12 @@ def preferred_holder(num_heads: int, src_tp: int, dst_tp: int, dst_rank: int, he
 
 
 def assign_sources(num_heads: int, src_tp: int, dst_tp: int, dst_rank: int,
-                   replicated: bool = False) -> tuple[HeadSlice, ...]:
-    """Split the heads `dst_rank` needs into contiguous slices, each read from one source rank."""
+                   replicated: bool = False, src_dcp: tuple[int, int] = (1, 0)) -> tuple[HeadSlice, ...]:
+    """Split the heads TP rank `dst_rank` needs into contiguous slices, each read from one source TP rank."""
     start, stop = head_range(num_heads, dst_tp, dst_rank, replicated)
     slices: list[HeadSlice] = []
     for h in range(start, stop):
-        q = preferred_holder(num_heads, src_tp, dst_tp, dst_rank, h, replicated)
+        q = preferred_holder(num_heads, src_tp, dst_tp, dst_rank, h, replicated, src_dcp)
         if slices and slices[-1].src_rank == q and slices[-1].stop == h:
             slices[-1] = HeadSlice(q, slices[-1].start, h + 1)
         else:
@@ -107,3 +122,58 @@ def conv_split(layer: LayerSpec, tp_size: int) -> tuple[int, ...]:
             h0, h1 = head_range(c.heads, tp_size, 0)
             out.append((h1 - h0) * (c.dim // layer.conv_rows))
     return tuple(out)
+
+
+def check_dcp(num_heads: int, tp_size: int, dcp_size: int, replicated: bool, what: str = "engine") -> None:
+    """Raise unless every head's TP replicas cover all `dcp_size` DCP ranks (vLLM: dcp <= tp / heads).
+
+    DCP splits the tokens of a head among the ranks that would otherwise hold copies of it, so a
+    head held by fewer than `dcp_size` ranks (or by ranks missing a DCP residue) loses tokens.
+    """
+    if dcp_size == 1:
+        return
+    copies = tp_size if replicated else tp_size // num_heads if tp_size > num_heads else 1
+    if tp_size % dcp_size or copies % dcp_size:
+        raise ShardingError(
+            f"{what}: decode context parallel size {dcp_size} needs TP {tp_size} to hold each of the "
+            f"{1 if replicated else num_heads} KV heads a multiple of {dcp_size} times (it holds each {copies} times)")
+
+
+def pp_layer_range(num_layers: int, pp_size: int, pp_rank: int, split: Sequence[int] = ()) -> tuple[int, int]:
+    """Layers `[start, stop)` of PP stage `pp_rank`, as vLLM's `get_pp_indices`.
+
+    `split` is `VLLM_PP_LAYER_PARTITION` (layers per stage). Without it, stages get
+    `num_layers // pp_size` layers and the remainder goes one layer each to the stages before the
+    last, starting from the second to last (the last stage also runs the LM head).
+    """
+    if split:
+        if len(split) != pp_size or sum(split) != num_layers or min(split) < 1:
+            raise ShardingError(
+                f"layer split {','.join(map(str, split))} must give {pp_size} stages >= 1 layer each summing to "
+                f"{num_layers} layers")
+        parts = list(split)
+    else:
+        if pp_size > num_layers:
+            raise ShardingError(f"PP size {pp_size} exceeds the {num_layers} layers")
+        parts = [num_layers // pp_size] * pp_size
+        for i in range(2, num_layers % pp_size + 2):
+            parts[-i] += 1
+    start = sum(parts[:pp_rank])
+    return start, start + parts[pp_rank]
+
+
+def cp_slots(positions: np.ndarray, block_size: int, cp_size: int = 1,
+             interleave: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(virtual block index, owning CP rank, offset in that rank's block) of each token position.
+
+    One block id names a virtual block of `block_size * cp_size` tokens; inside it, chunks of
+    `interleave` tokens go round robin to the CP ranks, each filling its own `block_size` block.
+    With `cp_size == 1` this is `(p // block_size, 0, p % block_size)`.
+    """
+    p = np.asarray(positions, dtype=np.int64)
+    if cp_size == 1:
+        return p // block_size, np.zeros_like(p), p % block_size
+    span = block_size * cp_size
+    within = p % span
+    chunk = within // interleave
+    return p // span, chunk % cp_size, (chunk // cp_size) * interleave + within % interleave

@@ -51,34 +51,41 @@ def window_hits(keys: Sequence[Key], lookup: LookupFn, window: int) -> int | Non
     return None if deferred else run
 
 
-def request_hits(keys_per_group: Sequence[Sequence[Key]], windows: Sequence[int | None], block_tokens: int,
-                 num_tokens: int, lookup: LookupFn, num_computed_tokens: int = 0) -> int | None:
+def request_hits(keys_per_group: Sequence[Sequence[Key]], windows: Sequence[int | None],
+                 block_tokens: int | Sequence[int], num_tokens: int, lookup: LookupFn,
+                 num_computed_tokens: int = 0) -> int | None:
     """Tokens of a request that the offloaded blocks of *every* group can supply, or None to retry.
 
     `windows[g]` is None for a full-attention group and the sliding window in tokens otherwise
-    (an SSM group would use 1 token's worth: window 1 block). Full groups are looked up first,
-    then sliding ones, repeating until the hit count is stable. Returns 0 when fewer than one
-    offloaded block of new tokens would be loaded.
+    (an SSM group would use 1 token's worth: window 1 block). `block_tokens` is the offloaded
+    block size, one for all groups or one per group (groups of 12- and 16-token blocks): each
+    group's hits are counted in its own blocks and the hit shrinks to what every group covers.
+    Full groups are looked up first, then sliding ones, repeating until the hit count is stable.
+    Returns 0 when fewer than one (smallest) offloaded block of new tokens would be loaded.
     """
     if len(keys_per_group) != len(windows):
         raise ValueError(f"{len(keys_per_group)} key lists for {len(windows)} groups")
+    sizes = [block_tokens] * len(windows) if isinstance(block_tokens, int) else list(block_tokens)
+    if len(sizes) != len(windows) or min(sizes, default=1) < 1:
+        raise ValueError(f"need one block size >= 1 per group ({len(windows)}), got {block_tokens}")
+    smallest = min(sizes, default=1)
     max_hit = num_tokens - (1 if any(w is not None for w in windows) else 0)
     order = sorted(range(len(windows)), key=lambda g: windows[g] is not None)
-    start = num_computed_tokens // block_tokens
     deferred = False
     while True:
         before = max_hit
         for g in order:
-            keys = keys_per_group[g]
-            max_hit = min(max_hit, len(keys) * block_tokens)
-            stop = min(cdiv(max_hit, block_tokens), len(keys))
+            size, keys = sizes[g], keys_per_group[g]
+            start = num_computed_tokens // size
+            max_hit = min(max_hit, len(keys) * size)
+            stop = min(cdiv(max_hit, size), len(keys))
             span = keys[start:stop] if stop > start else []
             w = windows[g]
-            hits = prefix_hits(span, lookup) if w is None else window_hits(span, lookup, cdiv(w, block_tokens))
+            hits = prefix_hits(span, lookup) if w is None else window_hits(span, lookup, cdiv(w, size))
             if hits is None:
                 deferred, hits = True, len(span)
-            max_hit = min(max_hit, block_tokens * (start + hits))
-            if max_hit - num_computed_tokens < block_tokens:
+            max_hit = min(max_hit, size * (start + hits))
+            if max_hit - num_computed_tokens < smallest:
                 return None if deferred else 0
         if max_hit == before:
             break

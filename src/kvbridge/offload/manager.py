@@ -4,21 +4,33 @@ A key is a (block hash, group) `OffloadKey` (any hashable works). A block is wri
 `prepare_store` picks slots (evicting if it must) and inserts the blocks *not ready*; the worker
 copies; `complete_store` makes them ready, or on failure removes the ones still not ready. A read
 pins blocks: `prepare_load` raises their ref count so they cannot be evicted until
-`complete_load`. Slot allocation, eviction order and events follow vLLM's `CPUOffloadingManager`
-exactly (fresh ids first, then a LIFO free list; one "removed" event per eviction batch at
-prepare time, one "stored" event per completion that made blocks ready).
+`complete_load`. Slot allocation, eviction order, lookups and events follow vLLM's current
+`CPUOffloadingManager` exactly: fresh ids first, then a LIFO free list; a per-key lookup answers
+HIT, MISS or HIT_PENDING (present, store not completed: the scheduler retries later); a block
+becomes evictable, and most recent for LRU, when its store completes and when its last load
+completes; one "removed" event per eviction batch at prepare time, one "stored" event per
+completion that made blocks ready.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from enum import Enum
 from typing import Literal, NamedTuple
 
 from kvbridge.offload.errors import OffloadStateError
 from kvbridge.offload.keys import split_offload_key
 from kvbridge.offload.policy import POLICIES, BlockStatus, CachePolicy, Key
 from kvbridge.offload.spec import CPULoadStoreSpec
+
+
+class LookupResult(Enum):
+    """vLLM's per-key lookup answer."""
+
+    MISS = "miss"
+    HIT = "hit"
+    HIT_PENDING = "hit_pending"  # present, but its store has not completed: ask again later
 
 
 class PrepareStoreOutput(NamedTuple):
@@ -75,7 +87,7 @@ class OffloadingManager:
 
     # -- the manager interface -------------------------------------------------------------
     def lookup(self, keys: Iterable[Key]) -> int:
-        """Length of the longest prefix of `keys` that is present and ready."""
+        """Length of the longest prefix of `keys` that is present and ready (pending stops it)."""
         hits = 0
         for key in keys:
             block = self.policy.get(key)
@@ -84,10 +96,17 @@ class OffloadingManager:
             hits += 1
         return hits
 
-    def lookup_key(self, key: Key) -> bool:
-        """Whether one block is present and ready (the per-key lookup of the multi-group scheduler)."""
+    def lookup_result(self, key: Key) -> LookupResult:
         block = self.policy.get(key)
-        return block is not None and block.is_ready
+        if block is None:
+            return LookupResult.MISS
+        return LookupResult.HIT if block.is_ready else LookupResult.HIT_PENDING
+
+    def lookup_key(self, key: Key) -> bool | None:
+        """The per-key lookup of the multi-group scheduler (`lookup.LookupFn`): True when ready,
+        None when its store is still in flight (retry later, vLLM's HIT_PENDING), else False."""
+        result = self.lookup_result(key)
+        return None if result is LookupResult.HIT_PENDING else result is LookupResult.HIT
 
     def prepare_load(self, keys: Iterable[Key]) -> CPULoadStoreSpec:
         """Pin ready blocks for reading; their slots in input order."""
@@ -99,7 +118,9 @@ class OffloadingManager:
                 why = "not offloaded" if block is None else "not ready"
                 raise OffloadStateError(f"cannot load block {key!r}: {why}")
             blocks.append(block)
-        for block in blocks:  # all-or-nothing
+        for key, block in zip(keys, blocks):  # all-or-nothing
+            if block.ref_cnt == 0:
+                self.policy.mark_non_evictable(key)
             block.ref_cnt += 1
         return CPULoadStoreSpec([b.block_id for b in blocks])
 
@@ -112,8 +133,10 @@ class OffloadingManager:
         for key, block in zip(keys, blocks):
             if block is None or block.ref_cnt <= 0:
                 raise OffloadStateError(f"complete_load of block {key!r}, which is not being loaded")
-        for block in blocks:
+        for key, block in zip(keys, blocks):
             block.ref_cnt -= 1  # type: ignore[union-attr]
+            if block.ref_cnt == 0:  # type: ignore[union-attr]
+                self.policy.mark_evictable(key)  # a completed load is a use
 
     def prepare_store(self, keys: Iterable[Key]) -> PrepareStoreOutput | None:
         """Slots for the keys not yet present, evicting atomically; None (no change) if it cannot."""
@@ -146,6 +169,7 @@ class OffloadingManager:
                 continue
             if success:
                 block.ref_cnt = 0
+                self.policy.mark_evictable(key)
                 stored.append(key)
             else:
                 self.policy.remove(key)
@@ -190,7 +214,7 @@ class FilterReusedManager:
             self._count(key)
         return self.backing.lookup(keys)
 
-    def lookup_key(self, key: Key) -> bool:
+    def lookup_key(self, key: Key) -> bool | None:
         self._count(key)
         return self.backing.lookup_key(key)
 
@@ -201,4 +225,4 @@ class FilterReusedManager:
         return getattr(self.backing, name)
 
 
-__all__ = ["FilterReusedManager", "OffloadingEvent", "OffloadingManager", "PrepareStoreOutput"]
+__all__ = ["FilterReusedManager", "LookupResult", "OffloadingEvent", "OffloadingManager", "PrepareStoreOutput"]

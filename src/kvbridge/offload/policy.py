@@ -1,8 +1,11 @@
 """Eviction policies over the offloaded blocks: which block to drop when the CPU pool is full.
 
-Both follow vLLM's `cpu_manager` exactly, since its tests pin slot ids and list moves:
-LRU is one ordered map (front = least recent); `touch` walks its keys in reverse so the first
-(prefix) block of a request ends up most recent and suffix blocks are evicted first. ARC keeps
+Both follow vLLM's current `CPUOffloadingManager` policies exactly, since its tests pin slot ids
+and list moves. LRU keeps every block in a map and the *evictable* ones (ready, not being read)
+in an ordered list, front = least recent: a block joins the back when its store completes and
+again when its last load completes (a completed load is a use), leaves it while it is being read,
+and `touch` moves only blocks on that list, walking its keys in reverse so that the first (prefix)
+block of a request ends up most recent and suffix blocks are evicted first. ARC keeps
 T1 (seen once), T2 (seen again) and ghost lists B1/B2 of evicted keys whose hits steer the target
 size p of T1. Eviction is atomic in both: either `n` evictable blocks are found (ready, not being
 read, not protected) or nothing changes and `evict` returns None.
@@ -53,6 +56,12 @@ class CachePolicy(ABC):
     def evict(self, n: int, protected: set[Key]) -> list[tuple[Key, BlockStatus]] | None:
         """Exactly `n` evictable blocks, removed; or None and no change."""
 
+    def mark_evictable(self, key: Key) -> None:
+        """The block's ref count just became 0 (its store or its last load completed)."""
+
+    def mark_non_evictable(self, key: Key) -> None:
+        """The block's ref count just left 0 (a load pinned it)."""
+
     @staticmethod
     def _evictable(key: Key, block: BlockStatus, protected: set[Key], chosen: set[Key] = frozenset()) -> bool:
         return block.ref_cnt == 0 and key not in protected and key not in chosen
@@ -61,35 +70,47 @@ class CachePolicy(ABC):
 class LRUPolicy(CachePolicy):
     def __init__(self, capacity: int):
         super().__init__(capacity)
-        self.blocks: OrderedDict[Key, BlockStatus] = OrderedDict()
+        self.blocks: dict[Key, BlockStatus] = {}
+        self.evictable: OrderedDict[Key, None] = OrderedDict()  # ref count 0, least recent first
 
     def get(self, key: Key) -> BlockStatus | None:
         return self.blocks.get(key)
 
     def insert(self, key: Key, block: BlockStatus) -> None:
         self.blocks[key] = block
+        if block.ref_cnt == 0:
+            self.evictable[key] = None
 
     def remove(self, key: Key) -> None:
         del self.blocks[key]
+        self.evictable.pop(key, None)
 
     def touch(self, keys: Iterable[Key]) -> None:
+        # Blocks being written or read are not on the list; they join its back when they finish.
         for key in reversed(list(keys)):
-            if key in self.blocks:
-                self.blocks.move_to_end(key)
+            if key in self.evictable:
+                self.evictable.move_to_end(key)
+
+    def mark_evictable(self, key: Key) -> None:
+        self.evictable[key] = None
+
+    def mark_non_evictable(self, key: Key) -> None:
+        del self.evictable[key]
 
     def evict(self, n: int, protected: set[Key]) -> list[tuple[Key, BlockStatus]] | None:
         if n <= 0:
             return []
         chosen = []
-        for key, block in self.blocks.items():
-            if self._evictable(key, block, protected):
-                chosen.append((key, block))
+        for key in self.evictable:
+            if key not in protected:
+                chosen.append((key, self.blocks[key]))
                 if len(chosen) == n:
                     break
         if len(chosen) < n:
             return None
         for key, _ in chosen:
             del self.blocks[key]
+            del self.evictable[key]
         return chosen
 
 

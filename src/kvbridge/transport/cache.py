@@ -26,7 +26,7 @@ class RankCache:
     """The paged KV cache of one rank: its regions as flat torch tensors plus their addressing."""
 
     def __init__(self, spec: ModelSpec, layout: EngineLayout, rank: int, regions: list[torch.Tensor]):
-        self.spec, self.layout, self.rank = spec, layout, rank
+        self.spec, self.layout, self.rank = layout.engine_spec(spec), layout, rank  # the KV dtype it stores
         self.addr = layout.addressing(spec, rank)
         if len(regions) != len(self.addr.region_nbytes):
             raise IncompatibleEngines(f"layout needs {len(self.addr.region_nbytes)} regions, got {len(regions)}")
@@ -41,6 +41,7 @@ class RankCache:
     @classmethod
     def allocate(cls, spec: ModelSpec, layout: EngineLayout, rank: int, device: str | torch.device = "cpu",
                  fill: float | None = 0.0) -> RankCache:
+        spec = layout.engine_spec(spec)
         dtype = TORCH_DTYPES[spec.dtype]
         nbytes = layout.addressing(spec, rank).region_nbytes
         regions = [torch.empty(n // spec.itemsize, dtype=dtype, device=device) for n in nbytes]
@@ -52,7 +53,7 @@ class RankCache:
     @classmethod
     def allocate_engine(cls, spec: ModelSpec, layout: EngineLayout, device: str | torch.device = "cpu",
                         fill: float | None = 0.0) -> list[RankCache]:
-        return [cls.allocate(spec, layout, r, device, fill) for r in range(layout.tp_size)]
+        return [cls.allocate(spec, layout, r, device, fill) for r in range(layout.world_size)]
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +78,8 @@ class RankCache:
         if spec.layers[layer].is_recurrent:
             blocks, tokens = self.layout.num_blocks, 1
         else:
-            blocks, tokens = self.layout.num_kernel_blocks, self.layout.kernel_size
+            g = spec.layer_group[layer]
+            blocks, tokens = self.layout.group_num_kernel_blocks(g), self.layout.group_kernel_size(g)
         size = (blocks, tokens, int(a.heads[layer, comp]), int(a.row_bytes[layer, comp]) // isz)
         stride = (int(a.block_stride[layer, comp]) // isz, int(a.token_stride[layer, comp]) // isz,
                   int(a.head_stride[layer, comp]) // isz, 1)
@@ -95,13 +97,13 @@ class RankCache:
 
     def read_tokens(self, layer: int, comp: int, block_ids: np.ndarray, positions: np.ndarray,
                     as_int: bool = False) -> torch.Tensor:
-        """Rows of the given token positions: `[tokens, local_heads, dim]`."""
-        kb, off = self.layout.kernel_slots(block_ids, np.asarray(positions, dtype=np.int64))
+        """Rows of the given token positions (held by this rank's CP rank): `[tokens, local_heads, dim]`."""
+        kb, off = self.layout.kernel_slots(block_ids, np.asarray(positions, dtype=np.int64), self.spec.layer_group[layer])
         view = self.logical_view(layer, comp, as_int)
         return view[torch.from_numpy(kb), torch.from_numpy(off)]
 
     def write_tokens(self, layer: int, comp: int, block_ids: np.ndarray, positions: np.ndarray,
                      values: torch.Tensor) -> None:
-        kb, off = self.layout.kernel_slots(block_ids, np.asarray(positions, dtype=np.int64))
+        kb, off = self.layout.kernel_slots(block_ids, np.asarray(positions, dtype=np.int64), self.spec.layer_group[layer])
         view = self.logical_view(layer, comp, as_int=values.dtype in _INT_OF_SIZE.values())
         view[torch.from_numpy(kb), torch.from_numpy(off)] = values.to(view.device)

@@ -20,6 +20,7 @@ import torch
 from kvbridge.errors import InvalidRequest
 from kvbridge.transport.copy import copy_runs, int64_array
 from kvbridge.transport.cache import RankCache
+from kvbridge.transport.convert import convert_runs
 from kvbridge.core.plan import Plan
 
 
@@ -45,9 +46,9 @@ class LocalExecutor:
 
     def global_regions(self, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
         """Region indices into this executor's flat region lists, bounds-checked."""
-        if len(self.src) != plan.src.tp_size or len(self.dst) != plan.dst.tp_size:
+        if len(self.src) != plan.src.world_size or len(self.dst) != plan.dst.world_size:
             raise InvalidRequest(
-                f"plan is for TP {plan.src.tp_size} -> {plan.dst.tp_size}, executor holds "
+                f"plan is for TP {plan.src.world_size} -> {plan.dst.world_size}, executor holds "
                 f"{len(self.src)} -> {len(self.dst)} rank caches")
         src_count = np.diff(self._src_first)[plan.src_rank]
         dst_count = np.diff(self._dst_first)[plan.dst_rank]
@@ -60,7 +61,7 @@ class LocalExecutor:
                 f"{int(plan.dst_rank[i])} ({int(dst_count[i])} regions)")
         sr = self._src_first[plan.src_rank] + plan.src_region
         dr = self._dst_first[plan.dst_rank] + plan.dst_region
-        bad = ((plan.src_offset < 0) | (plan.src_offset + plan.length > self._src_sizes[sr])
+        bad = ((plan.src_offset < 0) | (plan.src_offset + plan.src_length > self._src_sizes[sr])
                | (plan.dst_offset < 0) | (plan.dst_offset + plan.length > self._dst_sizes[dr]))
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
@@ -76,6 +77,9 @@ class LocalExecutor:
         t0 = time.perf_counter()
         if len(plan) == 0:
             return 0.0
+        if plan.needs_conversion:  # KV dtype conversion on the copy path (transport/convert.py)
+            done = convert_runs(self._src_t, self._dst_t, sr, dr, plan)
+            plan, sr, dr = plan.select(~done), sr[~done], dr[~done]
         if self.backend == "numba":
             copy_runs(self._src_addr, self._dst_addr, int64_array(sr), int64_array(plan.src_offset), int64_array(dr),
                       int64_array(plan.dst_offset), int64_array(plan.length))
