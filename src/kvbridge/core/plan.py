@@ -23,8 +23,8 @@ differs from `length` (destination bytes). Such runs never span heads whose scal
 executor converts element by element on its copy path; a transport that only moves bytes must
 refuse a plan with `needs_conversion`.
 
-(Just over 500 lines: the planner is one pipeline — validate, segment, pieces, expand, coalesce —
-kept in one file so its vectorized steps read in order.)
+Length: just over 500 lines; the planner is one pipeline (validate, segment, pieces, expand,
+coalesce) kept in one file so its vectorized steps read in order.
 """
 
 from __future__ import annotations
