@@ -99,3 +99,67 @@ def test_demo_json_matches_for_non_divisible_pair(tmp_path):
 def test_demo_bad_prompt_ids_exit_2():
     r = run("demo", "--prompt-ids", "1,x,3")
     assert r.exit_code == 2 and "prompt-ids" in r.output
+
+
+# ---- what a newcomer trips on (issue 15 item 5) and bounds (issue 13 item 4) -------------------------
+def _one_error_line(r) -> str:
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and "Traceback" not in r.output, r.output
+    return lines[0]
+
+
+def test_prefill_without_role_decode_is_refused():
+    assert "--role decode" in _one_error_line(run("demo", "--prefill", "127.0.0.1:5600"))
+
+
+def test_option_of_another_runner_is_refused_naming_the_runner():
+    line = _one_error_line(run("demo", "--num-cached-tokens", "16", "--transport", "shm"))
+    assert "--num-cached-tokens" in line and "--transport local" in line
+    line = _one_error_line(run("demo", "--offload", "--prefill-block-size", "32"))
+    assert "--prefill-block-size" in line and "--offload" in line
+
+
+def test_offload_keeps_the_given_model(monkeypatch):
+    from kvbridge.cli import demo_configs
+    seen = {}
+    monkeypatch.setattr(demo_configs.OffloadDemo, "run", lambda self: seen.setdefault("model", self.model) and 1/0)
+    run("demo", "--offload", "--model", "tiny-llama")
+    assert seen["model"] == "tiny-llama"
+
+
+def test_prompt_beyond_the_model_context_fails_up_front():
+    line = _one_error_line(run("demo", "--prompt-len", "1000000"))
+    assert "bound" in line or "max_position_embeddings" in line
+    line = _one_error_line(run("demo", "--prompt-len", "8000"))
+    assert "max_position_embeddings" in line
+
+
+def test_layout_names_any_case():
+    r = run("plan", "llama-3-8b", "--prefill-layout", "nhd", "--decode-layout", "Hnd", "--tokens", "32", "--json")
+    assert r.exit_code == 0, r.output
+    assert "NHD" in json.loads(r.stdout)["prefill"]
+
+
+def test_a_local_directory_wins_over_a_preset_of_the_same_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llama-3-8b").mkdir()
+    (tmp_path / "llama-3-8b" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 128}))
+    r = run("plan", "llama-3-8b", "--tokens", "16", "--json")
+    assert r.exit_code == 0, r.output
+    assert "2 layers" in json.loads(r.stdout)["model"]
+
+
+def test_absurd_numbers_exit_2_naming_the_bound():
+    for args in (("plan", "llama-3-8b", "--decode-tp", "1000000"), ("plan", "llama-3-8b", "--tokens", "10000000"),
+                 ("verify", "--cases", "100000000"), ("demo", "--transport", "shm", "--requests", "100000")):
+        assert "bound" in _one_error_line(run(*args))
+
+
+def test_decode_half_defaults_to_the_prefill_servers_transport():
+    from kvbridge.cli.demo import _config
+    from kvbridge.cli.app import Mode, Order, Transport
+    cfg = _config("decode", "tiny-llama", None, 8, 2, 0, 1, 2, None, None, None, None, Order.HND, Order.HND, 0,
+                  Transport.local, Mode.pull, 1, 5.0, "127.0.0.1:1", None, True, None)
+    assert cfg.transport == "shm"

@@ -1,0 +1,83 @@
+"""`kvbridge bench`: our copies beside a plain contiguous copy of the same bytes, in one run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvbridge.cli.app import (Engine, Mode, Order, Transport, app, check_bounds, console, err_console, friendly_errors,
+                              print_json)
+from kvbridge.core.layout import EngineLayout
+
+
+@app.command()
+@friendly_errors
+def bench(
+    model: str = typer.Option("llama-3-8b", help="Preset geometry."),
+    tokens: int = typer.Option(4096, min=1),
+    prefill_tp: int = typer.Option(1, min=1), decode_tp: int = typer.Option(2, min=1),
+    prefill_block_size: int = typer.Option(16, min=1), decode_block_size: int = typer.Option(16, min=1),
+    prefill_layout: Order = typer.Option(Order.HND, case_sensitive=False), decode_layout: Order = typer.Option(Order.HND, case_sensitive=False),
+    repeats: int = typer.Option(7, min=1, help="Interleaved repetitions; medians are reported."),
+    transport: Transport = typer.Option(Transport.local, help="local executor, or a real engine between processes."),
+    op: Mode = typer.Option(Mode.pull, help="pull (READ) or push (WRITE), for --transport shm/nixl/mooncake."),
+    offload: bool = typer.Option(False, help="GPU<->CPU offload store and load instead of a P/D transfer."),
+    engine: Engine = typer.Option(Engine.kvbridge, help="vllm: KVBridgeConnector vs vLLM's NixlConnector per request."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Our copies vs a plain contiguous copy of the same bytes, side by side in one run."""
+    check_bounds(tokens=tokens, prefill_tp=prefill_tp, decode_tp=decode_tp, prefill_block_size=prefill_block_size,
+                 decode_block_size=decode_block_size, repeats=repeats)
+    if engine == Engine.vllm:
+        from kvbridge.bench.vllm import bench_vllm
+        out = bench_vllm(None, prefill_tp, decode_tp)
+        print_json(out) if as_json else console.print(out)
+        return
+    from kvbridge.models.presets import PRESETS
+    if model not in PRESETS:
+        from kvbridge.errors import ConfigError
+        raise ConfigError(f"unknown preset {model!r}; choose one of: {', '.join(PRESETS)}")
+    prefill = EngineLayout(prefill_tp, prefill_block_size, kv_order=prefill_layout.value)
+    decode = EngineLayout(decode_tp, decode_block_size, kv_order=decode_layout.value)
+    progress = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=err_console, disable=as_json)
+    with progress:
+        task = progress.add_task("repeats", total=repeats)
+        tick = lambda done, total: progress.update(task, completed=done)  # noqa: E731
+        if offload:
+            from kvbridge.bench.offload import bench_offload
+            result: Any = bench_offload(model, tokens, prefill_block_size, tp_size=prefill_tp, repeats=repeats,
+                                        progress=tick)
+        elif transport != Transport.local:
+            from kvbridge.bench.transport import bench_transport
+            result = bench_transport(transport.value, model, tokens, prefill, decode,
+                                     op="read" if op == Mode.pull else "write", repeats=repeats, progress=tick)
+        else:
+            from kvbridge.bench.local import bench_local
+            result = bench_local(model, tokens, prefill, decode, repeats, progress=tick)
+    out = result.to_dict()
+    if as_json:
+        print_json(out)
+        return
+    if offload or transport != Transport.local:
+        table = Table(title=f"{model}, {tokens} tokens ({'offload' if offload else transport.value})", show_header=False)
+        for key, value in out.items():
+            table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+        console.print(table)
+        console.print(f"medians of {repeats} interleaved repetitions; compare ratios, not absolute times")
+        return
+    table = Table(title=f"{model}, {tokens} tokens: {result.prefill} -> {result.decode}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_row("bytes moved", f"{result.bytes / 2**20:.1f} MiB in {result.num_runs:,} runs "
+                                 f"(mean {result.mean_run_bytes / 1024:.1f} KiB)")
+    table.add_row(f"kvbridge local executor ({result.backend})", f"{result.executor_gbps:.2f} GB/s")
+    table.add_row("contiguous copy of the same bytes", f"{result.contiguous_gbps:.2f} GB/s")
+    table.add_row("ratio (executor / contiguous)", f"{result.ratio:.2f}x")
+    table.add_row("planning time", f"{result.plan_seconds * 1e3:.2f} ms "
+                                   f"({result.plan_fraction:.1%} of the copy)")
+    console.print(table)
+    console.print(f"medians of {repeats} interleaved repetitions; compare ratios, not absolute times")

@@ -1,0 +1,228 @@
+"""`kvbridge demo`: the transformers proof, run by one of five runners chosen by the options.
+
+The runner is `--engine vllm`, else `--offload`, else `--role decode`, else `--transport`
+(local: one process; shm/nixl/mooncake: one process per rank). Each runner's options are
+grouped under its own heading in `--help`; an option given to a runner that does not take it
+exits 2 naming the runner that does, so nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.table import Table
+
+from kvbridge.cli.app import (BOUNDS, Engine, Mode, Order, Role, Transport, app, check_bounds, console,
+                              friendly_errors, load_spec, nullcontext, parse_ids, print_json)
+from kvbridge.cli.demo_configs import (DEFAULT_MODEL, RUNNER_FLAGS, RUNNERS, DecodeClient, LocalDemo, OffloadDemo,
+                                       TransportDemo, VllmDemo)
+from kvbridge.core.layout import EngineLayout
+from kvbridge.errors import ConfigError, InvalidRequest
+
+_KEYS = ("model", "transport", "mode", "prefill", "decode", "tokens_reference", "tokens_disaggregated",
+         "tokens_offload", "match", "cache_equal", "bytes_moved", "num_runs", "plan_seconds", "transfer_seconds",
+         "store_engine", "load_engine", "pool", "hit_tokens", "bytes_stored", "bytes_loaded", "store_seconds",
+         "load_seconds", "requests_ok")
+
+MODEL = "Model and prompt"
+SHAPES = "Engine shapes"
+MULTI = "Processes and transports (--transport shm|nixl|mooncake, --role decode)"
+RUNNER = "Runner"
+
+
+def _show(out: dict[str, Any], title: str) -> None:
+    table = Table(title=title, show_header=False)
+    for key in _KEYS:
+        if key in out and out[key] is not None:
+            value = out[key]
+            if isinstance(value, float):
+                value = f"{value * 1e3:.2f} ms" if key.endswith("seconds") else f"{value:.3f}"
+            table.add_row(key, str(value))
+    console.print(table)
+
+
+def _runner(engine: Engine, offload: bool, role: Role, transport: Transport) -> str:
+    if engine == Engine.vllm:
+        return "vllm"
+    if offload:
+        return "offload"
+    if role == Role.decode:
+        return "decode"
+    return "local" if transport == Transport.local else "transport"
+
+
+def _refuse_foreign_options(ctx: typer.Context, runner: str) -> None:
+    """Exit 2 on an option the chosen runner would ignore, naming a runner that takes it."""
+    takes = RUNNERS[runner].OPTIONS
+    for name, value in ctx.params.items():
+        source = ctx.get_parameter_source(name)  # typer's click: compare by name, not by enum class
+        if getattr(source, "name", None) != "COMMANDLINE" or name in takes:
+            continue
+        flag = "--" + name.replace("_", "-") if name != "as_json" else "--json"
+        if name == "prefill":
+            raise InvalidRequest("--prefill HOST:PORT is the prefill server of `--role decode`; add --role decode")
+        others = [RUNNER_FLAGS[r] for r, cfg in RUNNERS.items() if name in cfg.OPTIONS]
+        raise InvalidRequest(f"{flag} does not apply to the {RUNNER_FLAGS[runner]} demo"
+                             + (f"; it is taken with {' or '.join(others)}" if others else ""))
+
+
+def _context_length(model: str) -> int | None:
+    """The model's maximum sequence length (`max_position_embeddings`), when its config says."""
+    if model is None:
+        return None
+    try:
+        from kvbridge.proofs.workload import model_config
+        config = model_config(model)
+    except ConfigError:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+@app.command()
+@friendly_errors
+def demo(
+    ctx: typer.Context,
+    model: Optional[str] = typer.Option(
+        None, help="Built-in model NAME or a save_pretrained DIR [default: tiny-llama; tiny-gemma2 with "
+        "--offload; a tiny Llama DIR it writes with --engine vllm].", rich_help_panel=MODEL),
+    prompt_ids: Optional[str] = typer.Option(None, help="Comma-separated prompt token ids, e.g. 1,2,3.",
+                                             rich_help_panel=MODEL),
+    prompt_len: int = typer.Option(32, min=1, help="Random prompt length (without --prompt-ids).",
+                                   rich_help_panel=MODEL),
+    new_tokens: int = typer.Option(8, min=1, help="Tokens to generate.", rich_help_panel=MODEL),
+    seed: int = typer.Option(0, help="Seed for weights, prompt and block ids.", rich_help_panel=MODEL),
+    prefill_tp: int = typer.Option(1, min=1, help="TP size of the prefill engine.", rich_help_panel=SHAPES),
+    decode_tp: int = typer.Option(2, min=1, help="TP size of the decode engine.", rich_help_panel=SHAPES),
+    prefill_block_size: Optional[int] = typer.Option(
+        None, min=1, help="Tokens per block [default: 16; 32 with --engine vllm].", rich_help_panel=SHAPES),
+    decode_block_size: Optional[int] = typer.Option(
+        None, min=1, help="Tokens per block [default: 16; 32 with --engine vllm].", rich_help_panel=SHAPES),
+    prefill_kernel_block_size: Optional[int] = typer.Option(
+        None, min=1, help="Kernel block size [default: the block size].", rich_help_panel=SHAPES),
+    decode_kernel_block_size: Optional[int] = typer.Option(
+        None, min=1, help="Kernel block size [default: the block size].", rich_help_panel=SHAPES),
+    prefill_layout: Order = typer.Option(Order.HND, case_sensitive=False, rich_help_panel=SHAPES),
+    decode_layout: Order = typer.Option(Order.HND, case_sensitive=False, rich_help_panel=SHAPES),
+    num_cached_tokens: int = typer.Option(
+        0, min=0, help="Prefix the decode side already holds (a multiple of its block size); only the rest "
+        "moves. Local runner.", rich_help_panel=SHAPES),
+    transport: Transport = typer.Option(
+        Transport.local, case_sensitive=False, help="local: one process; shm/nixl/mooncake: one process per "
+        "rank [default with --role decode: shm, as prefill-server].", rich_help_panel=RUNNER),
+    role: Role = typer.Option(Role.both, case_sensitive=False, help="decode: only the decode half, against a "
+                              "`kvbridge prefill-server`.", rich_help_panel=RUNNER),
+    offload: bool = typer.Option(False, help="Store a prefix to CPU, evict, load it back, decode.",
+                                 rich_help_panel=RUNNER),
+    engine: Engine = typer.Option(Engine.kvbridge, case_sensitive=False, help="vllm: two vLLM CPU instances "
+                                  "with KVBridgeConnector (needs `make vllm-env`).", rich_help_panel=RUNNER),
+    mode: Mode = typer.Option(Mode.pull, case_sensitive=False, help="pull: decode reads (NIXL style); push: "
+                              "prefill writes (Mooncake style).", rich_help_panel=MULTI),
+    requests: int = typer.Option(1, min=1, help="Requests in flight at once.", rich_help_panel=MULTI),
+    timeout: float = typer.Option(120.0, min=1.0, help="Deadline in seconds for every wait.",
+                                  rich_help_panel=MULTI),
+    prefill: Optional[str] = typer.Option(None, help="HOST:PORT of the prefill server (--role decode).",
+                                          rich_help_panel=MULTI),
+    secret_file: Optional[Path] = typer.Option(
+        None, help="Side-channel secret, a 0600 file shared with the prefill server (--role decode).",
+        rich_help_panel=MULTI),
+    insecure: bool = typer.Option(False, help="No side-channel authentication (--role decode; trusted "
+                                  "networks only).", rich_help_panel=MULTI),
+    dump_decode_cache: Optional[Path] = typer.Option(None, help="Write the reassembled decode cache "
+                                                     "(.safetensors)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Prefill on one engine shape, move the KV cache, decode on another; compare
+    with `generate`. Five runners; each refuses an option it does not take:
+
+    \b
+    local      (default) --prefill-*/--decode-* shapes, --num-cached-tokens
+    transport  --transport shm|nixl|mooncake: one process per rank;
+               shapes, --mode, --requests, --timeout
+    decode     --role decode --prefill HOST:PORT: the decode half against
+               `kvbridge prefill-server`; --decode-* shapes, --mode,
+               --requests, --timeout, --secret-file or --insecure
+    offload    --offload: --prefill-tp stores, --decode-tp loads
+    vllm       --engine vllm: TP and block sizes, --transport, --mode,
+               --requests
+    """
+    runner = _runner(engine, offload, role, transport)
+    _refuse_foreign_options(ctx, runner)
+    check_bounds(prefill_tp=prefill_tp, decode_tp=decode_tp, prefill_block_size=prefill_block_size,
+                 decode_block_size=decode_block_size, prefill_kernel=prefill_kernel_block_size,
+                 decode_kernel=decode_kernel_block_size, prompt_len=prompt_len, new_tokens=new_tokens,
+                 requests=requests, timeout=timeout)
+    ids = parse_ids(prompt_ids) if prompt_ids else None
+    if ids is not None and len(ids) > BOUNDS["prompt_len"]:
+        raise ConfigError(f"--prompt-ids has {len(ids)} ids, above kvbridge's bound of {BOUNDS['prompt_len']:,}")
+    model = model or DEFAULT_MODEL[runner]
+    prompt = len(ids) if ids else prompt_len
+    limit = _context_length(model) if runner != "vllm" else None
+    if limit is not None and prompt + new_tokens > limit:
+        raise ConfigError(f"prompt ({prompt}) + new tokens ({new_tokens}) exceed {model}'s context of {limit} "
+                          f"tokens (max_position_embeddings)")
+    if role == Role.decode and not prefill:
+        raise InvalidRequest("--role decode needs --prefill HOST:PORT of a running `kvbridge prefill-server`")
+    config = _config(runner, model, ids, prompt_len, new_tokens, seed, prefill_tp, decode_tp, prefill_block_size,
+                     decode_block_size, prefill_kernel_block_size, decode_kernel_block_size, prefill_layout,
+                     decode_layout, num_cached_tokens, transport, mode, requests, timeout, prefill, secret_file,
+                     insecure, dump_decode_cache)
+    status = console.status("prefill, transfer, decode ...", spinner="dots") if not as_json else nullcontext()
+    with status:
+        result = config.run()
+    out = result if isinstance(result, dict) else result.to_dict()
+    ok = bool(out.get("match")) if isinstance(result, dict) else (result.ok if runner == "offload" else result.match)
+    out.setdefault("transport", getattr(config, "transport", "local"))
+    if as_json:
+        print_json(out)
+    else:
+        _show(out, f"kvbridge demo ({RUNNER_FLAGS[runner]}): {out.get('model', model)}")
+        verdict = "[bold green]MATCH[/]" if ok else "[bold red]MISMATCH[/]"
+        what = "offloaded-and-reloaded" if runner == "offload" else "disaggregated"
+        console.print(f"{verdict}: {what} tokens {'equal' if ok else 'differ from'} monolithic generate")
+        if dump_decode_cache:
+            console.print(f"decode cache written to {dump_decode_cache}")
+    if not ok:
+        raise typer.Exit(1)
+
+
+def _config(runner: str, model: str, ids: list[int] | None, prompt_len: int, new_tokens: int, seed: int,
+            prefill_tp: int, decode_tp: int, prefill_block_size: int | None, decode_block_size: int | None,
+            prefill_kbs: int | None, decode_kbs: int | None, prefill_layout: Order, decode_layout: Order,
+            num_cached_tokens: int, transport: Transport, mode: Mode, requests: int, timeout: float,
+            prefill: str | None, secret_file: Path | None, insecure: bool, dump: Path | None) -> Any:
+    """The runner's typed config; engine layouts sized to the prompt and checked against the model."""
+    if runner == "vllm":
+        return VllmDemo(model_dir=model, prompt_ids=ids, prompt_len=prompt_len, new_tokens=new_tokens, seed=seed,
+                        prefill_tp=prefill_tp, decode_tp=decode_tp, prefill_block_size=prefill_block_size or 32,
+                        decode_block_size=decode_block_size or 32,
+                        transport="shm" if transport == Transport.local else transport.value, mode=mode.value,
+                        requests=requests)
+    if runner == "offload":
+        return OffloadDemo(model=model, prompt_len=max(prompt_len, 16), new_tokens=new_tokens, seed=seed,
+                           store_tp=prefill_tp, load_tp=decode_tp)
+    n = (len(ids) if ids else prompt_len) + new_tokens
+    spec = load_spec(model)
+
+    def layout(tp: int, bs: int | None, kbs: int | None, order: Order, side: str) -> EngineLayout:
+        bs = bs or 16
+        shape = EngineLayout(tp_size=tp, block_size=bs, num_blocks=(-(-n // bs) + 8) * requests,
+                             kernel_block_size=kbs, kv_order=order.value)
+        shape.check_model(spec, f"{side} engine")
+        return shape
+
+    decode = layout(decode_tp, decode_block_size, decode_kbs, decode_layout, "decode")
+    common = {"model": model, "prompt_ids": ids, "prompt_len": prompt_len, "new_tokens": new_tokens, "seed": seed,
+              "dump_decode_cache": dump}
+    if runner == "decode":
+        return DecodeClient(prefill=prefill or "", transport="shm" if transport == Transport.local else transport.value,
+                            decode=decode, mode=mode.value, requests=requests, timeout=timeout,
+                            secret_file=secret_file, insecure=insecure, **common)
+    shape = layout(prefill_tp, prefill_block_size, prefill_kbs, prefill_layout, "prefill")
+    if runner == "local":
+        return LocalDemo(prefill=shape, decode=decode, num_cached_tokens=num_cached_tokens, **common)
+    return TransportDemo(transport=transport.value, prefill=shape, decode=decode, mode=mode.value,
+                         requests=requests, timeout=timeout, **common)

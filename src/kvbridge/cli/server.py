@@ -1,0 +1,51 @@
+"""`kvbridge prefill-server`: the prefill half of the two-host demo (`demo --role decode` is the other)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kvbridge.cli.app import (Mode, Order, Transport, app, check_bounds, console, err_console, friendly_errors,
+                              load_spec, parse_ids, print_json)
+from kvbridge.core.layout import EngineLayout
+from kvbridge.errors import InvalidRequest
+
+
+@app.command("prefill-server")
+@friendly_errors
+def prefill_server(
+    listen: str = typer.Option("127.0.0.1:5600", help="HOST:PORT the decode side connects to."),
+    model: str = typer.Option("tiny-llama", help="Built-in model NAME or a save_pretrained DIR."),
+    prompt_ids: Optional[str] = typer.Option(None, help="Comma-separated prompt token ids."),
+    prompt_len: int = typer.Option(32, min=1), seed: int = typer.Option(0),
+    prefill_tp: int = typer.Option(1, min=1), prefill_block_size: int = typer.Option(16, min=1),
+    prefill_layout: Order = typer.Option(Order.HND, case_sensitive=False),
+    transport: Transport = typer.Option(Transport.shm, case_sensitive=False, help="shm, nixl or mooncake."),
+    mode: Mode = typer.Option(Mode.pull, case_sensitive=False),
+    requests: int = typer.Option(1, min=1), timeout: float = typer.Option(120.0, min=1.0),
+    secret_file: Optional[Path] = typer.Option(None, help="Side-channel secret: a 0600 file the decode side "
+                                               "is given too (`head -c 32 /dev/urandom > FILE`)."),
+    insecure: bool = typer.Option(False, help="No side-channel authentication (trusted networks only)."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """The prefill half of the two-host demo: prefill, lease the blocks, serve one decode engine."""
+    from kvbridge.proofs.connector_demo import run_prefill_server
+    check_bounds(prefill_tp=prefill_tp, prefill_block_size=prefill_block_size, prompt_len=prompt_len,
+                 requests=requests, timeout=timeout)
+    if transport == Transport.local:
+        raise InvalidRequest("prefill-server needs a transport between processes: shm, nixl or mooncake")
+    ids = parse_ids(prompt_ids) if prompt_ids else None
+    n = (len(ids) if ids else prompt_len) + 8
+    shape = EngineLayout(prefill_tp, prefill_block_size, (-(-n // prefill_block_size) + 8) * requests,
+                         kv_order=prefill_layout.value)
+    shape.check_model(load_spec(model), "prefill engine")
+    result = run_prefill_server(listen, transport=transport.value, model=model, prompt_ids=ids,
+                                prompt_len=None if ids else prompt_len, seed=seed, prefill=shape, mode=mode.value,
+                                num_requests=requests, timeout=timeout, secret_file=secret_file, insecure=insecure,
+                                on_listening=None if as_json else lambda a: err_console.print(f"listening on {a}"))
+    if as_json:
+        print_json(result.to_dict())
+    else:
+        console.print(result.to_dict())
