@@ -6,16 +6,7 @@ import os
 import time
 from typing import Any
 
-from kvbridge.proofs.vllm.cluster import (
-    START_TIMEOUT_S,
-    Cluster,
-    check_block_size,
-    median_seconds,
-    model_directory,
-    prompt_ids_for,
-    vllm_python,
-    workspace,
-)
+from kvbridge.proofs.vllm import cluster as vllm_cluster
 
 
 def _nixl_totals(metrics: dict[str, Any]) -> tuple[float, float, float]:
@@ -28,7 +19,7 @@ def _nixl_totals(metrics: dict[str, Any]) -> tuple[float, float, float]:
     return secs, count, nbytes
 
 
-def _nixl_request(cluster: Cluster, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+def _nixl_request(cluster: vllm_cluster.Cluster, prompt: list[int], new_tokens: int) -> dict[str, Any]:
     """One request through the NIXL pair, with the transfer figures vLLM's NIXL metrics gained meanwhile."""
     decode = cluster.instances["nixl-decode"]
     before = _nixl_totals(decode.command(op="metrics")["metrics"])
@@ -62,18 +53,18 @@ def bench_vllm(model_dir: str | os.PathLike | None = None, prefill_tp: int = 1, 
     (KV load + recompute of the last prompt token + decode), and the kvbridge/NIXL ratios of the
     medians; medians skip the first request (handshakes, first-use costs).
     """
-    check_block_size(block_size)
+    vllm_cluster.check_block_size(block_size)
     t_start = time.monotonic()
-    python = vllm_python(python)
-    with workspace(workdir, "kvbridge-vllm-bench-") as (work, own_dir):
-        model = model_directory(model_dir, python, work)
-        prompts = [prompt_ids_for(None, prompt_len, seed + i) for i in range(max(1, requests))]
-        with Cluster(model, python, work) as cluster:
+    python = vllm_cluster.vllm_python(python)
+    with vllm_cluster.workspace(workdir, "kvbridge-vllm-bench-") as (work, own_dir):
+        model = vllm_cluster.model_directory(model_dir, python, work)
+        prompts = [vllm_cluster.prompt_ids_for(None, prompt_len, seed + i) for i in range(max(1, requests))]
+        with vllm_cluster.Cluster(model, python, work) as cluster:
             cluster.start("kvbridge-prefill", prefill_tp, block_size, "kv_producer")
             cluster.start("kvbridge-decode", decode_tp, block_size, "kv_consumer")
             cluster.start("nixl-prefill", prefill_tp, block_size, "kv_producer", connector="nixl")
             cluster.start("nixl-decode", decode_tp, block_size, "kv_consumer", connector="nixl", log_stats=True)
-            cluster.wait_ready(timeout=min(timeout_s, START_TIMEOUT_S * 2))
+            cluster.wait_ready(timeout=min(timeout_s, vllm_cluster.START_TIMEOUT_S * 2))
             reference = [cluster.instances["kvbridge-prefill"].generate(p, new_tokens)["token_ids"] for p in prompts]
             kvb, nixl = [], []
             for prompt in prompts:
@@ -84,9 +75,9 @@ def bench_vllm(model_dir: str | os.PathLike | None = None, prefill_tp: int = 1, 
                 steady = rows[1:] or rows
                 return {"match_reference": [r["tokens"] == ref for r, ref in zip(rows, reference)],
                         "transfer_seconds": [r.get("transfer_seconds") for r in rows],
-                        "transfer_seconds_median": median_seconds([r.get("transfer_seconds") for r in steady]),
+                        "transfer_seconds_median": vllm_cluster.median_seconds([r.get("transfer_seconds") for r in steady]),
                         "decode_seconds": [r["decode_seconds"] for r in rows],
-                        "decode_seconds_median": median_seconds([r["decode_seconds"] for r in steady]),
+                        "decode_seconds_median": vllm_cluster.median_seconds([r["decode_seconds"] for r in steady]),
                         "bytes_moved": [r.get("bytes_moved") for r in rows],
                         "num_runs": [r.get("num_runs") for r in rows] if kind == "kvbridge" else None,
                         "startup_seconds": {n: i.ready.get("startup_seconds") for n, i in cluster.instances.items()

@@ -36,26 +36,15 @@ class Order(str, Enum):
     HND = "HND"
 
 
-class Transport(str, Enum):
-    local = "local"
-    shm = "shm"
-    nixl = "nixl"
-    mooncake = "mooncake"
+def _choices(name: str, *values: str) -> type[Enum]:
+    """A str Enum whose members are `values` (typer's choices)."""
+    return Enum(name, {v: v for v in values}, type=str)  # type: ignore[return-value]
 
 
-class Mode(str, Enum):
-    pull = "pull"
-    push = "push"
-
-
-class Engine(str, Enum):
-    kvbridge = "kvbridge"
-    vllm = "vllm"
-
-
-class Role(str, Enum):
-    both = "both"
-    decode = "decode"
+Transport = _choices("Transport", "local", "shm", "nixl", "mooncake")
+Mode = _choices("Mode", "pull", "push")
+Engine = _choices("Engine", "kvbridge", "vllm")
+Role = _choices("Role", "both", "decode")
 
 
 # Upper bounds of numeric inputs, from real deployments with a wide margin (the largest TP/PP

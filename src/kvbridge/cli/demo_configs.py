@@ -16,22 +16,30 @@ from kvbridge.core.layout import EngineLayout
 _SHARED = frozenset({"model", "prompt_len", "new_tokens", "seed", "as_json"})
 
 
-class LocalDemo(msgspec.Struct, frozen=True, kw_only=True):
+class _Proof(msgspec.Struct, frozen=True, kw_only=True):
+    """What every runner that runs the transformers proof on kvbridge's engines takes."""
+
+    model: str
+    prompt_ids: list[int] | None
+    prompt_len: int
+    new_tokens: int
+    seed: int
+    dump_decode_cache: Path | None = None
+
+
+class _Shapes(_Proof, frozen=True, kw_only=True):
+    prefill: EngineLayout
+    decode: EngineLayout
+
+
+class LocalDemo(_Shapes, frozen=True, kw_only=True):
     """`--transport local` (default): both engines in this process, the transformers proof."""
 
     OPTIONS: ClassVar[frozenset[str]] = _SHARED | {
         "prompt_ids", "prefill_tp", "decode_tp", "prefill_block_size", "decode_block_size",
         "prefill_kernel_block_size", "decode_kernel_block_size", "prefill_layout", "decode_layout",
         "num_cached_tokens", "dump_decode_cache", "transport"}
-    model: str
-    prompt_ids: list[int] | None
-    prompt_len: int
-    new_tokens: int
-    seed: int
-    prefill: EngineLayout
-    decode: EngineLayout
     num_cached_tokens: int = 0
-    dump_decode_cache: Path | None = None
 
     def run(self) -> Any:
         from kvbridge.proofs.local_demo import run_demo
@@ -40,22 +48,14 @@ class LocalDemo(msgspec.Struct, frozen=True, kw_only=True):
                         dump_decode_cache=self.dump_decode_cache, num_cached_tokens=self.num_cached_tokens)
 
 
-class TransportDemo(msgspec.Struct, frozen=True, kw_only=True):
+class TransportDemo(_Shapes, frozen=True, kw_only=True):
     """`--transport shm|nixl|mooncake`: every rank its own process, a real engine between them."""
 
     OPTIONS: ClassVar[frozenset[str]] = LocalDemo.OPTIONS - {"num_cached_tokens"} | {"mode", "requests", "timeout"}
     transport: Literal["shm", "nixl", "mooncake"]
-    model: str
-    prompt_ids: list[int] | None
-    prompt_len: int
-    new_tokens: int
-    seed: int
-    prefill: EngineLayout
-    decode: EngineLayout
     mode: Literal["pull", "push"] = "pull"
     requests: int = 1
     timeout: float = 120.0
-    dump_decode_cache: Path | None = None
 
     def run(self) -> Any:
         from kvbridge.proofs.connector_demo import run_multiprocess_demo
@@ -66,7 +66,7 @@ class TransportDemo(msgspec.Struct, frozen=True, kw_only=True):
                                      num_requests=self.requests, timeout=self.timeout)
 
 
-class DecodeClient(msgspec.Struct, frozen=True, kw_only=True):
+class DecodeClient(_Proof, frozen=True, kw_only=True):
     """`--role decode --prefill HOST:PORT`: the decode half against a `kvbridge prefill-server`."""
 
     OPTIONS: ClassVar[frozenset[str]] = _SHARED | {
@@ -74,16 +74,10 @@ class DecodeClient(msgspec.Struct, frozen=True, kw_only=True):
         "mode", "requests", "timeout", "role", "prefill", "dump_decode_cache", "secret_file", "insecure"}
     prefill: str
     transport: Literal["shm", "nixl", "mooncake"]
-    model: str
-    prompt_ids: list[int] | None
-    prompt_len: int
-    new_tokens: int
-    seed: int
     decode: EngineLayout
     mode: Literal["pull", "push"] = "pull"
     requests: int = 1
     timeout: float = 120.0
-    dump_decode_cache: Path | None = None
     secret_file: Path | None = None
     insecure: bool = False
 

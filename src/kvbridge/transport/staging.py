@@ -50,7 +50,8 @@ if TYPE_CHECKING:
     from kvbridge.transport.agent import _Job, _Peer
 
 # -------------------------------------------------------------------------------------------------
-# Control messages: one tagged struct each (no subclassing: handlers dispatch on the exact type),
+# Control messages: one tagged struct each (siblings, never subclasses of one another: handlers
+# dispatch with isinstance),
 # every number a peer sends bounded by the schema
 # -------------------------------------------------------------------------------------------------
 MAX_STAGED_RUNS = 1 << 24
@@ -61,8 +62,8 @@ Index = Annotated[int, Meta(ge=0, lt=1 << 31)]
 Int64s = Annotated[bytes, Meta(max_length=8 * MAX_STAGED_RUNS)]
 
 
-class BeginGather(msgspec.Struct, frozen=True, tag="begin_gather", array_like=True):
-    """Initiator of a read -> passive side: gather these runs (its own addresses) window by window."""
+class _Runs(msgspec.Struct, frozen=True, array_like=True):
+    """Fields of the two `Begin*` messages (an untagged base: handlers dispatch on the exact type)."""
 
     xfer: XferId
     offset: Int64s
@@ -78,72 +79,58 @@ class BeginGather(msgspec.Struct, frozen=True, tag="begin_gather", array_like=Tr
                 np.frombuffer(self.bounds, np.int64))
 
 
-class BeginScatter(msgspec.Struct, frozen=True, tag="begin_scatter", array_like=True):
+class _Window(msgspec.Struct, frozen=True, array_like=True):
+    """Fields of the per-window messages."""
+
+    xfer: XferId
+    window: Index
+    slot: Index
+
+
+class _Xfer(msgspec.Struct, frozen=True, array_like=True):
+    """Fields of the messages about a whole transfer."""
+
+    xfer: XferId
+
+
+class BeginGather(_Runs, frozen=True, tag="begin_gather"):
+    """Initiator of a read -> passive side: gather these runs (its own addresses) window by window."""
+
+
+class BeginScatter(_Runs, frozen=True, tag="begin_scatter"):
     """Initiator of a write -> passive side: scatter windows into these runs, then notify."""
 
-    xfer: XferId
-    offset: Int64s
-    length: Int64s
-    bounds: Int64s
-    notify: Annotated[bytes, Meta(max_length=1 << 20)] | None = None
 
-    arrays = BeginGather.arrays
-
-
-class Ready(msgspec.Struct, frozen=True, tag="ready", array_like=True):
+class Ready(_Window, frozen=True, tag="ready"):
     """Passive -> initiator of a read: window `window` is gathered in slot `slot`."""
 
-    xfer: XferId
-    window: Index
-    slot: Index
 
-
-class Slot(msgspec.Struct, frozen=True, tag="slot", array_like=True):
+class Slot(_Window, frozen=True, tag="slot"):
     """Passive -> initiator of a write: write window `window` into slot `slot`."""
 
-    xfer: XferId
-    window: Index
-    slot: Index
 
-
-class Release(msgspec.Struct, frozen=True, tag="release", array_like=True):
+class Release(_Window, frozen=True, tag="release"):
     """Initiator of a read -> passive: slot `slot` (window `window`) was read; reuse it."""
 
-    xfer: XferId
-    window: Index
-    slot: Index
 
-
-class Scatter(msgspec.Struct, frozen=True, tag="scatter", array_like=True):
+class Scatter(_Window, frozen=True, tag="scatter"):
     """Initiator of a write -> passive: window `window` landed in slot `slot`; scatter it."""
 
-    xfer: XferId
-    window: Index
-    slot: Index
 
-
-class End(msgspec.Struct, frozen=True, tag="end", array_like=True):
+class End(_Xfer, frozen=True, tag="end"):
     """Initiator -> passive: the read is over."""
 
-    xfer: XferId
 
-
-class Cancel(msgspec.Struct, frozen=True, tag="cancel", array_like=True):
+class Cancel(_Xfer, frozen=True, tag="cancel"):
     """Initiator -> passive: stop; answer `Cancelled` once no memory is touched for it."""
 
-    xfer: XferId
 
-
-class Cancelled(msgspec.Struct, frozen=True, tag="cancelled", array_like=True):
+class Cancelled(_Xfer, frozen=True, tag="cancelled"):
     """Passive -> initiator: the transfer no longer touches memory here."""
 
-    xfer: XferId
 
-
-class Done(msgspec.Struct, frozen=True, tag="done", array_like=True):
+class Done(_Xfer, frozen=True, tag="done"):
     """Passive -> initiator of a write: every window is scattered (the notification is queued)."""
-
-    xfer: XferId
 
 
 class Error(msgspec.Struct, frozen=True, tag="error", array_like=True):

@@ -15,16 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.proofs.vllm.cluster import (
-    START_TIMEOUT_S,
-    Cluster,
-    check_block_size,
-    median_seconds,
-    model_directory,
-    prompt_ids_for,
-    vllm_python,
-    workspace,
-)
+from kvbridge.proofs.vllm import cluster as vllm_cluster
 
 
 def run_vllm_demo(model_dir: str | os.PathLike | None = None, prefill_tp: int = 1, decode_tp: int = 1,
@@ -45,19 +36,19 @@ def run_vllm_demo(model_dir: str | os.PathLike | None = None, prefill_tp: int = 
     """
     if reference not in ("separate", "prefill"):
         raise ConfigError(f"reference must be 'separate' or 'prefill', got {reference!r}")
-    check_block_size(prefill_block_size)
-    check_block_size(decode_block_size)
+    vllm_cluster.check_block_size(prefill_block_size)
+    vllm_cluster.check_block_size(decode_block_size)
     t_start = time.monotonic()
-    python = vllm_python(python)
-    with workspace(workdir, "kvbridge-vllm-") as (work, own_dir):
-        model = model_directory(model_dir, python, work)
-        prompt = prompt_ids_for(prompt_ids, prompt_len, seed)
-        with Cluster(model, python, work, transport=transport, mode=mode) as cluster:
+    python = vllm_cluster.vllm_python(python)
+    with vllm_cluster.workspace(workdir, "kvbridge-vllm-") as (work, own_dir):
+        model = vllm_cluster.model_directory(model_dir, python, work)
+        prompt = vllm_cluster.prompt_ids_for(prompt_ids, prompt_len, seed)
+        with vllm_cluster.Cluster(model, python, work, transport=transport, mode=mode) as cluster:
             if reference == "separate":
                 cluster.start("reference", 1, decode_block_size)
             cluster.start("prefill", prefill_tp, prefill_block_size, "kv_producer")
             cluster.start("decode", decode_tp, decode_block_size, "kv_consumer")
-            start_timeout = min(timeout_s, START_TIMEOUT_S * 1.5)
+            start_timeout = min(timeout_s, vllm_cluster.START_TIMEOUT_S * 1.5)
             r_out = None
             if reference == "separate":  # first, alone with its engine: then it is closed
                 cluster.wait_ready(["reference"], start_timeout)
@@ -89,7 +80,7 @@ def run_vllm_demo(model_dir: str | os.PathLike | None = None, prefill_tp: int = 
                 "logprobs_max_abs_diff": diff, "prefill_first_token": last["prefill_first_token"],
                 "bytes_moved": last["bytes_moved"], "num_runs": last["num_runs"],
                 "transfer_seconds": last["transfer_seconds"],
-                "transfer_seconds_median": median_seconds([r["transfer_seconds"] for r in steady]),
+                "transfer_seconds_median": vllm_cluster.median_seconds([r["transfer_seconds"] for r in steady]),
                 "requests": per_request,
                 "kv_transfer_params": {k: v for k, v in last["params"].items() if k != "remote_block_ids"},
                 "startup_seconds": {name: i.ready.get("startup_seconds") for name, i in inst.items()},
