@@ -24,6 +24,12 @@ from kvbridge.transport.convert import convert_runs
 from kvbridge.core.plan import Plan
 
 
+def _refuse_first(bad: np.ndarray, describe) -> None:
+    """Raise `InvalidRequest` describing the first run flagged in `bad`, if any."""
+    if bad.any():
+        raise InvalidRequest(describe(int(np.flatnonzero(bad)[0])))
+
+
 class LocalExecutor:
     """Executes plans between fixed sets of source and destination rank caches."""
 
@@ -53,22 +59,17 @@ class LocalExecutor:
         src_count = np.diff(self._src_first)[plan.src_rank]
         dst_count = np.diff(self._dst_first)[plan.dst_rank]
         wrong = (plan.src_region < 0) | (plan.src_region >= src_count) | (plan.dst_region < 0) | (plan.dst_region >= dst_count)
-        if wrong.any():
-            i = int(np.flatnonzero(wrong)[0])
-            raise InvalidRequest(
-                f"run {i} names region {int(plan.src_region[i])} of source rank {int(plan.src_rank[i])} "
-                f"({int(src_count[i])} regions) and region {int(plan.dst_region[i])} of destination rank "
-                f"{int(plan.dst_rank[i])} ({int(dst_count[i])} regions)")
+        _refuse_first(wrong, lambda i: f"run {i} names region {int(plan.src_region[i])} of source rank "
+                      f"{int(plan.src_rank[i])} ({int(src_count[i])} regions) and region {int(plan.dst_region[i])} "
+                      f"of destination rank {int(plan.dst_rank[i])} ({int(dst_count[i])} regions)")
         sr = self._src_first[plan.src_rank] + plan.src_region
         dr = self._dst_first[plan.dst_rank] + plan.dst_region
         bad = ((plan.src_offset < 0) | (plan.src_offset + plan.src_length > self._src_sizes[sr])
                | (plan.dst_offset < 0) | (plan.dst_offset + plan.length > self._dst_sizes[dr]))
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise InvalidRequest(
-                f"run {i} ({int(plan.length[i])} B from rank {int(plan.src_rank[i])} region "
-                f"{int(plan.src_region[i])} @ {int(plan.src_offset[i])} to rank {int(plan.dst_rank[i])} region "
-                f"{int(plan.dst_region[i])} @ {int(plan.dst_offset[i])}) falls outside the registered regions")
+        _refuse_first(bad, lambda i: f"run {i} ({int(plan.length[i])} B from rank {int(plan.src_rank[i])} region "
+                      f"{int(plan.src_region[i])} @ {int(plan.src_offset[i])} to rank {int(plan.dst_rank[i])} "
+                      f"region {int(plan.dst_region[i])} @ {int(plan.dst_offset[i])}) falls outside the registered "
+                      "regions")
         return sr, dr
 
     def execute(self, plan: Plan) -> float:

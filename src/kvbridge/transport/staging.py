@@ -337,20 +337,29 @@ class StagedPath:
                 w, rslot = pending.popleft()
                 inflight.append((w, lslot, rslot, post(w, lslot, rslot)))
                 moved = True
-            if inflight:
-                w, lslot, rslot, token = inflight[0]
-                if self._engine_check(token):
-                    inflight.popleft()
-                    self._engine_release(token)
-                    self._ctl(p.name, Release(job.handle.id, w, rslot))
-                    window_copy(w, lslot, gather=False)
-                    held.remove(lslot)
-                    self._pool.release(lslot)
-                    scattered += 1
-                    moved = True
-                else:
-                    self._check_job(job, p)
+            landed = self._landed(job, p, inflight)
+            if landed is not None:
+                w, lslot, rslot = landed
+                self._ctl(p.name, Release(job.handle.id, w, rslot))
+                window_copy(w, lslot, gather=False)
+                held.remove(lslot)
+                self._pool.release(lslot)
+                scattered += 1
+                moved = True
             idle = backoff.after(moved)
+
+    def _landed(self, job: _Job, p: _Peer, inflight: collections.deque) -> tuple[int, int, int] | None:
+        """(window, local slot, remote slot) of the oldest engine transfer once it completed, else None
+        (after checking the job's deadline and abort flag while it runs)."""
+        if not inflight:
+            return None
+        w, lslot, rslot, token = inflight[0]
+        if not self._engine_check(token):
+            self._check_job(job, p)
+            return None
+        inflight.popleft()
+        self._engine_release(token)
+        return w, lslot, rslot
 
     def _staged_write(self, job, p, nwin, held, inflight, post, window_copy) -> None:
         grants: dict[int, int] = {}
@@ -384,18 +393,14 @@ class StagedPath:
                 rslot = grants.pop(w)
                 inflight.append((w, lslot, rslot, post(w, lslot, rslot)))
                 moved = True
-            if inflight:
-                w, lslot, rslot, token = inflight[0]
-                if self._engine_check(token):
-                    inflight.popleft()
-                    self._engine_release(token)
-                    held.remove(lslot)
-                    self._pool.release(lslot)
-                    self._ctl(p.name, Scatter(job.handle.id, w, rslot))
-                    written += 1
-                    moved = True
-                else:
-                    self._check_job(job, p)
+            landed = self._landed(job, p, inflight)
+            if landed is not None:
+                w, lslot, rslot = landed
+                held.remove(lslot)
+                self._pool.release(lslot)
+                self._ctl(p.name, Scatter(job.handle.id, w, rslot))
+                written += 1
+                moved = True
             idle = backoff.after(moved)
 
     def _cancel_remote(self, job: _Job, p: _Peer, xfer: int) -> None:
