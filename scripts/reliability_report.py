@@ -46,6 +46,48 @@ def _quarters(samples: list[dict], key: str) -> str:
     return " / ".join(f"{x[key] / (1 << 20):.1f}" if key == "rss" else str(x[key]) for x in samples)
 
 
+def _security_rows() -> tuple[list[tuple[str, str]] | None, str]:
+    """The forged-peer test's rows (it writes them when KVBRIDGE_SECURITY_REPORT names a file)."""
+    import json
+    import subprocess
+    with tempfile.TemporaryDirectory(prefix="kvbridge-security-") as tmp:
+        out = os.path.join(tmp, "rows.json")
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            os.path.join(ROOT, "tests", "security", "test_forged_peer.py")],
+                           env={**os.environ, "KVBRIDGE_SECURITY_REPORT": out}, capture_output=True, text=True,
+                           timeout=900)
+        if r.returncode != 0 or not os.path.exists(out):
+            return None, (r.stdout + r.stderr).strip().splitlines()[-1:][0] if (r.stdout + r.stderr).strip() else "?"
+        return [tuple(x) for x in json.load(open(out))], ""
+
+
+def _cli_bound_rows() -> list[str]:
+    """Absurd command-line values and configs, as a user types them: exit code, seconds, the line."""
+    import json
+    import subprocess
+    kvbridge = os.path.join(os.path.dirname(sys.executable), "kvbridge")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvbridge-bounds-") as tmp:
+        configs = {"nan.json": '{"model_type": "llama", "num_hidden_layers": NaN}', "list.json": "[1, 2]",
+                   "deep.json": '{"a":' * 5000 + "1" + "}" * 5000,
+                   "huge.json": json.dumps({"model_type": "llama", "num_hidden_layers": 10 ** 6, "hidden_size": 64,
+                                            "num_attention_heads": 4})}
+        for name, text in configs.items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
+        cases = [["plan", "llama-3-8b", "--decode-tp", "1000000"], ["plan", "llama-3-8b", "--tokens", "10000000"],
+                 ["demo", "--prompt-len", "100000"], ["verify", "--cases", "100000000"],
+                 *[["plan", os.path.join(tmp, name)] for name in configs]]
+        for args in cases:
+            t0 = time.monotonic()
+            r = subprocess.run([kvbridge, *args], capture_output=True, text=True, timeout=120)
+            lines = [x for x in (r.stdout + r.stderr).splitlines() if x.strip()]
+            shown = " ".join(a if not a.startswith(tmp) else os.path.basename(a) for a in args)
+            line = lines[0].replace(tmp + "/", "") if len(lines) == 1 else f"{len(lines)} lines"
+            rows.append(f"| `kvbridge {shown}` | {r.returncode} | {time.monotonic() - t0:.1f} | {line} |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=2000, help="requests of each soak (CI: 2000)")
@@ -128,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                      "libFuzzer flags); the same contract under hypothesis: 800 examples of arbitrary and mutated "
                      "frames in that file.")
     g = garbage_frames(500)
+    sec_rows, sec_why = _security_rows()
+    lost += 0 if sec_rows else 1
     lines += ["## Bad inputs tried", "",
               f"- {g['sent']} hostile frames into a live prefill rank ({', '.join(f'{k}: {v}' for k, v in g['kinds'].items())}): "
               f"{g['refused']} refused, {g['aborts_counted']} acted on; a real request afterwards "
@@ -146,6 +190,19 @@ def main(argv: list[str] | None = None) -> int:
               "- Corruption in flight (a byte flipped in the source after the checksum, or in the destination "
               "before verification) fails exactly the affected request on exactly the affected decode rank, with "
               "its id and reason (`test_connector_integrity.py`, pull and push, TP 2→3 and 3→1).", "",
+              "## An attacker on loopback", "",
+              "A real `prefill-server` process (push mode over shm, secret from a 0600 file), attacked with raw "
+              "ZMQ sockets and only public facts; then a legitimate decode client. Each row is what the server "
+              "answered (docs/security.md has the threat model).", "",
+              "| attempt | outcome |", "|---|---|",
+              *([f"| {what} | {outcome} |" for what, outcome in sec_rows] if sec_rows
+                else [f"| forged-peer test | FAILED: {sec_why} |"]),
+              "", "Reproduce: `.venv/bin/python -m pytest -s tests/security/test_forged_peer.py` (asserts each "
+              "refusal, no announcement, no file opened or mapped, < 64 MiB and < 5 ms of CPU per refused frame, "
+              "and that the real client is served after).", "",
+              "## Absurd input from the command line or a config", "",
+              "| command | exit | seconds | output |", "|---|---|---|---|", *_cli_bound_rows(), "",
+              "Reproduce: `.venv/bin/python -m pytest tests/test_cli.py tests/models/test_untrusted_config.py`.", "",
               "## Faults survived", "",
               "- prefill rank killed mid-transfer, decode rank that never reads (lease expiry, released once), "
               "abort mid-transfer: `tests/connector/test_connector_faults.py` (pull and push, real processes).",
