@@ -210,6 +210,16 @@ def shared_bytes(nbytes: int, name_prefix: str = "buf") -> torch.Tensor:
     return seg.tensor
 
 
+def adopt_segment(path: str, nbytes: int) -> SharedSegment:
+    """Map a segment another process of this host created (a vLLM worker's cache) so that views
+    of it can be registered with `ShmTransport` here. The caller names the segment; a peer never
+    does (peers' metadata is checked by `_check_layout`)."""
+    seg = SharedSegment(nbytes, path=path)
+    with _SEG_LOCK:
+        _SEGMENTS[seg.path] = seg
+    return seg
+
+
 def release_shared(obj: RankCache | torch.Tensor) -> None:
     """Unlink the segment(s) behind a cache or tensor from `allocate_shared` / `shared_bytes`."""
     tensors = obj.regions if isinstance(obj, RankCache) else [obj]

@@ -20,8 +20,8 @@ multiprocessing context vLLM owns):
     sidecar -> worker   Ready(address), then Released / Received per request, Fatal(error)
 
 The sidecar exits on Close, on EOF of its stdin (the worker died) or when its parent changes.
-It uses the connector's public API only, except adopting the worker's shared-memory segment
-into the shm transport (see `_adopt_segment`).
+It uses public APIs only: the connector's, and `shm.adopt_segment` to map the worker's
+shared-memory segment.
 """
 
 from __future__ import annotations
@@ -185,10 +185,11 @@ class Sidecar:
         from kvbridge.connector.transports import make_transport
         from kvbridge.integrations.vllm.layout import VllmTopology, as_vllm_cpu, vllm_cpu_spec
         from kvbridge.transport.cache import RankCache
+        from kvbridge.transport.shm import adopt_segment
 
         self.init, self.emit, s = init, emit, init.settings
         self.settings = s
-        seg = self.segment = _adopt_segment(init.segment_path, init.segment_nbytes)
+        seg = self.segment = adopt_segment(init.segment_path, init.segment_nbytes)
         layout = as_vllm_cpu(init.layout)
         spec = vllm_cpu_spec(init.spec)  # the wire carries plain LayerSpecs
         nbytes = layout.addressing(spec, init.rank).region_nbytes
@@ -401,19 +402,6 @@ def _raise_priority(nice: int = -10) -> None:
         os.sched_setaffinity(0, os.sched_getaffinity(1) or range(os.cpu_count() or 1))
     except (PermissionError, OSError, AttributeError):
         pass
-
-
-def _adopt_segment(path: str, nbytes: int) -> Any:
-    """Map the worker's shared-memory segment and let the shm transport register views of it.
-
-    The shm transport registers only segments it knows in this process and has no public call
-    for a segment another process created; until it does (`transport/shm.py`), this is the one
-    place that writes its registry."""
-    from kvbridge.transport import shm
-    seg = shm.SharedSegment(nbytes, path=path)
-    with shm._SEG_LOCK:
-        shm._SEGMENTS[seg.path] = seg
-    return seg
 
 
 def main() -> None:  # pragma: no cover - runs as the sidecar process
