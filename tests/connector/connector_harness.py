@@ -26,6 +26,7 @@ from kvbridge.core.layout import EngineLayout
 from kvbridge.transport.cache import RankCache
 from kvbridge.core.plan import Request
 from kvbridge.core.spec import ModelSpec
+from kvbridge.testing.reliability import close_endpoints
 from kvbridge.proofs.verify import (clone_caches, expected_destination, fill_source, mismatch_report, random_bytes,
                              random_request)
 
@@ -131,12 +132,7 @@ class Cluster:
         return all((r, rid) in self.results for r in ranks)
 
     def close(self) -> None:
-        for c in self.consumers:
-            c.close()
-            c.transport.close()
-        for p in self.producers:
-            p.close()
-            p.transport.close()
+        close_endpoints(self.consumers, self.producers)
 
 
 @contextlib.contextmanager

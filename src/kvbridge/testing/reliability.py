@@ -66,6 +66,14 @@ def _pumping(producers: list[Producer]) -> Iterator[None]:
         t.join(5)
 
 
+
+def close_endpoints(*groups) -> None:
+    """Close every Producer / Consumer of `groups` and its transport agent (decode side first)."""
+    for group in groups:
+        for endpoint in group:
+            endpoint.close()
+            endpoint.transport.close()
+
 class Pair:
     """Prefill TP `ptp` and decode TP `dtp` ranks of one engine pair, in this process."""
 
@@ -105,12 +113,7 @@ class Pair:
         return out
 
     def close(self) -> None:
-        for c in self.consumers:
-            c.close()
-            c.transport.close()
-        for p in self.producers:
-            p.close()
-            p.transport.close()
+        close_endpoints(self.consumers, self.producers)
         from kvbridge.transport.shm import free_shared
         for c in self.src + self.dst:
             free_shared(c)
