@@ -163,3 +163,8 @@ def test_decode_half_defaults_to_the_prefill_servers_transport():
     cfg = _config("decode", "tiny-llama", None, 8, 2, 0, 1, 2, None, None, None, None, Order.HND, Order.HND, 0,
                   Transport.local, Mode.pull, 1, 5.0, "127.0.0.1:1", None, True, None)
     assert cfg.transport == "shm"
+
+
+def test_both_halves_of_the_two_host_demo_say_how_to_authenticate():
+    assert "--secret-file" in _one_error_line(run("demo", "--role", "decode", "--prefill", "127.0.0.1:1"))
+    assert "--secret-file" in _one_error_line(run("prefill-server", "--listen", "127.0.0.1:1"))

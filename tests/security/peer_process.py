@@ -4,7 +4,7 @@
 
 Calls `run_prefill_server` / `run_decode_client` with the JSON arguments (layouts as dicts),
 prints `LISTENING <address>` once the prefill server's rank 0 listens and `RESULT <json>` at
-the end. (Stands in for `kvbridge prefill-server --secret-file` until the CLI has the flag.)
+the end (what `kvbridge prefill-server --secret-file` and `demo --role decode --secret-file` run).
 """
 
 from __future__ import annotations

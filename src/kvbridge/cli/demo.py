@@ -166,6 +166,8 @@ def demo(
                           f"tokens (max_position_embeddings)")
     if role == Role.decode and not prefill:
         raise InvalidRequest("--role decode needs --prefill HOST:PORT of a running `kvbridge prefill-server`")
+    if role == Role.decode and not (secret_file or insecure):
+        raise ConfigError("--role decode needs --secret-file FILE (the prefill server's) or --insecure")
     config = _config(runner, model, ids, prompt_len, new_tokens, seed, prefill_tp, decode_tp, prefill_block_size,
                      decode_block_size, prefill_kernel_block_size, decode_kernel_block_size, prefill_layout,
                      decode_layout, num_cached_tokens, transport, mode, requests, timeout, prefill, secret_file,

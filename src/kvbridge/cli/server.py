@@ -10,7 +10,7 @@ import typer
 from kvbridge.cli.app import (Mode, Order, Transport, app, check_bounds, console, err_console, friendly_errors,
                               load_spec, parse_ids, print_json)
 from kvbridge.core.layout import EngineLayout
-from kvbridge.errors import InvalidRequest
+from kvbridge.errors import ConfigError, InvalidRequest
 
 
 @app.command("prefill-server")
@@ -36,6 +36,9 @@ def prefill_server(
                  requests=requests, timeout=timeout)
     if transport == Transport.local:
         raise InvalidRequest("prefill-server needs a transport between processes: shm, nixl or mooncake")
+    if not (secret_file or insecure):
+        raise ConfigError("prefill-server needs --secret-file FILE (a 0600 file the decode side gets too) or "
+                          "--insecure")
     ids = parse_ids(prompt_ids) if prompt_ids else None
     n = (len(ids) if ids else prompt_len) + 8
     shape = EngineLayout(prefill_tp, prefill_block_size, (-(-n // prefill_block_size) + 8) * requests,
