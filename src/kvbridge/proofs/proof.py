@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 
+from kvbridge.core.spec import normalize_dtype
 from kvbridge.errors import InvalidRequest
 from kvbridge.proofs.hf_cache import BlockIds, cache_differences, import_cache, replica_mismatches, save_cache
 from kvbridge.transport.cache import RankCache
@@ -142,7 +143,8 @@ def prove_cache(model: PreTrainedModel, prompt_ids: Sequence[int], caches: Seque
     tokens_reference = reference_tokens(model, prompt_ids, new_tokens)
     if reference_cache is None:
         reference_cache, _ = prefill(model, prompt_ids[:num_cached])
-    imported = import_cache(caches, block_ids, num_cached, model.config)
+    dtype = normalize_dtype(str(next(model.parameters()).dtype))
+    imported = import_cache(caches, block_ids, num_cached, model.config, model_dtype=dtype)
     differences = cache_differences(reference_cache, imported)
     replicas = replica_mismatches(caches, block_ids, num_cached)
     if dump is not None:
