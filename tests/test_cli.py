@@ -159,9 +159,11 @@ def test_absurd_numbers_exit_2_naming_the_bound():
 
 def test_decode_half_defaults_to_the_prefill_servers_transport():
     from kvbridge.cli.demo import _config
-    from kvbridge.cli.app import Mode, Order, Transport
-    cfg = _config("decode", "tiny-llama", None, 8, 2, 0, 1, 2, None, None, None, None, Order.HND, Order.HND, 0,
-                  Transport.local, Mode.pull, 1, 5.0, "127.0.0.1:1", None, True, None)
+    from kvbridge.cli.app import Mode, Transport
+    from kvbridge.cli.shapes import SideShape
+    shapes = {side: SideShape(side=side, tp=tp) for side, tp in (("prefill", 1), ("decode", 2))}
+    cfg = _config("decode", "tiny-llama", None, 8, 2, 0, shapes, None, None, 0, Transport.local, Mode.pull, 1, 5.0,
+                  "127.0.0.1:1", None, True, None)
     assert cfg.transport == "shm"
 
 

@@ -48,13 +48,13 @@ def check_hello_bounds(peer: Hello) -> None:
     if not 1 <= layout.num_blocks <= MAX_BLOCKS:
         raise HandshakeRefused(f"{who} declares {layout.num_blocks} blocks per rank: the bound is {MAX_BLOCKS}")
     if not peer.rank < layout.world_size:
-        raise HandshakeRefused(f"{who} claims rank {peer.rank} of an engine of {layout.world_size} ranks")
+        raise HandshakeRefused(f"{who} claims rank {peer.rank} of an engine of {layout.describe_ranks()}")
     if len(peer.transport_metadata) > MAX_TRANSPORT_METADATA:
         raise HandshakeRefused(f"{who} sent {len(peer.transport_metadata)} bytes of transport metadata: the bound "
                                f"is {MAX_TRANSPORT_METADATA}")
     if len(peer.peer_addresses) > layout.world_size:
         raise HandshakeRefused(f"{who} lists {len(peer.peer_addresses)} rank addresses for an engine of "
-                               f"{layout.world_size} ranks")
+                               f"{layout.describe_ranks()}")
 
 
 __all__ = ["MAX_BLOCKS", "MAX_BLOCK_TOKENS", "MAX_PARALLEL_SIZE", "MAX_TRANSPORT_METADATA", "MAX_WORLD_SIZE", "check_hello_bounds"]
