@@ -237,7 +237,7 @@ def gather_kv(caches: Sequence[RankCache], block_ids: BlockIds,
         positions = np.arange(first, num_tokens, dtype=np.int64)
         pair = []
         for ci, comp in enumerate(lspec.components):
-            full = torch.zeros(comp.heads, num_tokens, comp.dim, dtype=dtype)
+            full = torch.zeros(comp.heads, num_tokens, comp.dim, dtype=dtype, device=caches[0].regions[0].device)
             have = np.zeros((comp.heads, len(positions)), dtype=bool)  # (head, position) already read
             for rc in caches:
                 if not _holds(rc, li):
@@ -273,7 +273,8 @@ def gather_states(caches: Sequence[RankCache], block_ids: BlockIds) -> dict[int,
             continue
         comps = []
         for ci, comp in enumerate(lspec.components):
-            full = torch.zeros(comp.heads, comp.dim, dtype=TORCH_DTYPES[spec.component_dtype(comp)])
+            full = torch.zeros(comp.heads, comp.dim, dtype=TORCH_DTYPES[spec.component_dtype(comp)],
+                               device=caches[0].regions[0].device)
             have = np.zeros(comp.heads, dtype=bool)
             for rc in caches:
                 if not _holds(rc, li):

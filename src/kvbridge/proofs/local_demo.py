@@ -105,7 +105,7 @@ def vllm_block_size(spec: ModelSpec, tp_size: int, kernel_block_size: int = 16) 
 def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int | None = None, new_tokens: int = 8,
              seed: int = 0, prefill: EngineLayout | None = None, decode: EngineLayout | None = None,
              dump_decode_cache: str | Path | None = None, *, prompt_ids: Sequence[int] | None = None,
-             prompt_len: int | None = None, num_cached_tokens: int = 0) -> DemoResult:
+             prompt_len: int | None = None, num_cached_tokens: int = 0, device: str = "cpu") -> DemoResult:
     """Prefill on one engine layout, move the cache to another, decode there, compare with `generate`.
 
     The prompt is `prompt` (ids, or a length for random ids) or, by keyword, `prompt_ids`, else
@@ -119,6 +119,9 @@ def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int
     the recurrent state after the prefix in the slot of the prefix's last block), and only the rest
     is moved: attention positions from `num_cached_tokens` on and the recurrent state after the
     whole prompt, into the request's slot.
+
+    `device`: where the model and both engines' caches live (e.g. "cuda"; the executor then copies
+    with torch on that device).
     """
     if prompt is not None and prompt_ids is not None:
         raise InvalidRequest("give the prompt once: positional `prompt` or `prompt_ids`, not both")
@@ -127,6 +130,7 @@ def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int
     if new_tokens < 1:
         raise InvalidRequest(f"new_tokens must be >= 1, got {new_tokens}")
     model, config = load_model(model_name_or_dir, seed)
+    model.to(device)
     model.generation_config = greedy_config()
     spec = spec_for(config, next(model.parameters()).dtype)
     if all(layer.is_recurrent for layer in spec.layers):
@@ -146,8 +150,8 @@ def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int
             f"(a prefix hit covers whole blocks and leaves at least one token to move), got {num_cached_tokens}")
 
     prefill_cache, first = run_prefill(model, ids)
-    src = RankCache.allocate_engine(spec, prefill, fill=None)
-    dst = RankCache.allocate_engine(spec, decode, fill=None)
+    src = RankCache.allocate_engine(spec, prefill, device=device, fill=None)
+    dst = RankCache.allocate_engine(spec, decode, device=device, fill=None)
     random_bytes(src, seed + 1)
     random_bytes(dst, seed + 2)
     # Sliding-window lists are clipped to the window at random, as vLLM sends them.

@@ -71,15 +71,16 @@ def make_prompt_ids(prompt: Sequence[int] | int, vocab_size: int, seed: int) -> 
     return ids
 
 
-def _input(ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    input_ids = torch.tensor([list(ids)], dtype=torch.long)
+def _input(ids: Sequence[int], model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch-1 ids and mask on the model's device."""
+    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=model.device)
     return input_ids, torch.ones_like(input_ids)
 
 
 @torch.inference_mode()
 def reference_tokens(model: PreTrainedModel, prompt_ids: Sequence[int], new_tokens: int) -> list[int]:
     """Monolithic greedy `generate`: the tokens every disaggregated path must reproduce."""
-    input_ids, mask = _input(prompt_ids)
+    input_ids, mask = _input(prompt_ids, model)
     out = model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens)[0, len(prompt_ids):].tolist()
     if len(out) != new_tokens:
         raise InvalidRequest(f"reference generate stopped after {len(out)} of {new_tokens} tokens")
@@ -89,7 +90,7 @@ def reference_tokens(model: PreTrainedModel, prompt_ids: Sequence[int], new_toke
 @torch.inference_mode()
 def prefill(model: PreTrainedModel, prompt_ids: Sequence[int]) -> tuple[DynamicCache, int]:
     """One forward over the prompt, as a prefill engine runs it: its cache and the greedy first token."""
-    input_ids, mask = _input(prompt_ids)
+    input_ids, mask = _input(prompt_ids, model)
     extra = {}
     if "position_ids" in inspect.signature(model.forward).parameters:
         # the positions `generate` passes; models such as RoBERTa's decoders default to others
@@ -111,14 +112,14 @@ def continue_greedy(model: PreTrainedModel, prompt_ids: Sequence[int], cache: Dy
     if num_cached < n:
         if first_token is not None:
             raise InvalidRequest(f"a first token follows the whole prompt, the cache holds {num_cached} of {n}")
-        input_ids, mask = _input(prompt_ids)
+        input_ids, mask = _input(prompt_ids, model)
         return model.generate(input_ids, attention_mask=mask, past_key_values=cache,
                               max_new_tokens=new_tokens)[0, n:].tolist()
     if first_token is None:
         return []
     tokens = [int(first_token)]
     if new_tokens > 1:
-        input_ids, mask = _input([*prompt_ids, int(first_token)])
+        input_ids, mask = _input([*prompt_ids, int(first_token)], model)
         rest = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens - 1)
         tokens += rest[0, n + 1:].tolist()
     return tokens
