@@ -93,7 +93,7 @@ class RankEndpoint:
                 need = -(-num_tokens // per)
                 if len(group) != need:
                     raise InvalidRequest(f"request {request_id!r} group {g}: {num_tokens} tokens need {need} blocks "
-                                         f"of {per} tokens, got {len(group)}")
+                                         f"of {per}, got {len(group)}")
         return ids
 
     def _check_open(self) -> None:
