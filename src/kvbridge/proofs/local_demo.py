@@ -135,8 +135,9 @@ def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int
     spec = spec_for(config, next(model.parameters()).dtype)
     if all(layer.is_recurrent for layer in spec.layers):
         raise ConfigError(
-            f"{model_name_or_dir}: every layer is recurrent; transformers' generate needs an attention layer to "
-            f"track the sequence length (Cache.get_seq_length raises on a cache of linear-attention layers only)")
+            f"{model_name_or_dir}: every layer is recurrent; the proof continues `generate` from an imported "
+            f"DynamicCache, whose get_seq_length needs an attention layer (a limit of the proof, not of the move: "
+            f"`kvbridge plan` and `verify` cover such models)")
     vocab = int(config.get_text_config().vocab_size)
     ids = make_prompt_ids(prompt, vocab, seed)
     n = len(ids)

@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 
 from kvbridge.core.spec import normalize_dtype
-from kvbridge.errors import InvalidRequest
+from kvbridge.errors import ConfigError, InvalidRequest
 from kvbridge.proofs.hf_cache import BlockIds, cache_differences, import_cache, replica_mismatches, save_cache
 from kvbridge.transport.cache import RankCache
 
@@ -96,7 +96,17 @@ def prefill(model: PreTrainedModel, prompt_ids: Sequence[int]) -> tuple[DynamicC
         # the positions `generate` passes; models such as RoBERTa's decoders default to others
         extra["position_ids"] = mask.long().cumsum(-1) - 1
     out = model(input_ids, attention_mask=mask, use_cache=True, **extra)
-    return out.past_key_values, int(out.logits[0, -1].argmax())
+    return _self_attention_cache(out, model), int(out.logits[0, -1].argmax())
+
+
+def _self_attention_cache(out: object, model: PreTrainedModel) -> DynamicCache:
+    """The cache a forward returned: the decoder's self-attention cache of an encoder-decoder cache
+    (BERT-style models run as decoders); one line naming the model when it returns none."""
+    cache = getattr(out, "past_key_values", None)
+    if cache is None:
+        raise ConfigError(f"{type(model).__name__} returns no KV cache (no past_key_values): transformers exposes "
+                          f"none for it, so there is nothing to move")
+    return getattr(cache, "self_attention_cache", cache)
 
 
 @torch.inference_mode()
