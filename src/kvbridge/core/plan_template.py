@@ -88,7 +88,7 @@ class PlanTemplate(NamedTuple):
                     return None
                 if table.shape[2]:
                     slabs.append((int(np.searchsorted(dst_sorted, dst_ids[j])), j, int(dst_ids[j]), table))
-        slabs.sort(key=lambda slab: slab[0])
+        slabs.sort(key=lambda slab: (slab[0], slab[2]))  # two partial units between the same whole ones: by id
         width = len(ids) * self.columns.shape[3] + sum(slab[3].shape[2] for slab in slabs)
         return _Layout(order + whole[0], dst_sorted, slabs, width)
 
