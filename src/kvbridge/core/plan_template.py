@@ -50,6 +50,7 @@ class _Layout(NamedTuple):
     dst_sorted: np.ndarray
     slabs: list[tuple[int, int, int, np.ndarray]]
     width: int  # runs per stripe
+    inner_touch: bool  # adjacent runs of a partial unit may touch
 
 
 class PlanTemplate(NamedTuple):
@@ -64,6 +65,8 @@ class PlanTemplate(NamedTuple):
     steps: tuple[int, ...] | None  # source id steps that continue a stripe into the next destination id (None: unknown)
     stripe_keys: np.ndarray  # (stripe, [destination region, const // block_bytes])
     key: tuple  # (spec, src, dst, d, g): where partial units' tables are cached
+    src_ls: int  # the one source block stride of every run (0: they differ)
+    dst_ls: int  # the one destination block stride of every run (0: they differ)
 
     @property
     def slots(self) -> int:
@@ -80,17 +83,20 @@ class PlanTemplate(NamedTuple):
         order = np.argsort(ids, kind="stable")
         dst_sorted = ids[order]
         slabs = []
+        touchy = False
         for a, b in ((first, whole[0] * self.unit), (whole[1] * self.unit, stop)):
             if a < b:
                 j = a // self.unit
-                table = _partial_table(*self.key, j % self.slots, a - j * self.unit, b - j * self.unit)
-                if table is None:
+                partial = _partial_table(*self.key, j % self.slots, a - j * self.unit, b - j * self.unit)
+                if partial is None:
                     return None
+                table, inner_touch = partial
                 if table.shape[2]:
+                    touchy |= inner_touch
                     slabs.append((int(np.searchsorted(dst_sorted, dst_ids[j])), j, int(dst_ids[j]), table))
         slabs.sort(key=lambda slab: (slab[0], slab[2]))  # two partial units between the same whole ones: by id
         width = len(ids) * self.columns.shape[3] + sum(slab[3].shape[2] for slab in slabs)
-        return _Layout(order + whole[0], dst_sorted, slabs, width)
+        return _Layout(order + whole[0], dst_sorted, slabs, width, touchy)
 
     def write(self, lay: _Layout, src_ids: np.ndarray, out: dict[str, np.ndarray]) -> bool:
         """Write the runs of `lay` into `out` (flat arrays of `stripes x width` runs); whether
@@ -136,9 +142,13 @@ class PlanTemplate(NamedTuple):
             view = row[:, at:at + B * c]
             if not squeeze:
                 view = view.reshape(S, B, c)  # splits the contiguous last axis: a view
-            if k == "src_offset":
+            if k == "src_offset" and self.src_ls and self.src_ids_per_unit == 1:  # one pass: const + id * stride
+                np.add(col("src_offset"), src_of * self.src_ls, out=view)
+            elif k == "src_offset":
                 np.multiply(src_of, col("src_ls"), out=view)
                 view += col("src_offset")
+            elif k == "dst_offset" and self.dst_ls:
+                np.add(col("dst_offset"), along(dst_sorted * self.dst_ls), out=view)
             elif k == "dst_offset":
                 np.multiply(along(dst_sorted), col("dst_ls"), out=view)
                 view += col("dst_offset")
@@ -162,11 +172,12 @@ class PlanTemplate(NamedTuple):
         """Whether the runs are surely sorted with no two touching: stripes of one region keep
         apart, no stripe of a whole unit continues into the next id, and the runs on either side of
         a partial unit's slab or of a stripe's end do not touch."""
-        if self.inner_touch or any(_inner_touch(slab[3]) for slab in lay.slabs):
+        if self.inner_touch or lay.inner_touch:
             return False
         ids = lay.dst_sorted
         extremes = [int(ids[0]), int(ids[-1])] + [slab[2] for slab in lay.slabs]
-        if max(extremes) - min(extremes) >= self.stripe_gap:
+        span = max(extremes) - min(extremes)
+        if span >= self.stripe_gap:
             return False
         if len(ids) > 1 and self.steps != ():
             follows = ids[1:] == ids[:-1] + 1
@@ -177,9 +188,12 @@ class PlanTemplate(NamedTuple):
                 if np.isin(step, self.steps).any():
                     return False
         S = self.columns.shape[2]
+        # A stripe's end meets the next stripe of its region only if their steps differ by span + 1
+        # (runs stay inside their blocks); other regions never meet.
         starts = (np.arange(S)[:, None] * lay.width + np.array(edges, dtype=np.int64)[None, :]).reshape(-1)
-        starts = np.concatenate([starts, np.arange(1, S) * lay.width])  # a stripe's end and the next one's start
-        return not np.any(_touching(out, starts - 1, starts))
+        if span + 1 >= self.stripe_gap:
+            starts = np.concatenate([starts, np.arange(1, S) * lay.width])
+        return not starts.size or not np.any(_touching(out, starts - 1, starts))
 
 def _touching(r: dict[str, np.ndarray], a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Whether run `b` continues run `a` on both sides (`plan._coalesce`'s rule)."""
@@ -215,27 +229,32 @@ def plan_template(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int,
     columns.setflags(write=False)
     vbs = int(columns[_C["src_vb"]].max(initial=0)) + 1
     return PlanTemplate(unit, src_unit, columns, vbs, _stripe_gap(keys), _inner_touch(columns), _steps(columns, vbs), keys,
-                        (spec, src, dst, d, g))
+                        (spec, src, dst, d, g), _one(columns[_C["src_ls"]]), _one(columns[_C["dst_ls"]]))
+
+
+def _one(values: np.ndarray) -> int:
+    return int(values.flat[0]) if values.size and np.all(values == values.flat[0]) else 0
 
 
 @lru_cache(maxsize=4096)
 def _partial_table(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int, g: int, slot: int, lo: int,
-                   hi: int) -> np.ndarray | None:
+                   hi: int) -> tuple[np.ndarray, bool] | None:
     """Runs of tokens `[lo, hi)` of a unit in `slot` as `[column, stripe, run]` on the whole
-    units' stripes, or None when they do not fill those stripes evenly."""
+    units' stripes and whether two adjacent ones may touch, or None when they do not fill those
+    stripes evenly."""
     template = plan_template(spec, src, dst, d, g)
     unit = dst.tokens_per_block_id(g)
     table = _slot_runs(spec, src, dst, d, g, slot * unit + lo, slot * unit + hi, slot * unit)
     if template is None or table is None:
         return None
     if not table.shape[1]:
-        return table.reshape(len(_COLUMNS), len(template.stripe_keys), 0)
+        return table.reshape(len(_COLUMNS), len(template.stripe_keys), 0), False
     stripes = _stripes(table)
     if stripes is None or not np.array_equal(stripes[0], template.stripe_keys):
         return None
     out = table.reshape(len(_COLUMNS), len(template.stripe_keys), stripes[1])
     out.setflags(write=False)
-    return out
+    return out, _inner_touch(out)
 
 
 def _slot_runs(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int, g: int, start: int, stop: int,
@@ -319,10 +338,14 @@ def _stripe_gap(keys: np.ndarray) -> int:
 
 
 def _inner_touch(columns: np.ndarray) -> bool:
-    """Whether adjacent runs of a unit touch on the destination (then they read different source
-    ids, else they were merged: whether they touch depends on the request)."""
-    offset, length = columns[_C["dst_offset"]], columns[_C["length"]]
-    return bool(np.any(offset[..., 1:] == offset[..., :-1] + length[..., :-1]))
+    """Whether adjacent runs of a unit may touch for some ids: they touch on the destination and
+    read different source ids of one source region (runs reading the same id that could touch
+    were merged already)."""
+    col = {k: columns[_C[k]] for k in ("dst_offset", "length", "src_rank", "src_region", "convert", "src_vb")}
+    a, b = (lambda k: col[k][..., :-1]), (lambda k: col[k][..., 1:])  # noqa: E731
+    return bool(np.any((b("dst_offset") == a("dst_offset") + a("length")) & (b("src_vb") != a("src_vb"))
+                       & (b("src_rank") == a("src_rank")) & (b("src_region") == a("src_region"))
+                       & (b("convert") == a("convert"))))
 
 
 def _steps(columns: np.ndarray, vbs: int) -> tuple[int, ...] | None:
@@ -370,3 +393,11 @@ def template_runs(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, g: int,
         parts.append(part)
         at += n
     return rows if settled else plan._concat(parts, names)
+
+
+def clear_plan_caches() -> None:
+    """Forget every engine pair's templates and tables (the next plan of a pair is cold again)."""
+    from kvbridge.core import plan
+    from kvbridge.core.layout import _addressing
+    for cached in (plan_template, _partial_table, plan._pieces, plan._conversions, plan._check_models, _addressing):
+        cached.cache_clear()
