@@ -23,8 +23,15 @@ differs from `length` (destination bytes). Such runs never span heads whose scal
 executor converts element by element on its copy path; a transport that only moves bytes must
 refuse a plan with `needs_conversion`.
 
-Length: just over 500 lines; the planner is one pipeline (validate, segment, pieces, expand,
-coalesce) kept in one file so its vectorized steps read in order.
+Speed. Everything that depends only on the engine pair (per destination rank and group: the
+runs one whole destination block receives, up to its ids) is a cached template
+(`plan_template`); a request then only adds its block ids, vectorized, and merges across
+blocks where consecutive ids allow it. The token-by-token pipeline below stays as the reference
+(`templates=False`, tested equal) and plans what templates do not cover (several groups, a
+recurrent state, a layout outside the template's form).
+
+Length: about 590 lines; the planner is one pipeline (validate, segment, pieces, expand,
+coalesce) kept in one file so its vectorized steps read in order (the template is its own module).
 """
 
 from __future__ import annotations

@@ -103,17 +103,31 @@ class PlanTemplate(NamedTuple):
         they are surely sorted by destination address with no two touching (else: merge them)."""
         S, c = self.columns.shape[2], self.columns.shape[3]
         rows = {k: v.reshape(S, lay.width) for k, v in out.items()}
-        at = done = 0
         edges = []
-        for position, j, dst_id, table in lay.slabs + [(len(lay.units), -1, -1, None)]:
-            if position > done:
-                self._write_whole(rows, at, lay.units[done:position], lay.dst_sorted[done:position], src_ids)
-                at, done = at + (position - done) * c, position
-            if table is not None:
-                n = table.shape[2]
+        if all(slab[3].shape[2] % c == 0 for slab in lay.slabs):
+            # Whole units in one pass, with stand-ins where the partial units go; then those.
+            units, dst_sorted = lay.units, lay.dst_sorted
+            for position, _, _, table in reversed(lay.slabs):
+                k = table.shape[2] // c
+                units = np.insert(units, position, np.full(k, units[0]))
+                dst_sorted = np.insert(dst_sorted, position, np.full(k, dst_sorted[0]))
+            self._write_whole(rows, 0, units, dst_sorted, src_ids)
+            shift = 0
+            for position, j, dst_id, table in lay.slabs:
+                at = position * c + shift
                 self._write_partial(rows, at, j, table, src_ids, dst_id)
-                edges += [at, at + n]
-                at += n
+                edges += [at, at + table.shape[2]]
+                shift += table.shape[2]
+        else:
+            at = done = 0
+            for position, j, dst_id, table in lay.slabs + [(len(lay.units), -1, -1, None)]:
+                if position > done:
+                    self._write_whole(rows, at, lay.units[done:position], lay.dst_sorted[done:position], src_ids)
+                    at, done = at + (position - done) * c, position
+                if table is not None:
+                    self._write_partial(rows, at, j, table, src_ids, dst_id)
+                    edges += [at, at + table.shape[2]]
+                    at += table.shape[2]
         return self._settled(out, lay, src_ids, [e for e in edges if 0 < e < lay.width])
 
     def _write_whole(self, rows: dict[str, np.ndarray], at: int, units: np.ndarray, dst_sorted: np.ndarray,
