@@ -67,6 +67,7 @@ class PlanTemplate(NamedTuple):
     key: tuple  # (spec, src, dst, d, g): where partial units' tables are cached
     src_ls: int  # the one source block stride of every run (0: they differ)
     dst_ls: int  # the one destination block stride of every run (0: they differ)
+    seams: frozenset[int] | None  # id spans for which a stripe's last run meets the next stripe's first (None: unknown)
 
     @property
     def slots(self) -> int:
@@ -199,15 +200,19 @@ class PlanTemplate(NamedTuple):
                 if self.steps is None:
                     return False
                 step = np.diff(src_ids[lay.units * self.unit // self.src_unit])[follows]
-                if np.isin(step, self.steps).any():
+                if any((step == s).any() for s in self.steps):
                     return False
         S = self.columns.shape[2]
-        # A stripe's end meets the next stripe of its region only if their steps differ by span + 1
-        # (runs stay inside their blocks); other regions never meet.
+        # A stripe's end meets the next stripe of its region only if their steps differ by at most
+        # span + 1 (runs stay inside their blocks), and, between whole units, only for the spans in
+        # `seams`; other regions never meet.
+        seam = span + 1 >= self.stripe_gap and (lay.slabs or self.seams is None or span in self.seams)
+        if not edges and not seam:
+            return True
         starts = (np.arange(S)[:, None] * lay.width + np.array(edges, dtype=np.int64)[None, :]).reshape(-1)
-        if span + 1 >= self.stripe_gap:
+        if seam:
             starts = np.concatenate([starts, np.arange(1, S) * lay.width])
-        return not starts.size or not np.any(_touching(out, starts - 1, starts))
+        return not np.any(_touching(out, starts - 1, starts))
 
 def _touching(r: dict[str, np.ndarray], a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Whether run `b` continues run `a` on both sides (`plan._coalesce`'s rule)."""
@@ -243,7 +248,23 @@ def plan_template(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int,
     columns.setflags(write=False)
     vbs = int(columns[_C["src_vb"]].max(initial=0)) + 1
     return PlanTemplate(unit, src_unit, columns, vbs, _stripe_gap(keys), _inner_touch(columns), _steps(columns, vbs), keys,
-                        (spec, src, dst, d, g), _one(columns[_C["src_ls"]]), _one(columns[_C["dst_ls"]]))
+                        (spec, src, dst, d, g), _one(columns[_C["src_ls"]]), _one(columns[_C["dst_ls"]]),
+                        _seams(columns, keys))
+
+
+def _seams(columns: np.ndarray, keys: np.ndarray) -> frozenset[int] | None:
+    """Spans `max id - min id` of a request's destination ids for which the last run of a
+    stripe (in the unit of the largest id) ends where the next stripe of its region starts (in
+    the unit of the smallest id); None with several slots (the units' runs differ)."""
+    if columns.shape[1] > 1:
+        return None
+    offset, length, ls = (columns[_C[k], 0] for k in ("dst_offset", "length", "dst_ls"))
+    out = set()
+    for s in np.flatnonzero(keys[1:, 0] == keys[:-1, 0]):
+        gap = int(offset[s + 1, 0] - offset[s, -1] - length[s, -1])  # = span * block bytes where they meet
+        if gap % int(ls[s, 0]) == 0:
+            out.add(gap // int(ls[s, 0]))
+    return frozenset(out)
 
 
 def _one(values: np.ndarray) -> int:
