@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvbridge.bench.results import BenchFigures
 from kvbridge.core.layout import EngineLayout
-from kvbridge.core.plan import Request, plan_request
+from kvbridge.core.plan import Plan, Request, plan_request
 from kvbridge.core.plan_template import clear_plan_caches
 from kvbridge.core.spec import ModelSpec
 
@@ -40,7 +40,7 @@ def bench_planning(spec: ModelSpec, prefill: EngineLayout, decode: EngineLayout,
     """Cold once, then `samples` warm plans and `samples` reference plans (medians). The two run
     in separate loops: interleaved, each would pay for the memory the other just freed (page
     faults), which a server planning request after request does not."""
-    def plan(templates: bool = True):  # noqa: ANN202
+    def plan(templates: bool = True) -> Plan:
         return plan_request(spec, prefill, decode, Request(src_ids, dst_ids, num_tokens), templates=templates)
 
     clear_plan_caches()

@@ -10,14 +10,21 @@ of both sides' tokens per id) with every id zero, and keeps per run: `const`, wh
 the unit it reads (`src_vb`, relative to the unit's first source id) and `block_bytes`. A
 request then only adds its ids, vectorized over all whole units at once.
 
-Order. Runs come out sorted by destination address, as the planner's merge wants them: a
-template is sorted into *stripes* (destination region and `const // block_bytes`: K and V of a
-kv_first layer are two stripes), each stripe holds the same number of runs per unit, and a
-request's units are visited in ascending destination id inside every stripe. The planner still
-checks the order and merges touching runs across units (consecutive ids), so a layout that
-breaks these assumptions costs a sort, never a wrong plan. A pair whose runs do not fit the
-template's form (a region whose blocks have different strides, uneven stripes) has none, and the
-planner plans it token by token.
+Partial units (a prefix hit or the request's end inside a block) have tables of their own, cached
+per (slot, token range inside the unit), and are slotted in among the whole ones.
+
+Order and merging. The plan must equal the token-by-token planner's: runs sorted by destination
+address, every two runs that touch on both sides merged. A template is sorted into *stripes*
+(destination region and `const // block_bytes`: K and V of a kv_first layer are two stripes)
+with the same number of runs per unit, and each stripe visits the request's units in ascending
+destination id, so the runs come out sorted while stripes of one region cannot interleave
+(checked: the ids' span against the stripes' gap). Touching is ruled out per request from
+facts worked out once: which source id steps would continue a stripe into the next destination
+id, at which id spans two stripes meet, and the runs on both sides of a partial unit. Whatever
+is not ruled out goes through the planner's merge (`plan._coalesce`, which also sorts if
+needed): a costlier plan, never a different one. A pair whose runs do not fit the template's
+form (a region whose blocks have different strides, uneven stripes) has no template and is
+planned token by token.
 """
 
 from __future__ import annotations
@@ -225,7 +232,7 @@ def _touching(r: dict[str, np.ndarray], a: np.ndarray, b: np.ndarray) -> np.ndar
     return out
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=256)
 def plan_template(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int, g: int) -> PlanTemplate | None:
     """The template of destination rank `d` and group `g`, or None (recurrent state, or runs
     that do not fit the template's form: planned token by token)."""
@@ -271,7 +278,7 @@ def _one(values: np.ndarray) -> int:
     return int(values.flat[0]) if values.size and np.all(values == values.flat[0]) else 0
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=512)  # per pair and rank at most 2 x slots x tokens per block (first, last partial unit)
 def _partial_table(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int, g: int, slot: int, lo: int,
                    hi: int) -> tuple[np.ndarray, bool] | None:
     """Runs of tokens `[lo, hi)` of a unit in `slot` as `[column, stripe, run]` on the whole
