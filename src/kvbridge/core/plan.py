@@ -216,7 +216,7 @@ def plan_request(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, request:
         runs = template_runs(spec, src, dst, 0, ids.src, ids.dst, ids.first, request.num_tokens, ranks,
                                bool(conversions))
     if runs is None:
-        runs = _concat([_plan_rank(spec, src, dst, d, groups, request.num_tokens) for d in ranks],
+        runs = _concat([_plan_rank(spec, src, dst, d, groups, request.num_tokens, templates) for d in ranks],
                        _RUN_FIELDS + (_EXTRA_FIELDS if conversions else ()))
     return Plan(spec, src, dst, runs, time.perf_counter() - t0, conversions)
 
@@ -462,13 +462,19 @@ def _pieces(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int, src_c
 
 
 def _plan_rank(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int,
-               groups: list[_GroupIds | _Segments | None], N: int) -> dict[str, np.ndarray]:
-    """Runs of destination rank `d`, token by token (the reference the templates are tested against)."""
+               groups: list[_GroupIds | _Segments | None], N: int, templates: bool) -> dict[str, np.ndarray]:
+    """Runs of destination rank `d`: each group from its template if it has one (and
+    `templates`), else token by token (the reference the templates are tested against); merged."""
+    from kvbridge.core.plan_template import rank_runs
     converting = bool(_conversions(spec, src, dst)[0])
     fields = _RUN_FIELDS[1:] + (_EXTRA_FIELDS if converting else ())
     cells: list[dict[str, np.ndarray]] = []
     for g, item in enumerate(groups):
         if isinstance(item, _GroupIds):
+            fast = rank_runs(spec, src, dst, d, g, item.src, item.dst, item.first, N, converting) if templates else None
+            if fast is not None:
+                cells.append(fast)
+                continue
             item = _segments(g, src, dst, item.src, item.dst, item.first, N)
         if item is not None:
             cells += _cells(spec, src, dst, d, g, item, converting)

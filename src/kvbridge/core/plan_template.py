@@ -395,6 +395,8 @@ def _steps(columns: np.ndarray, vbs: int) -> tuple[int, ...] | None:
     run ends its destination block, its first starts the next, and the source follows by that many
     ids (None: not worked out for several slots or source ids per unit; every consecutive
     destination id is then a candidate)."""
+    if not columns.shape[3]:  # the rank holds none of the group's layers
+        return ()
     col = {k: columns[_C[k]] for k in _COLUMNS}
     r = col["dst_offset"] % np.maximum(col["dst_ls"], 1)
     wraps = (r[..., -1] + col["length"][..., -1] == col["dst_ls"][..., -1]) & (r[..., 0] == 0)
@@ -435,6 +437,20 @@ def template_runs(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, g: int,
         parts.append(part)
         at += n
     return rows if settled else plan._concat(parts, names)
+
+
+def rank_runs(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int, g: int, src_ids: np.ndarray,
+              dst_ids: np.ndarray, first: int, stop: int, converting: bool) -> dict[str, np.ndarray] | None:
+    """Rank `d`'s runs of group `g` from its template, for the planner to merge with other
+    groups' (several groups interleave by layer: the merge sorts); None as `template_runs`."""
+    template = plan_template(spec, src, dst, d, g)
+    lay = template.layout(dst_ids, first, stop) if template is not None else None
+    if lay is None:
+        return None
+    names = _OUT + (_EXTRA if converting else ())
+    out = dict(zip(names, np.empty((len(names), template.columns.shape[2] * lay.width), np.int64)))  # type: ignore[union-attr]
+    template.write(lay, src_ids, out)  # type: ignore[union-attr]
+    return out
 
 
 def clear_plan_caches() -> None:
