@@ -30,7 +30,7 @@ blocks where consecutive ids allow it. The token-by-token pipeline below stays a
 (`templates=False`, tested equal) and plans what templates do not cover (several groups, a
 recurrent state, a layout outside the template's form).
 
-Length: about 590 lines; the planner is one pipeline (validate, segment, pieces, expand,
+Length: about 600 lines; the planner is one pipeline (validate, segment, pieces, expand,
 coalesce) kept in one file so its vectorized steps read in order (the template is its own module).
 """
 
