@@ -77,7 +77,7 @@ def _context_length(model: str) -> int | None:
         config = model_config(model)
     except ConfigError:
         return None
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     value = getattr(text, "max_position_embeddings", None)
     return int(value) if isinstance(value, int) and value > 0 else None
 

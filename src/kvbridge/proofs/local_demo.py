@@ -138,7 +138,7 @@ def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int
             f"{model_name_or_dir}: every layer is recurrent; the proof continues `generate` from an imported "
             f"DynamicCache, whose get_seq_length needs an attention layer (a limit of the proof, not of the move: "
             f"`kvbridge plan` and `verify` cover such models)")
-    vocab = int(config.get_text_config().vocab_size)
+    vocab = int(config.get_text_config(decoder=True).vocab_size)
     ids = make_prompt_ids(prompt, vocab, seed)
     n = len(ids)
     prefill = prefill or default_layout(n)

@@ -194,7 +194,7 @@ def sweep_one(arch: str, seed: int = 0, timeout: int = SECONDS_PER_ARCH) -> Swee
         torch.manual_seed(seed)
         # a real prompt holds no padding: RoBERTa-style position ids skip pad tokens
         special = {getattr(config, "pad_token_id", None)}
-        vocab = [t for t in range(int(config.get_text_config().vocab_size)) if t not in special]
+        vocab = [t for t in range(int(config.get_text_config(decoder=True).vocab_size)) if t not in special]
         prompt = [vocab[i] for i in torch.randint(0, len(vocab), (PROMPT_LEN,),
                                                   generator=torch.Generator().manual_seed(seed)).tolist()]
         try:  # transformers itself must build the model and generate with it before kvbridge is asked

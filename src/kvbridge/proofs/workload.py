@@ -59,7 +59,7 @@ def workload(model: str, prompt: Sequence[int] | int | None, prompt_ids: Sequenc
         prompt = prompt_ids if prompt_ids is not None else (32 if prompt_len is None else prompt_len)
     config = model_config(model)
     spec = spec_for(config, "float32")
-    vocab = int(config.get_text_config().vocab_size)
+    vocab = int(config.get_text_config(decoder=True).vocab_size)
     prompts = [make_prompt_ids(prompt, vocab, seed + i) for i in range(num_requests)]
     return Workload(model, spec, [f"req-{seed}-{i}" for i in range(num_requests)], prompts)
 
