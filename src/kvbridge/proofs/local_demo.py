@@ -22,7 +22,7 @@ from kvbridge.core.blocks import compute_physical_blocks_per_logical
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.plan import plan_request
 from kvbridge.core.spec import ModelSpec
-from kvbridge.errors import ConfigError, InvalidRequest
+from kvbridge.errors import InvalidRequest
 from kvbridge.proofs.hf_cache import BlockIds, export_cache, export_states, export_tokens
 from kvbridge.proofs.kv_dtype import conversion_mismatches, describe_conversion, is_lossy
 from kvbridge.proofs.proof import greedy_config, make_prompt_ids, prefill as run_prefill, prove_cache
@@ -133,11 +133,6 @@ def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int
     model.to(device)
     model.generation_config = greedy_config()
     spec = spec_for(config, next(model.parameters()).dtype)
-    if all(layer.is_recurrent for layer in spec.layers):
-        raise ConfigError(
-            f"{model_name_or_dir}: every layer is recurrent; the proof continues `generate` from an imported "
-            f"DynamicCache, whose get_seq_length needs an attention layer (a limit of the proof, not of the move: "
-            f"`kvbridge plan` and `verify` cover such models)")
     vocab = int(config.get_text_config(decoder=True).vocab_size)
     ids = make_prompt_ids(prompt, vocab, seed)
     n = len(ids)

@@ -103,6 +103,8 @@ def _self_attention_cache(out: object, model: PreTrainedModel) -> DynamicCache:
     """The cache a forward returned: the decoder's self-attention cache of an encoder-decoder cache
     (BERT-style models run as decoders); one line naming the model when it returns none."""
     cache = getattr(out, "past_key_values", None)
+    if cache is None:  # Mamba-style models name it cache_params
+        cache = getattr(out, "cache_params", None)
     if cache is None:
         raise ConfigError(f"{type(model).__name__} returns no KV cache (no past_key_values): transformers exposes "
                           f"none for it, so there is nothing to move")
@@ -123,16 +125,24 @@ def continue_greedy(model: PreTrainedModel, prompt_ids: Sequence[int], cache: Dy
         if first_token is not None:
             raise InvalidRequest(f"a first token follows the whole prompt, the cache holds {num_cached} of {n}")
         input_ids, mask = _input(prompt_ids, model)
-        return model.generate(input_ids, attention_mask=mask, past_key_values=cache,
-                              max_new_tokens=new_tokens)[0, n:].tolist()
+        return model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens,
+                              **_cache_kwarg(model, cache))[0, n:].tolist()
     if first_token is None:
         return []
     tokens = [int(first_token)]
     if new_tokens > 1:
         input_ids, mask = _input([*prompt_ids, int(first_token)], model)
-        rest = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens - 1)
+        rest = model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens - 1,
+                              **_cache_kwarg(model, cache))
         tokens += rest[0, n + 1:].tolist()
     return tokens
+
+
+def _cache_kwarg(model: PreTrainedModel, cache: DynamicCache) -> dict[str, DynamicCache]:
+    """`past_key_values=cache`, or `cache_params=cache` for models whose forward names it so (Mamba)."""
+    params = inspect.signature(model.forward).parameters
+    name = "cache_params" if "cache_params" in params and "past_key_values" not in params else "past_key_values"
+    return {name: cache}
 
 
 @torch.inference_mode()
