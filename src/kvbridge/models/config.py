@@ -11,8 +11,10 @@ list of model types, so a new plain-attention architecture needs nothing here:
 * `DynamicSlidingWindowLayer` -> "sliding" (sliding and chunked attention: transformers keeps the
   last `window - 1` tokens for both, with `window` the chunk size for chunked attention);
 * `LinearAttentionLayer` -> "recurrent", geometry from `recurrent.py`;
-* anything else (shared-KV dummy layers, indexer caches, attention+SSM hybrid layers, compressed
-  caches): refused with one line naming the layer and its kind.
+* `DummyLayer` -> "stateless": the layer stores nothing (an MLP / MoE block of a hybrid stack such
+  as Nemotron-H, or a layer reading another layer's K/V); it keeps its index and moves nothing;
+* anything else (indexer caches, attention+SSM hybrid layers, compressed caches): refused with one
+  line naming the layer and its kind.
 
 The config is untrusted (`untrusted.py` checks it first). A cache-sizing field that config.json
 omits and transformers fills from its class default is named on stderr.
@@ -32,7 +34,6 @@ from kvbridge.models.untrusted import _NESTED, load_config, safe_text
 # gives; the kind each is to kvbridge, and for refused ones, what it holds (for the refusal line).
 _ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 _REFUSED_TYPES = {
-    "dummy": "shared K/V: the layer reads another layer's cache and holds none of its own",
     "indexed_attention": "K/V with a sparse-attention indexer key cache",
     "hybrid": "attention K/V and recurrent state in one layer",
     "hybrid_sliding": "sliding-window K/V and recurrent state in one layer",
@@ -213,10 +214,9 @@ def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], 
             return previous
         from kvbridge.models.recurrent import recurrent_layer
         return recurrent_layer(text.to_dict(), -1 if view == "engine" else 0, state_dtype, i, lt)
+    if lt == "dummy":  # transformers' DummyLayer stores no cache for this layer
+        return LayerSpec("stateless")
     what = _REFUSED_TYPES.get(lt, "a cache layer kvbridge does not know")
-    declared = getattr(text, "layer_types", None)
-    if lt == "dummy" and isinstance(declared, (list, tuple)) and i < len(declared) and declared[i] in ("moe", "mlp"):
-        what = f"a {declared[i]} layer that holds no cache; kvbridge's spec has no stateless layer kind yet"
     raise ConfigError(f"layer {i} has type {lt!r} ({what}); kvbridge cannot move it yet")
 
 

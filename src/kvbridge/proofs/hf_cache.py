@@ -43,7 +43,11 @@ def _is_attention(layer: Any) -> bool:
 
 
 def _check_layer_kind(layer: Any, lspec: LayerSpec, li: int) -> None:
-    """The transformers cache layer must hold what the spec says: K/V or recurrent state, not both."""
+    """The transformers cache layer must hold what the spec says: K/V, recurrent state, or nothing
+    (a stateless layer is transformers' `DummyLayer`, which is neither)."""
+    if lspec.is_stateless != (not _is_linear(layer) and not _is_attention(layer)):
+        raise ConfigError(f"layer {li}: the spec says {lspec.kind!r} but transformers caches it as "
+                          f"{type(layer).__name__}")
     if _is_linear(layer) and _is_attention(layer):
         raise ConfigError(f"layer {li}: transformers cache layer {type(layer).__name__} holds attention K/V and "
                           f"recurrent state in one layer; kvbridge describes a layer as one or the other")
@@ -133,7 +137,8 @@ def export_tokens(cache: DynamicCache, spec: ModelSpec, caches: Sequence[RankCac
     if not 0 <= start <= stop <= num_tokens:
         raise InvalidRequest(f"need 0 <= start <= stop <= {num_tokens}, got {start} and {stop}")
     for li in range(spec.num_layers):
-        if spec.layers[li].is_recurrent:
+        if not spec.layers[li].is_attention:
+            _check_layer_kind(cache.layers[li], spec.layers[li], li)
             continue
         kv = _check_layer(cache, spec, li, num_tokens)
         first = spec.layers[li].tokens_kept(num_tokens)
@@ -186,7 +191,7 @@ def _check_rank_order(caches: Sequence[RankCache]) -> None:
 def gather_kv(caches: Sequence[RankCache], block_ids: BlockIds,
               num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """Every attention layer's global `[H, N, D]` keys and values from the decode ranks (None for
-    recurrent layers).
+    recurrent and stateless layers).
 
     Each head is read from the first rank that holds it; positions before a sliding window are
     zeros (the engine does not keep them and transformers drops them).
@@ -198,7 +203,7 @@ def gather_kv(caches: Sequence[RankCache], block_ids: BlockIds,
     dtype = caches[0].regions[0].dtype
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     for li, lspec in enumerate(spec.layers):
-        if lspec.is_recurrent:
+        if not lspec.is_attention:
             out.append(None)
             continue
         first = lspec.tokens_kept(num_tokens)
@@ -260,7 +265,7 @@ def replica_mismatches(caches: Sequence[RankCache], block_ids: BlockIds, num_tok
     out = []
     for li, lspec in enumerate(spec.layers):
         positions = np.arange(lspec.tokens_kept(num_tokens), num_tokens, dtype=np.int64)
-        if not lspec.is_recurrent and not len(positions):
+        if lspec.is_stateless or (not lspec.is_recurrent and not len(positions)):
             continue
         ids = np.asarray(block_ids[spec.layer_group[li]], dtype=np.int64)
         for ci, comp in enumerate(lspec.components):
@@ -303,11 +308,15 @@ def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: i
         if kv is not None:
             cache.update(kv[0][None], kv[1][None], li)
             continue
+        if lspec.is_stateless:  # transformers' DummyLayer: nothing to put back
+            continue
         conv, rec = hf_state_tensors(lspec, states[li])
         cache.update_conv_state(conv, li, conv_kernel_size=lspec.conv_rows)
         if rec is not None:
             cache.update_recurrent_state(rec, li)
     for li, layer in enumerate(cache.layers):
+        if spec.layers[li].is_stateless:
+            continue
         if spec.layers[li].is_recurrent:
             if not cache.has_previous_state(li):
                 raise InvalidRequest(f"imported layer {li} did not take its recurrent state")
@@ -316,7 +325,7 @@ def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: i
             raise InvalidRequest(f"imported layer {li} reports {layer.get_seq_length()} tokens, expected {num_tokens}")
         if bool(getattr(layer, "is_sliding", False)) != (spec.layers[li].kind == "sliding"):
             raise ConfigError(f"layer {li}: config builds {type(layer).__name__}, spec says {spec.layers[li].kind!r}")
-    if any(not x.is_recurrent for x in spec.layers) and cache.get_seq_length() != num_tokens:
+    if any(x.is_attention for x in spec.layers) and cache.get_seq_length() != num_tokens:
         raise InvalidRequest(f"imported cache reports {cache.get_seq_length()} tokens, expected {num_tokens}")
     return cache
 

@@ -227,7 +227,8 @@ def pre_check(spec: Any, prefill: EngineLayout, decode: EngineLayout) -> None:
 def representatives() -> dict[str, str]:
     """One architecture per state kind: the bounded CI sample always runs these."""
     return {"full": "llama", "sliding": "mistral", "sliding+full": "gemma2", "mla": "deepseek_v3",
-            "mamba1": "jamba", "mamba2": "bamba", "gdn": "qwen3_next", "short_conv": "lfm2", "mqa": "gpt_bigcode"}
+            "mamba1": "jamba", "mamba2": "bamba", "gdn": "qwen3_next", "short_conv": "lfm2", "mqa": "gpt_bigcode",
+            "stateless": "nemotron_h"}
 
 
 TP_RULES = """\
@@ -247,6 +248,7 @@ beyond the units hold replicas):
 | mamba2 | conv `[x \\| B \\| C, kernel]`, SSM `[heads, head_dim, d_state]` | x and SSM by heads, B and C by groups (replicated when TP > groups, vLLM `mamba_mixer2`) |
 | gdn | conv `[Q \\| K \\| V, kernel]`, state `[v_heads, k_dim, v_dim]` | Q, K by key heads; V and state by value heads (vLLM `qwen3_next`) |
 | short_conv | conv `[hidden, L_cache]` | hidden channels (vLLM `short_conv`) |
+| stateless | `DummyLayer` (MLP / MoE blocks of Nemotron-H, layers reading another layer's K/V): nothing | nothing to shard: no components, no group, no region (vLLM allocates no cache for it) |
 
 Serving engines keep `kernel - 1` conv columns, transformers `kernel`; `spec_from_hf_config(view=...)`
 describes either.
@@ -258,7 +260,7 @@ NOTES = """\
 
 * **moved**: both pairs bit-exact (every cache tensor, and the greedy tokens equal plain `generate`).
 * **refused**: one line; from the spec it names the layer and its kind (`indexed_attention`,
-  `hybrid`, `dummy`, an unknown recurrent mixer...); from the proof, its reason (for example a
+  `hybrid`, an unknown recurrent mixer...); from the proof, its reason (for example a
   model whose every layer is recurrent: the proof needs one attention layer to continue `generate`).
 * **mismatch**: the proof ran and something differed. The RoBERTa-style decoders here keep a
   bit-exact cache; their tokens differ because the proof takes the first new token from a plain
