@@ -7,6 +7,10 @@ its head shard, through the layout's addressing, as a serving engine's attention
 `import_cache` rebuilds a `DynamicCache` from the decode engine's ranks (each head from the first
 rank that holds it), `cache_differences` and `replica_mismatches` compare bit for bit.
 
+A transformers cache layer that holds attention K/V and recurrent state together (Zamba2's
+shared-attention layers, Falcon-H1: `LinearAttentionAnd...AttentionLayer`) is two layers of the
+spec, the attention part then the recurrent part (`layer_map`).
+
 Attention K/V go by token position; recurrent state (`hf_states` maps it to spec components)
 goes to the request's recurrent slot, the last block id of the recurrent group. Export writes
 every component of every prefill rank there; import takes each unit from the first decode rank
@@ -42,15 +46,34 @@ def _is_attention(layer: Any) -> bool:
     return isinstance(layer, CacheLayerMixin)
 
 
+def _is_hybrid(layer: Any) -> bool:
+    return _is_linear(layer) and _is_attention(layer)
+
+
+def layer_map(cache: DynamicCache, spec: ModelSpec, what: str = "cache has") -> tuple[int, ...]:
+    """The transformers cache layer of each spec layer: one each, except that a layer holding K/V
+    and recurrent state together stands for two spec layers (attention, then recurrent)."""
+    out: list[int] = []
+    for i, layer in enumerate(cache.layers):
+        out += [i, i] if _is_hybrid(layer) else [i]
+    if len(out) != spec.num_layers:
+        twice = f" ({len(out)} once attention+state layers count twice)" if len(out) != len(cache.layers) else ""
+        raise ConfigError(f"{what} {len(cache.layers)} layers{twice}, the rank caches have {spec.num_layers}")
+    for li, i in enumerate(out):
+        if _is_hybrid(cache.layers[i]) and (li + 1 < len(out) and out[li + 1] == i) != spec.layers[li].is_attention:
+            raise ConfigError(f"layer {li}: transformers cache layer {i} ({type(cache.layers[i]).__name__}) holds "
+                              f"K/V and state; the spec needs its attention part, then its recurrent part")
+    return tuple(out)
+
+
 def _check_layer_kind(layer: Any, lspec: LayerSpec, li: int) -> None:
-    """The transformers cache layer must hold what the spec says: K/V, recurrent state, or nothing
-    (a stateless layer is transformers' `DummyLayer`, which is neither)."""
+    """The transformers cache layer must hold what the spec says: K/V, recurrent state, both (one
+    part each in the spec), or nothing (a stateless layer is transformers' `DummyLayer`)."""
     if lspec.is_stateless != (not _is_linear(layer) and not _is_attention(layer)):
         raise ConfigError(f"layer {li}: the spec says {lspec.kind!r} but transformers caches it as "
                           f"{type(layer).__name__}")
-    if _is_linear(layer) and _is_attention(layer):
-        raise ConfigError(f"layer {li}: transformers cache layer {type(layer).__name__} holds attention K/V and "
-                          f"recurrent state in one layer; kvbridge describes a layer as one or the other")
+    if _is_hybrid(layer):
+        return
     if lspec.is_recurrent and not _is_linear(layer):
         raise ConfigError(f"layer {li}: the spec says recurrent ({lspec.recurrent_type}) but transformers caches it "
                           f"as {type(layer).__name__}")
@@ -64,10 +87,9 @@ def _cached_length(layer: Any) -> int:
     return int(getattr(layer, "cumulative_length", None) or layer.get_seq_length())
 
 
-def _check_layer(cache: DynamicCache, spec: ModelSpec, li: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_layer(layer: Any, spec: ModelSpec, li: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's [H, T, D] key and value tensors, after checking them against the spec."""
     lspec = spec.layers[li]
-    layer = cache.layers[li]
     if lspec.kind == "mla" and not lspec.value_dim:
         raise ConfigError(f"layer {li} describes MLA as one latent row (the engine view); transformers keeps the "
                           f"latent and the rope part apart: build the spec with view='transformers'")
@@ -130,17 +152,16 @@ def export_tokens(cache: DynamicCache, spec: ModelSpec, caches: Sequence[RankCac
     Each rank gets its own head shard of every attention layer, through the layout's addressing,
     the way a serving engine's attention kernel would have written them.
     """
-    if len(cache.layers) != spec.num_layers:
-        raise ConfigError(f"cache has {len(cache.layers)} layers, spec {spec.num_layers}")
+    hf = layer_map(cache, spec)
     _check_caches(caches, spec, block_ids)
     stop = num_tokens if stop is None else stop
     if not 0 <= start <= stop <= num_tokens:
         raise InvalidRequest(f"need 0 <= start <= stop <= {num_tokens}, got {start} and {stop}")
     for li in range(spec.num_layers):
         if not spec.layers[li].is_attention:
-            _check_layer_kind(cache.layers[li], spec.layers[li], li)
+            _check_layer_kind(cache.layers[hf[li]], spec.layers[li], li)
             continue
-        kv = _check_layer(cache, spec, li, num_tokens)
+        kv = _check_layer(cache.layers[hf[li]], spec, li, num_tokens)
         first = spec.layers[li].tokens_kept(num_tokens)
         lo = max(first, start)
         if lo >= stop:
@@ -156,14 +177,13 @@ def export_tokens(cache: DynamicCache, spec: ModelSpec, caches: Sequence[RankCac
 def export_states(cache: DynamicCache, spec: ModelSpec, caches: Sequence[RankCache], block_ids: BlockIds) -> None:
     """Write every recurrent layer's state into each rank's shard of each component, at the
     request's slot (the last block id of the layer's group)."""
-    if len(cache.layers) != spec.num_layers:
-        raise ConfigError(f"cache has {len(cache.layers)} layers, spec {spec.num_layers}")
+    hf = layer_map(cache, spec)
     _check_caches(caches, spec, block_ids)
     for li in range(spec.num_layers):
         if not spec.layers[li].is_recurrent:
             continue
-        _check_layer_kind(cache.layers[li], spec.layers[li], li)
-        comps = state_components(cache.layers[li], spec, li)
+        _check_layer_kind(cache.layers[hf[li]], spec.layers[li], li)
+        comps = state_components(cache.layers[hf[li]], spec, li)
         for rc in caches:
             slot = _state_slot(spec, rc.layout, block_ids, li)
             for ci, full in enumerate(comps):
@@ -298,27 +318,29 @@ def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: i
     _check_rank_order(caches)
     spec = caches[0].spec
     cache = DynamicCache(config=config)
-    if len(cache.layers) not in (0, spec.num_layers) or (not cache.layers and spec.has_recurrent):
+    if not cache.layers and (spec.has_recurrent or any(x.is_stateless for x in spec.layers)):
         raise ConfigError(f"config makes a cache of {len(cache.layers)} layers, the rank caches have {spec.num_layers}")
+    hf = layer_map(cache, spec, "config makes a cache of") if cache.layers else tuple(range(spec.num_layers))
     states = gather_states(caches, block_ids)
     for li, kv in enumerate(gather_kv(caches, block_ids, num_tokens)):
         lspec = spec.layers[li]
         if cache.layers:
-            _check_layer_kind(cache.layers[li], lspec, li)
+            _check_layer_kind(cache.layers[hf[li]], lspec, li)
         if kv is not None:
-            cache.update(kv[0][None], kv[1][None], li)
+            cache.update(kv[0][None], kv[1][None], hf[li])
             continue
         if lspec.is_stateless:  # transformers' DummyLayer: nothing to put back
             continue
         conv, rec = hf_state_tensors(lspec, states[li])
-        cache.update_conv_state(conv, li, conv_kernel_size=lspec.conv_rows)
+        cache.update_conv_state(conv, hf[li], conv_kernel_size=lspec.conv_rows)
         if rec is not None:
-            cache.update_recurrent_state(rec, li)
-    for li, layer in enumerate(cache.layers):
+            cache.update_recurrent_state(rec, hf[li])
+    for li, lspec in enumerate(spec.layers):
+        layer = cache.layers[hf[li]]
         if spec.layers[li].is_stateless:
             continue
         if spec.layers[li].is_recurrent:
-            if not cache.has_previous_state(li):
+            if not cache.has_previous_state(hf[li]):
                 raise InvalidRequest(f"imported layer {li} did not take its recurrent state")
             continue
         if layer.get_seq_length() != num_tokens:
@@ -395,4 +417,4 @@ def save_cache(cache: DynamicCache, path: str | Path) -> None:
 
 
 __all__ = ["BlockIds", "cache_differences", "export_cache", "export_states", "export_tokens", "gather_kv",
-           "gather_states", "import_cache", "replica_mismatches", "save_cache"]
+           "gather_states", "import_cache", "layer_map", "replica_mismatches", "save_cache"]
