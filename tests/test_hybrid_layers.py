@@ -3,11 +3,14 @@
 Falcon-H1 layer). The spec describes each as two logical layers, the attention part then the
 recurrent part, as vLLM registers them (an attention and a Mamba cache per decoder layer); the
 transformers bridge maps both back to the one cache layer by its class. Zamba's multi-head Mamba1
-mixer (no B/C groups) is sharded by head, and so is Kimi delta attention."""
+mixer (no B/C groups) is sharded by head, and so is Kimi delta attention. A layer with a sparse-attention
+indexer (DeepSeek-V3.2) is likewise its attention, then its indexer keys as an "mla" layer (one
+replicated row per token, vLLM's `DeepseekV32IndexerCache`)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import DynamicCache, Zamba2Config
 
 from kvbridge import ConfigError
@@ -82,3 +85,27 @@ def test_kimi_linear_kda_state_is_sharded_by_head():
     EngineLayout(tp_size=3, block_size=4, num_blocks=2).check_model(spec)
     with pytest.raises(Exception, match="units"):
         EngineLayout(tp_size=4, block_size=4, num_blocks=2).check_model(spec)
+
+
+def test_deepseek_v32_indexer_is_a_replicated_layer_after_its_attention():
+    from kvbridge.proofs.hf_cache import cache_differences
+    from kvbridge.proofs.model_sweep import tiny_config
+
+    config = tiny_config("deepseek_v32")
+    spec = spec_from_hf_config(config.to_dict(), view="transformers", warn=False)
+    assert spec.num_layers == 2 * config.num_hidden_layers
+    main, indexer = spec.layers[0], spec.layers[1]
+    assert (main.kind, main.key_dim, main.value_dim) == ("mla", config.kv_lora_rank, config.qk_rope_head_dim)
+    assert (indexer.kind, indexer.num_kv_heads, indexer.key_dim, indexer.value_dim) == ("mla", 1, config.index_head_dim, 0)
+    engine = spec_from_hf_config(config.to_dict(), warn=False)
+    assert engine.layers[1] == indexer  # the indexer row is the same in both views
+    cache = DynamicCache(config=config)
+    assert layer_map(cache, spec) == tuple(i // 2 for i in range(spec.num_layers))
+    a, b = DynamicCache(config=config), DynamicCache(config=config)
+    for c in (a, b):
+        for li in range(len(c.layers)):
+            c.update(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 2), li)
+            c.layers[li].update_indexer(torch.zeros(1, 3, config.index_head_dim))
+    assert cache_differences(a, b) == []
+    b.layers[1].indexer_keys[0, 2, 0] = 1.0
+    assert cache_differences(a, b) == [f"layer 1 indexer_keys: 1 of {3 * config.index_head_dim} elements differ"]

@@ -1,6 +1,7 @@
 """The transformers proof on tiny random models of the state kinds issue 11 added: stateless layers
 (Nemotron-H's MLP and MoE blocks), layers holding attention K/V and recurrent state together
-(Zamba2's shared-attention layers, Falcon-H1), multi-head Mamba1 (Zamba) and Kimi delta attention (Kimi-Linear, Bailing hybrid). Bit-exact cache and
+(Zamba2's shared-attention layers, Falcon-H1), multi-head Mamba1 (Zamba), Kimi delta attention (Kimi-Linear, Bailing hybrid) and the
+sparse-attention indexer key cache (DeepSeek-V3.2). Bit-exact cache and
 greedy tokens after a move between engines of other shapes than the sweep's pairs: TP 2 -> 3
 (neither divides the other) with a prefix-cache hit on the decode side and HND -> NHD, and TP 1 -> 6
 (KV heads replicated, Mamba groups split to one per rank)."""
@@ -16,7 +17,7 @@ from kvbridge.proofs.local_demo import run_demo
 from kvbridge.proofs.model_sweep import tiny_config
 
 KINDS = {"nemotron_h": "stateless", "zamba2": "hybrid", "falcon_h1": "hybrid", "zamba": "mamba1_heads",
-         "kimi_linear": "kda", "bailing_hybrid": "kda"}
+         "kimi_linear": "kda", "bailing_hybrid": "kda", "deepseek_v32": "indexer"}
 PAIRS = [
     (EngineLayout(tp_size=2, block_size=16, num_blocks=8, kv_order="HND"),
      EngineLayout(tp_size=3, block_size=8, num_blocks=16, kv_order="NHD", kv_placement="blocks_first"), 16),
@@ -41,8 +42,9 @@ def test_tiny_model_has_the_kind(model_dir):
     spec = spec_from_hf_config(config.to_dict(), view="transformers", dtype="float32", warn=False)
     kinds = {layer.kind for layer in spec.layers} | {layer.recurrent_type for layer in spec.layers}
     want = KINDS[arch]
-    if want == "hybrid":  # more spec layers than transformers layers: one cache layer is two
-        assert spec.num_layers > config.num_hidden_layers and {"full", "recurrent"} <= kinds
+    if want in ("hybrid", "indexer"):  # more spec layers than transformers layers: one cache layer is two
+        assert spec.num_layers > config.num_hidden_layers
+        assert {"full", "recurrent"} <= kinds if want == "hybrid" else kinds == {"mla", ""}
     else:
         assert want in kinds
 

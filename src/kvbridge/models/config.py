@@ -17,8 +17,11 @@ list of model types, so a new plain-attention architecture needs nothing here:
   shared-attention layers, Falcon-H1) -> two logical layers, the attention part then the recurrent
   part, as vLLM registers them (one attention and one Mamba cache layer per decoder layer). The
   transformers bridge maps both back to the one cache layer by its class;
-* anything else (indexer caches, compressed caches): refused with one line naming the layer and its
-  kind.
+* `DynamicIndexedLayer` ("indexed_attention": DeepSeek-V3.2, GLM-MoE-DSA) -> the attention layer,
+  then its sparse-attention indexer key cache as a layer of its own: one `index_head_dim` row per
+  token that every TP rank holds whole, which is what vLLM allocates for it (`DeepseekV32IndexerCache`:
+  an `MLAAttentionSpec` with one KV head), so it is an "mla" layer;
+* anything else (compressed caches): refused with one line naming the layer and its kind.
 
 The config is untrusted (`untrusted.py` checks it first). A cache-sizing field that config.json
 omits and transformers fills from its class default is named on stderr.
@@ -40,7 +43,6 @@ _ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # attention K/V and recurrent state in one cache layer: described as the attention part, then the recurrent part
 _HYBRID_TYPES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
 _REFUSED_TYPES = {
-    "indexed_attention": "K/V with a sparse-attention indexer key cache",
     "heavily_compressed_attention": "compressed attention cache",
     "compressed_sparse_attention": "compressed sparse attention cache",
 }
@@ -185,9 +187,14 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
     for i, (lt, kw) in enumerate(zip(types, kwargs)):
         try:
             parts = (_HYBRID_TYPES[lt], "linear_attention") if lt in _HYBRID_TYPES else (lt,)
+            if lt == "indexed_attention":  # the attention, then its indexer key cache (see the module doc)
+                out.append(_layer(text, reader, per_layer[i], "full_attention", kw, i, mla_view, view, state_dtype,
+                                  recurrent, modules.get(i)))
+                parts = ()
+                out.append(LayerSpec("mla", 1, reader.int(per_layer[i], "index_head_dim")))
             for part in parts:
                 out.append(_layer(text, reader, per_layer[i], part, kw, i, mla_view, view, state_dtype, recurrent,
-                                  modules.get(i)))
+                                  modules.get(i), lt))
                 recurrent = out[-1] if out[-1].is_recurrent else recurrent
         except ConfigError as e:  # every refusal names the layer and its kind
             if str(e).startswith("layer "):
@@ -198,7 +205,9 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
 
 def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], i: int, mla_view: str, view: str,
            state_dtype: str | None, previous: LayerSpec | None,
-           built: tuple[int, int, int] | None) -> LayerSpec:
+           built: tuple[int, int, int] | None, shown: str = "") -> LayerSpec:
+    """One spec layer for transformers layer type `lt` (`shown`: the type to name in a refusal, when
+    `lt` is one part of it)."""
     if lt in _ATTENTION_TYPES:
         window = None
         if lt != "full_attention":
@@ -219,7 +228,7 @@ def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], 
         if previous is not None:
             return previous
         from kvbridge.models.recurrent import recurrent_layer
-        return recurrent_layer(text.to_dict(), -1 if view == "engine" else 0, state_dtype, i, lt)
+        return recurrent_layer(text.to_dict(), -1 if view == "engine" else 0, state_dtype, i, shown or lt)
     if lt == "dummy":  # transformers' DummyLayer stores no cache for this layer
         return LayerSpec("stateless")
     what = _REFUSED_TYPES.get(lt, "a cache layer kvbridge does not know")

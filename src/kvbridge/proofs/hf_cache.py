@@ -9,7 +9,9 @@ rank that holds it), `cache_differences` and `replica_mismatches` compare bit fo
 
 A transformers cache layer that holds attention K/V and recurrent state together (Zamba2's
 shared-attention layers, Falcon-H1: `LinearAttentionAnd...AttentionLayer`) is two layers of the
-spec, the attention part then the recurrent part (`layer_map`).
+spec, the attention part then the recurrent part (`layer_map`); so is a layer with a sparse-attention
+indexer key cache (`DynamicIndexedLayer`: DeepSeek-V3.2), the attention then the indexer keys
+`[1, tokens, index_head_dim]`, one replicated row per token.
 
 Attention K/V go by token position; recurrent state (`hf_states` maps it to spec components)
 goes to the request's recurrent slot, the last block id of the recurrent group. Export writes
@@ -27,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin, DynamicIndexedLayer, LinearAttentionCacheLayerMixin
 
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.spec import LayerSpec, ModelSpec, normalize_dtype
@@ -50,19 +52,46 @@ def _is_hybrid(layer: Any) -> bool:
     return _is_linear(layer) and _is_attention(layer)
 
 
+def _is_indexed(layer: Any) -> bool:
+    return isinstance(layer, DynamicIndexedLayer)
+
+
+def _is_second_part(cache: DynamicCache, hf: tuple[int, ...], li: int) -> bool:
+    """True for the spec layer that is the indexer part of an indexed cache layer."""
+    return li > 0 and hf[li - 1] == hf[li] and _is_indexed(cache.layers[hf[li]])
+
+
+def _indexer_keys(layer: Any, li: int, num_tokens: int, spec: ModelSpec) -> torch.Tensor:
+    """The indexer keys as one head `[1, tokens, dim]`, after checking them against the spec."""
+    keys = getattr(layer, "indexer_keys", None)
+    lspec = spec.layers[li]
+    if keys is None or not getattr(layer, "is_indexer_initialized", False):
+        raise InvalidRequest(f"layer {li}: the indexer key cache is empty; run a prefill with use_cache=True first")
+    if keys.dim() != 3 or tuple(keys.shape) != (1, num_tokens, lspec.key_dim) or lspec.value_dim:
+        raise ConfigError(f"layer {li}: indexer keys {tuple(keys.shape)}, the spec's indexer layer keeps "
+                          f"[1, {num_tokens}, {lspec.key_dim}] (one replicated row per token)")
+    if normalize_dtype(str(keys.dtype)) != spec.dtype:
+        raise ConfigError(f"layer {li}: indexer key dtype {keys.dtype}, spec dtype {spec.dtype}")
+    return keys
+
+
 def layer_map(cache: DynamicCache, spec: ModelSpec, what: str = "cache has") -> tuple[int, ...]:
     """The transformers cache layer of each spec layer: one each, except that a layer holding K/V
     and recurrent state together stands for two spec layers (attention, then recurrent)."""
     out: list[int] = []
     for i, layer in enumerate(cache.layers):
-        out += [i, i] if _is_hybrid(layer) else [i]
+        out += [i, i] if _is_hybrid(layer) or _is_indexed(layer) else [i]
     if len(out) != spec.num_layers:
-        twice = f" ({len(out)} once attention+state layers count twice)" if len(out) != len(cache.layers) else ""
+        twice = (f" ({len(out)} once attention+state and indexed layers count twice)"
+                 if len(out) != len(cache.layers) else "")
         raise ConfigError(f"{what} {len(cache.layers)} layers{twice}, the rank caches have {spec.num_layers}")
     for li, i in enumerate(out):
         if _is_hybrid(cache.layers[i]) and (li + 1 < len(out) and out[li + 1] == i) != spec.layers[li].is_attention:
             raise ConfigError(f"layer {li}: transformers cache layer {i} ({type(cache.layers[i]).__name__}) holds "
                               f"K/V and state; the spec needs its attention part, then its recurrent part")
+        if _is_indexed(cache.layers[i]) and not spec.layers[li].is_attention:
+            raise ConfigError(f"layer {li}: transformers cache layer {i} holds K/V and indexer keys; the spec says "
+                              f"{spec.layers[li].kind!r}")
     return tuple(out)
 
 
@@ -161,7 +190,10 @@ def export_tokens(cache: DynamicCache, spec: ModelSpec, caches: Sequence[RankCac
         if not spec.layers[li].is_attention:
             _check_layer_kind(cache.layers[hf[li]], spec.layers[li], li)
             continue
-        kv = _check_layer(cache.layers[hf[li]], spec, li, num_tokens)
+        if _is_second_part(cache, hf, li):
+            kv: tuple[torch.Tensor, ...] = (_indexer_keys(cache.layers[hf[li]], li, num_tokens, spec),)
+        else:
+            kv = _check_layer(cache.layers[hf[li]], spec, li, num_tokens)
         first = spec.layers[li].tokens_kept(num_tokens)
         lo = max(first, start)
         if lo >= stop:
@@ -209,9 +241,9 @@ def _check_rank_order(caches: Sequence[RankCache]) -> None:
 
 
 def gather_kv(caches: Sequence[RankCache], block_ids: BlockIds,
-              num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """Every attention layer's global `[H, N, D]` keys and values from the decode ranks (None for
-    recurrent and stateless layers).
+              num_tokens: int) -> list[tuple[torch.Tensor, ...] | None]:
+    """Every attention layer's global `[H, N, D]` keys and values (the indexer keys alone for an
+    indexer layer) from the decode ranks (None for recurrent and stateless layers).
 
     Each head is read from the first rank that holds it; positions before a sliding window are
     zeros (the engine does not keep them and transformers drops them).
@@ -246,7 +278,7 @@ def gather_kv(caches: Sequence[RankCache], block_ids: BlockIds,
             if not have.all():
                 raise InvalidRequest(f"layer {li} component {ci}: heads {np.flatnonzero(~have).tolist()} on no rank")
             pair.append(full)
-        out.append((pair[0], pair[1]))
+        out.append(tuple(pair))
     return out
 
 
@@ -326,6 +358,9 @@ def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: i
         lspec = spec.layers[li]
         if cache.layers:
             _check_layer_kind(cache.layers[hf[li]], lspec, li)
+        if kv is not None and cache.layers and _is_second_part(cache, hf, li):
+            cache.layers[hf[li]].update_indexer(kv[0])  # [1 head, N, D] is [batch 1, N, D]
+            continue
         if kv is not None:
             cache.update(kv[0][None], kv[1][None], hf[li])
             continue
@@ -342,6 +377,9 @@ def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: i
         if spec.layers[li].is_recurrent:
             if not cache.has_previous_state(hf[li]):
                 raise InvalidRequest(f"imported layer {li} did not take its recurrent state")
+            continue
+        if _is_second_part(cache, hf, li):
+            _indexer_keys(layer, li, num_tokens, spec)
             continue
         if layer.get_seq_length() != num_tokens:
             raise InvalidRequest(f"imported layer {li} reports {layer.get_seq_length()} tokens, expected {num_tokens}")
@@ -363,6 +401,8 @@ def _layer_tensors(layer: Any) -> dict[str, torch.Tensor | None]:
     out: dict[str, torch.Tensor | None] = {}
     if _is_attention(layer):
         out["keys"], out["values"] = layer.keys, layer.values
+    if _is_indexed(layer):
+        out["indexer_keys"] = layer.indexer_keys
     if _is_linear(layer):
         for name in ("conv_states", "recurrent_states"):
             for i, t in getattr(layer, name).items():

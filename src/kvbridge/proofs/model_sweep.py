@@ -230,7 +230,7 @@ def representatives() -> dict[str, str]:
     return {"full": "llama", "sliding": "mistral", "sliding+full": "gemma2", "mla": "deepseek_v3",
             "mamba1": "jamba", "mamba2": "bamba", "gdn": "qwen3_next", "short_conv": "lfm2", "mqa": "gpt_bigcode",
             "stateless": "nemotron_h", "attention+state": "falcon_h1", "mamba1_heads": "zamba",
-            "kda": "kimi_linear"}
+            "kda": "kimi_linear", "indexer": "deepseek_v32"}
 
 
 TP_RULES = """\
@@ -251,6 +251,7 @@ beyond the units hold replicas):
 | gdn | conv `[Q \\| K \\| V, kernel]`, state `[v_heads, k_dim, v_dim]` | Q, K by key heads; V and state by value heads (vLLM `qwen3_next`) |
 | short_conv | conv `[hidden, L_cache]` | hidden channels (vLLM `short_conv`) |
 | attention+state (Zamba2, Falcon-H1) | `LinearAttentionAnd{Full,SlidingWindow}AttentionLayer`: K/V and a recurrent state in one layer | two logical layers, each by its own rule (vLLM registers an attention and a Mamba cache per such decoder layer) |
+| mla indexer (DeepSeek-V3.2, GLM-MoE-DSA) | `DynamicIndexedLayer`: the MLA latent, plus indexer keys `[tokens, index_head_dim]` | the indexer is a layer of its own after its attention, one row per token held whole by every rank (vLLM `DeepseekV32IndexerCache`, an `MLAAttentionSpec` of one KV head) |
 | kda (Kimi-Linear, Bailing hybrid) | conv `[Q \\| K \\| V, kernel]`, state `[heads, head_dim, head_dim]` | heads, Q, K, V and state alike (vLLM `kda_state_shape`) |
 | mamba1_heads (Zamba) | conv `[intermediate, kernel]`, SSM `[heads, head_dim, d_state]` | Mamba heads, conv channels with their head (no vLLM model; derived: the mixer's x_proj / dt_proj are per head) |
 | stateless | `DummyLayer` (MLP / MoE blocks of Nemotron-H, layers reading another layer's K/V): nothing | nothing to shard: no components, no group, no region (vLLM allocates no cache for it) |
