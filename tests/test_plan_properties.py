@@ -3,7 +3,8 @@
 Shapes: heads and TP sizes legal for them (including non-divisible pairs such as P=3/D=2 with 6
 heads and replicated P with P > D), any block / kernel block sizes, NHD/HND, kv_first /
 blocks_first / cross_layer, dtypes, full + several sliding-window groups, MLA (alone or next to
-attention layers), different K and V dims, any token count and prefix-cache hit.
+attention layers), different K and V dims, stateless layers anywhere, any token count and
+prefix-cache hit.
 """
 
 from __future__ import annotations
@@ -60,12 +61,15 @@ def specs(draw) -> ModelSpec:
             layers.append(LayerSpec("sliding", heads, k_dim, v_dim, draw(st.sampled_from(windows))))
         else:
             layers.append(LayerSpec("full", heads, k_dim, v_dim))
+    # stateless layers (Nemotron-H's MLP / MoE blocks) anywhere in the stack: no cache, no group, no region
+    for at in draw(st.lists(st.integers(0, n_layers), max_size=2)):
+        layers.insert(at, LayerSpec("stateless"))
     return ModelSpec(tuple(layers), dtype, f"hyp-{kind}")
 
 
 @st.composite
 def layouts(draw, spec: ModelSpec, num_tokens: int) -> EngineLayout:
-    attn = [layer.num_kv_heads for layer in spec.layers if not layer.replicated]
+    attn = [layer.num_kv_heads for layer in spec.layers if layer.components and not layer.replicated]
     tp = draw(st.sampled_from(legal_tps(attn[0] if attn else None)))
     kernel = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
     block = kernel * draw(st.sampled_from([1, 1, 2, 3, 4]))
@@ -97,6 +101,8 @@ def cases(draw, max_tokens: int = 48):
 def analytic_bytes(spec: ModelSpec, dst: EngineLayout, req: Request) -> int:
     total = 0
     for li, layer in enumerate(spec.layers):
+        if layer.is_stateless:
+            continue
         tokens = len(moved_positions(spec, spec.layer_group[li], req))
         for comp in layer.components:
             local_heads = 1 if layer.replicated else max(1, comp.heads // dst.tp_size)
@@ -298,7 +304,7 @@ KV_DTYPES = [None, "bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5
 def axes_layouts(draw, spec: ModelSpec, num_tokens: int, prefill: bool) -> EngineLayout:
     """Any legal engine: TP x PP (even or uneven split) x PCP (prefill) with DCP inside TP, per-group
     block sizes, a CP interleave, a KV dtype with per-tensor or per-head scales."""
-    attn = [layer.num_kv_heads for layer in spec.layers if not layer.replicated]
+    attn = [layer.num_kv_heads for layer in spec.layers if layer.components and not layer.replicated]
     tp = draw(st.sampled_from(legal_tps(attn[0] if attn else None)))
     n = spec.num_layers
     pp = draw(st.integers(1, min(3, n)))

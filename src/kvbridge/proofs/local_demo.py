@@ -89,7 +89,7 @@ def vllm_block_size(spec: ModelSpec, tp_size: int, kernel_block_size: int = 16) 
     replicate. vLLM rounds pages further for alignment (its R 34 vs 66); this keeps the TP
     dependence, which is what makes the two sides' kernel ratios differ. Attention-only: the kernel size.
     """
-    if not spec.has_recurrent or all(x.is_recurrent for x in spec.layers):
+    if not spec.has_recurrent or not any(x.is_attention for x in spec.layers):
         return kernel_block_size
     a = EngineLayout(tp_size=tp_size, block_size=kernel_block_size, num_blocks=1).addressing(spec, 0)
 
@@ -97,7 +97,7 @@ def vllm_block_size(spec: ModelSpec, tp_size: int, kernel_block_size: int = 16) 
         return sum(int(a.heads[li, ci] * a.row_bytes[li, ci]) for ci in range(len(spec.layers[li].components)))
 
     state = max(rank_bytes(li) for li, x in enumerate(spec.layers) if x.is_recurrent)
-    page = max(rank_bytes(li) for li, x in enumerate(spec.layers) if not x.is_recurrent) * kernel_block_size
+    page = max(rank_bytes(li) for li, x in enumerate(spec.layers) if x.is_attention) * kernel_block_size
     return compute_physical_blocks_per_logical((state,), page) * kernel_block_size
 
 

@@ -43,13 +43,14 @@ _TINY: dict[str, Any] = {
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "qk_head_dim": 24, "index_head_dim": 16, "index_n_heads": 2,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+    "num_experts_per_token": 2, "num_expert_group": 1,
     "moe_intermediate_size": 64, "n_shared_experts": 1, "shared_expert_intermediate_size": 64,
     "linear_num_key_heads": 6, "linear_num_value_heads": 12, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
     "linear_num_heads": 6, "linear_head_dim": 8,
     # Mamba2: heads * head_dim = expand (2) * hidden; 6 groups split over 3 and 2 ranks
     "mamba_n_heads": 12, "mamba_num_heads": 12, "mamba_d_head": 16, "mamba_head_dim": 16, "mamba_n_groups": 6,
     "n_groups": 6, "mamba_d_state": 8, "ssm_state_size": 8, "state_size": 8, "mamba_dt_rank": 8,
-    "time_step_rank": 8, "n_mamba_heads": 12, "mamba_headdim": 16, "mamba_ngroups": 6,
+    "time_step_rank": 8, "n_mamba_heads": 12, "mamba_headdim": 16, "mamba_ngroups": 6, "mamba_d_ssm": 192,
     "rotary_dim": 8, "dim_head": 8, "initializer_range": 0.2, "tie_word_embeddings": False, "is_decoder": True,
 }
 # Fields whose tiny value depends on the layer count and that no general rule derives.
@@ -248,7 +249,9 @@ def pre_check(spec: Any, prefill: EngineLayout, decode: EngineLayout) -> None:
 def representatives() -> dict[str, str]:
     """One architecture per state kind: the bounded CI sample always runs these."""
     return {"full": "llama", "sliding": "mistral", "sliding+full": "gemma2", "mla": "deepseek_v3",
-            "mamba1": "jamba", "mamba2": "bamba", "gdn": "qwen3_next", "short_conv": "lfm2", "mqa": "gpt_bigcode"}
+            "mamba1": "jamba", "mamba2": "bamba", "gdn": "qwen3_next", "short_conv": "lfm2", "mqa": "gpt_bigcode",
+            "stateless": "nemotron_h", "attention+state": "falcon_h1", "mamba1_heads": "zamba",
+            "kda": "kimi_linear", "indexer": "deepseek_v32"}
 
 
 TP_RULES = """\
@@ -268,6 +271,11 @@ beyond the units hold replicas):
 | mamba2 | conv `[x \\| B \\| C, kernel]`, SSM `[heads, head_dim, d_state]` | x and SSM by heads, B and C by groups (replicated when TP > groups, vLLM `mamba_mixer2`) |
 | gdn | conv `[Q \\| K \\| V, kernel]`, state `[v_heads, k_dim, v_dim]` | Q, K by key heads; V and state by value heads (vLLM `qwen3_next`) |
 | short_conv | conv `[hidden, L_cache]` | hidden channels (vLLM `short_conv`) |
+| attention+state (Zamba2, Falcon-H1) | `LinearAttentionAnd{Full,SlidingWindow}AttentionLayer`: K/V and a recurrent state in one layer | two logical layers, each by its own rule (vLLM registers an attention and a Mamba cache per such decoder layer) |
+| mla indexer (DeepSeek-V3.2, GLM-MoE-DSA) | `DynamicIndexedLayer`: the MLA latent, plus indexer keys `[tokens, index_head_dim]` | the indexer is a layer of its own after its attention, one row per token held whole by every rank (vLLM `DeepseekV32IndexerCache`, an `MLAAttentionSpec` of one KV head) |
+| kda (Kimi-Linear, Bailing hybrid) | conv `[Q \\| K \\| V, kernel]`, state `[heads, head_dim, head_dim]` | heads, Q, K, V and state alike (vLLM `kda_state_shape`) |
+| mamba1_heads (Zamba) | conv `[intermediate, kernel]`, SSM `[heads, head_dim, d_state]` | Mamba heads, conv channels with their head (no vLLM model; derived: the mixer's x_proj / dt_proj are per head) |
+| stateless | `DummyLayer` (MLP / MoE blocks of Nemotron-H, layers reading another layer's K/V): nothing | nothing to shard: no components, no group, no region (vLLM allocates no cache for it) |
 
 Serving engines keep `kernel - 1` conv columns, transformers `kernel`; `spec_from_hf_config(view=...)`
 describes either.
@@ -279,7 +287,7 @@ NOTES = """\
 
 * **moved**: both pairs bit-exact (every cache tensor, and the greedy tokens equal plain `generate`).
 * **refused**: one line; from the spec it names the layer and its kind (`indexed_attention`,
-  `hybrid`, `dummy`, an unknown recurrent mixer...); from the proof, its reason (for example a
+  `hybrid`, an unknown recurrent mixer...); from the proof, its reason (for example a
   model whose every layer is recurrent: the proof needs one attention layer to continue `generate`).
 * **mismatch**: the proof ran and something differed (a kvbridge bug).
 * **error**: kvbridge or the proof failed on an architecture transformers runs (a bug to fix).
