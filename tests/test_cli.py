@@ -70,17 +70,17 @@ def test_bench_json_reports_ratio_and_planning_fraction():
     assert out["bytes"] == 128 * 32 * 2 * 8 * 128 * 2
     assert out["ratio"] > 0 and out["plan_fraction"] > 0
     assert out["num_runs"] > 0
-    # Planning beside the bytes' time on the link (default 50 GB/s = 400 Gbit/s), cold and warm.
-    assert out["link_gbps"] == 50 and out["link_seconds"] == pytest.approx(out["bytes"] / 50e9)
+    # Planning beside the bytes' time on the link (default 400 Gbit/s = 50 GB/s), cold and warm.
+    assert out["link_gbps"] == 400 and out["link_seconds"] == pytest.approx(out["bytes"] / 50e9)
     assert out["plan_warm_seconds"] > 0 and out["plan_cold_seconds"] > 0 and out["plan_reference_seconds"] > 0
     assert out["plan_link_percent"] == pytest.approx(100 * out["plan_warm_seconds"] / out["link_seconds"])
 
 
 def test_bench_link_speed_sets_the_transfer_time():
-    r = run("bench", "--tokens", "64", "--repeats", "1", "--link-gbps", "12.5", "--json")
+    r = run("bench", "--tokens", "64", "--repeats", "1", "--link-gbps", "100", "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
-    assert out["link_gbps"] == 12.5 and out["link_seconds"] == pytest.approx(out["bytes"] / 12.5e9)
+    assert out["link_gbps"] == 100 and out["link_seconds"] == pytest.approx(out["bytes"] / 12.5e9)
     r = run("bench", "--tokens", "64", "--repeats", "1", "--link-gbps", "0")
     assert r.exit_code == 2
 

@@ -20,8 +20,9 @@ from kvbridge.core.plan import Plan, Request, plan_request
 from kvbridge.core.plan_template import clear_plan_caches
 from kvbridge.core.spec import ModelSpec
 
-DEFAULT_LINK_GBPS = 50.0
-"""GB/s of the link the transfer time is computed for: 50 GB/s = 400 Gbit/s (one 400G NIC)."""
+DEFAULT_LINK_GBPS = 400.0
+"""Gbit/s of the link the transfer time is computed for: 400 Gbit/s = 50 GB/s (one 400G NIC);
+Gbit/s like `kvbridge plan --link-gbps`."""
 
 
 @dataclass
@@ -54,7 +55,7 @@ def bench_planning(spec: ModelSpec, prefill: EngineLayout, decode: EngineLayout,
             t0 = time.perf_counter()
             plan(templates)
             out.append(time.perf_counter() - t0)
-    link = nbytes / (link_gbps * 1e9)
+    link = nbytes / (link_gbps * 1e9 / 8)
     warm_s = statistics.median(warm)
     return PlanningFigures(plan_cold_seconds=cold, plan_warm_seconds=warm_s,
                            plan_reference_seconds=statistics.median(reference), link_gbps=link_gbps,

@@ -26,8 +26,8 @@ def bench(
     op: Mode = typer.Option(Mode.pull, help="pull (READ) or push (WRITE), for --transport shm/nixl/mooncake."),
     offload: bool = typer.Option(False, help="GPU<->CPU offload store and load instead of a P/D transfer."),
     engine: Engine = typer.Option(Engine.kvbridge, help="vllm: KVBridgeConnector vs vLLM's NixlConnector per request."),
-    link_gbps: float = typer.Option(50.0, min=0.001, help="Link speed in GB/s (bytes) that planning time is set "
-                                    "against: 50 GB/s = 400 Gbit/s."),
+    link_gbps: float = typer.Option(400.0, min=0.001, help="Link speed in Gbit/s that planning time is set "
+                                    "against (400 Gbit/s = 50 GB/s), as for `kvbridge plan`."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Our copies vs a plain contiguous copy of the same bytes, side by side in one run."""
@@ -81,7 +81,8 @@ def bench(
     table.add_row("ratio (executor / contiguous)", f"{result.ratio:.2f}x")
     table.add_row("planning per request, warm (median)", f"{result.plan_warm_seconds * 1e3:.3f} ms "
                                                          f"({result.plan_fraction:.1%} of the copy)")
-    table.add_row(f"transfer of the bytes at {result.link_gbps:g} GB/s", f"{result.link_seconds * 1e3:.2f} ms")
+    table.add_row(f"transfer of the bytes at {result.link_gbps:g} Gbit/s ({result.link_gbps / 8:g} GB/s)",
+                  f"{result.link_seconds * 1e3:.2f} ms")
     table.add_row("planning / transfer", f"{result.plan_link_percent:.2f}%")
     table.add_row("planning, cold (the pair's first request)", f"{result.plan_cold_seconds * 1e3:.2f} ms")
     table.add_row("planning token by token (reference)", f"{result.plan_reference_seconds * 1e3:.3f} ms")
