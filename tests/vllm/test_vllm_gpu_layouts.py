@@ -2,7 +2,8 @@
 
 `vllm_gpu_layouts_probe.py` runs in .venv-vllm and reports, from vLLM's code, which GPU attention
 backends import without CUDA and the layouts they declare, and for 5184 combos (blocks, block
-size, KV heads, head size, dtype, layers, padded page, `KVCacheLayout`) the byte strides of the
+size, KV heads, head size, dtype, layers, padded page, `KVCacheLayout`) plus 384 MLA combos
+(latent 320/576, one replicated head) the byte strides of the
 logical [L, B, H, N, C] cache (`compute_layout_strides`). Here every K and V element
 (layer, block, token, head, dim) must sit at the same byte offset in kvbridge's addressing.
 """
@@ -42,9 +43,9 @@ def test_backend_declares_the_layouts_kvbridge_knows(probe, backend):
     assert tuple(got["layouts"] or probe["default_preference"]) == BACKEND_LAYOUTS[backend]
 
 
-def test_mla_and_unavailable_backends_are_reported(probe):
-    """The MLA backends are not described yet: record which of them vLLM can load here."""
-    for name in ("FLASHMLA", "TRITON_MLA", "CUTLASS_MLA", "FLASHINFER_MLA"):
+def test_backends_not_checked_are_refused(probe):
+    """Backends whose declared layouts cannot be read here are refused, not guessed."""
+    for name in ("CUTLASS_MLA", "FLASHINFER_MLA"):
         assert name in probe["backends"]
         with pytest.raises(InvalidRequest, match="unknown vLLM GPU attention backend"):
             gpu_layout(name, 16, 4)
@@ -53,7 +54,7 @@ def test_mla_and_unavailable_backends_are_reported(probe):
 def _vllm_offsets(row: dict, strides, itemsize: int, idx) -> np.ndarray:
     sL, sB, sH, sN, _ = strides
     l, b, t, h, d, kv = idx
-    return l * sL + b * sB + h * sH + t * sN + (kv * row["head_size"] + d) * itemsize
+    return l * sL + b * sB + h * sH + t * sN + (kv * row["head_size"] + d) * itemsize  # C: K then V
 
 
 def _kvbridge_offsets(addr, itemsize: int, idx) -> np.ndarray:
@@ -63,10 +64,13 @@ def _kvbridge_offsets(addr, itemsize: int, idx) -> np.ndarray:
 
 
 def test_every_element_at_vllms_byte_offset(probe):
-    checked = elementwise = refused = 0
+    checked = elementwise = refused = mla_rows = 0
     for row in probe["rows"]:
-        backend = "FLEX_ATTENTION" if row["layout"] == "LBNHC" else "FLASH_ATTN"
-        spec = ModelSpec.uniform(row["layers"], row["heads"], row["head_size"], row["dtype"])
+        mla = row.get("mla", False)
+        backend = ("TRITON_MLA" if mla else "FLEX_ATTENTION") if row["layout"] == "LBNHC" else (
+            "FLASHMLA" if mla else "FLASH_ATTN")
+        spec = ModelSpec.uniform(row["layers"], row["heads"], row["head_size"], row["dtype"],
+                                 kinds=("mla",) if mla else None)
         itemsize = DTYPE_SIZES[spec.dtype]
         layout = gpu_layout(backend, row["block_size"], row["num_blocks"], row["dtype"], cache_layout=row["layout"],
                             page_size_padded=row["page_size_padded"])
@@ -76,7 +80,8 @@ def test_every_element_at_vllms_byte_offset(probe):
             refused += 1
             continue
         addr = layout.addressing(spec, 0)
-        dims = (row["layers"], row["num_blocks"], row["block_size"], row["heads"], row["head_size"], 2)
+        dims = (row["layers"], row["num_blocks"], row["block_size"], row["heads"], row["head_size"], 1 if mla else 2)
+        mla_rows += mla
         if int(np.prod(dims)) <= ELEMENTWISE_MAX:
             idx = np.indices(dims).reshape(6, -1)
             elementwise += 1
@@ -87,11 +92,14 @@ def test_every_element_at_vllms_byte_offset(probe):
         np.testing.assert_array_equal(_kvbridge_offsets(addr, itemsize, idx), want, err_msg=str(row))
         assert want.max() + itemsize <= addr.region_nbytes[0], row
         checked += 1
-    assert refused == 576 and checked == 5184 - 576 and elementwise > 1000, (checked, elementwise, refused)
+    assert refused == 576 and mla_rows == 384 and checked == 5184 + 384 - 576 and elementwise > 1000, (
+        checked, elementwise, refused, mla_rows)
 
 
 def test_refuses_unknown_backend_and_layout_in_one_line():
     with pytest.raises(InvalidRequest, match="unknown vLLM GPU attention backend 'NOPE'"):
         gpu_layout("NOPE", 16, 4)
+    with pytest.raises(InvalidRequest, match="packs scales"):
+        gpu_layout("FLASHMLA", 64, 4, "fp8_ds_mla")
     with pytest.raises(InvalidRequest, match="does not take KV cache layout LBHNC"):
         gpu_layout("FLEX_ATTENTION", 16, 4, cache_layout="LBHNC")

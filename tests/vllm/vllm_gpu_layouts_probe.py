@@ -2,7 +2,7 @@
 
 Prints JSON: per backend, whether its module imports without CUDA and the layouts it declares
 (`supported_kv_cache_layouts`); per combo, the byte strides of the logical [L, B, H, N, C] cache
-from `compute_layout_strides` and the page from `compute_layer_kv_cache_shape_bytes`.
+from `compute_layout_strides`, for K/V and MLA (latent-only) specs, and the page from `compute_layer_kv_cache_shape_bytes`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def backends() -> dict:
 def combos() -> list[dict]:
     import torch
     from vllm.v1.attention.backends.utils import _DEFAULT_LAYOUT_PREFERENCE
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, compute_layer_kv_cache_shape_bytes,
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, MLAAttentionSpec, compute_layer_kv_cache_shape_bytes,
                                             compute_layout_strides)
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
@@ -62,6 +62,13 @@ def combos() -> list[dict]:
             rows.append({"num_blocks": num_blocks, "block_size": block_size, "heads": heads, "head_size": head_size,
                          "dtype": dtype, "layers": layers, "page_size_padded": pad, "layout": layout.name,
                          "shape": list(compute_layer_kv_cache_shape_bytes(spec, num_blocks)), "strides": strides})
+    for num_blocks, block_size, latent, dtype, layers in itertools.product((1, 5), (16, 64), (320, 576), dtypes, (1, 3)):
+        spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=latent, dtype=dtypes[dtype])
+        for layout in KVCacheLayout:
+            rows.append({"mla": True, "num_blocks": num_blocks, "block_size": block_size, "heads": 1,
+                         "head_size": latent, "dtype": dtype, "layers": layers, "page_size_padded": None,
+                         "layout": layout.name, "shape": list(compute_layer_kv_cache_shape_bytes(spec, num_blocks)),
+                         "strides": compute_layout_strides(spec, num_blocks, layers, layout)})
     return rows, [x.name for x in _DEFAULT_LAYOUT_PREFERENCE]
 
 

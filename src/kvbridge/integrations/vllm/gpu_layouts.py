@@ -13,8 +13,8 @@ the stride of the innermost of the L/B axes.
 kvbridge's `kv_placement` (kv_first, blocks_first) cannot place V *inside* the cell next to K, nor
 pad pages, so `VllmGpuLayout` keeps the `EngineLayout` fields and overrides `addressing` with the
 strides of the chosen `KVCacheLayout` (same approach as `layout.VllmCpuLayout`). Proposed for
-core: `kv_placement="per_cell"` plus a `page_bytes` field. MLA and Mamba/GDN layouts are not
-described here yet (see docs/vllm.md).
+core: `kv_placement="per_cell"` plus a `page_bytes` field. MLA (FlashMLA, Triton MLA) is the same
+cell with one latent component; Mamba/GDN state layouts are not described here yet (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -39,7 +39,13 @@ BACKEND_LAYOUTS: dict[str, tuple[str, ...]] = {
     "TRITON_ATTN": DEFAULT_PREFERENCE,
     "FLASHINFER": DEFAULT_PREFERENCE,
     "FLEX_ATTENTION": ("LBNHC",),
+    # MLA: one replicated latent head per token (kv_lora_rank + rope dims), no V.
+    "FLASHMLA": DEFAULT_PREFERENCE,
+    "TRITON_MLA": DEFAULT_PREFERENCE,
 }
+# Packed MLA caches (`fp8_ds_mla`: quantized latent + scales + rope in one 656 B cell) are not
+# element-addressable K/V rows; refused rather than described wrongly.
+PACKED_CACHE_DTYPES = ("fp8_ds_mla",)
 
 
 class VllmGpuLayout(EngineLayout, frozen=True):
@@ -56,6 +62,8 @@ def gpu_layout(backend: str, block_size: int, num_blocks: int, kv_cache_dtype: s
                cache_layout: str | None = None, tp_size: int = 1,
                page_size_padded: int | None = None) -> VllmGpuLayout:
     """The layout vLLM's `backend` gives the cache (its preferred `KVCacheLayout` unless named)."""
+    if kv_cache_dtype in PACKED_CACHE_DTYPES:
+        raise InvalidRequest(f"vLLM KV cache dtype {kv_cache_dtype} packs scales into the cell; not described")
     layouts = BACKEND_LAYOUTS.get(backend.upper())
     if layouts is None:
         raise InvalidRequest(f"unknown vLLM GPU attention backend {backend!r}; known: {', '.join(BACKEND_LAYOUTS)}")
@@ -101,23 +109,25 @@ def _gpu_addressing(spec: ModelSpec, layout: VllmGpuLayout, rank: int) -> Addres
         raise InvalidRequest(f"rank {rank} outside {layout.describe_ranks()}")
     spec = layout.engine_spec(spec)
     layers = spec.layers
-    if any(layer.kind not in ("full", "sliding") for layer in layers):
-        raise InvalidRequest("VllmGpuLayout describes K/V attention layers only (no MLA, no recurrent state)")
+    if any(layer.is_recurrent for layer in layers):
+        raise InvalidRequest("VllmGpuLayout describes attention layers only (Mamba/GDN state: see docs/vllm.md)")
     itemsize = spec.itemsize
-    geo = {(layer.num_kv_heads, layer.key_dim, layer.value_dim, layer.replicated) for layer in layers}
+    geo = {(layer.kind == "mla", tuple((c.heads, c.dim) for c in layer.components), layer.replicated)
+           for layer in layers}
     if len(geo) != 1:
         raise InvalidRequest("one vLLM KV cache tensor holds layers of one geometry; split the model per group")
-    heads, kdim, vdim, replicated = geo.pop()
-    h0, h1 = head_range(heads, layout.tp_size, rank, replicated)
+    _, comps, replicated = geo.pop()
+    h0, h1 = head_range(comps[0][0], layout.tp_size, rank, replicated)
+    # The cell C holds the components back to back: K then V, or the MLA latent alone.
+    offsets = np.cumsum([0] + [dim * itemsize for _, dim in comps])
     L = len(layers)
-    shape = (L, layout.num_blocks, h1 - h0, layout.block_size, (kdim + vdim) * itemsize)
+    shape = (L, layout.num_blocks, h1 - h0, layout.block_size, int(offsets[-1]))
     sL, sB, sH, sN, _ = layout_strides(KV_CACHE_LAYOUTS[layout.cache_layout], shape, layout.page_size_padded)
-    C = spec.max_components
-    arr = {k: np.zeros((L, C), dtype=np.int64) for k in
+    arr = {k: np.zeros((L, len(comps)), dtype=np.int64) for k in
            ("region", "base", "block_stride", "token_stride", "head_stride", "row_bytes", "heads", "first_head")}
     for li in range(L):
-        for ci, (offset, dim) in enumerate(((0, kdim), (kdim * itemsize, vdim))):
-            for key, value in (("base", li * sL + offset), ("block_stride", sB), ("token_stride", sN),
+        for ci, (_, dim) in enumerate(comps):
+            for key, value in (("base", li * sL + offsets[ci]), ("block_stride", sB), ("token_stride", sN),
                                ("head_stride", sH), ("row_bytes", dim * itemsize), ("heads", h1 - h0),
                                ("first_head", h0)):
                 arr[key][li, ci] = value
@@ -126,4 +136,4 @@ def _gpu_addressing(spec: ModelSpec, layout: VllmGpuLayout, rank: int) -> Addres
     total = sum(s * (n - 1) for s, n in zip((sL, sB, sH, sN), shape)) + shape[4]  # last byte + 1
     if layout.page_size_padded is not None:
         total = max(total, shape[0] * shape[1] * layout.page_size_padded)
-    return Addressing(num_components=np.full(L, 2, dtype=np.int64), region_nbytes=(total,), **arr)
+    return Addressing(num_components=np.full(L, len(comps), dtype=np.int64), region_nbytes=(total,), **arr)
