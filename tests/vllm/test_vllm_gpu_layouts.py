@@ -10,10 +10,6 @@ logical [L, B, H, N, C] cache (`compute_layout_strides`). Here every K and V ele
 
 from __future__ import annotations
 
-import json
-import subprocess
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -21,17 +17,13 @@ from kvbridge.core.spec import DTYPE_SIZES, ModelSpec
 from kvbridge.errors import InvalidRequest
 from kvbridge.integrations.vllm.gpu_layouts import BACKEND_LAYOUTS, gpu_layout
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.vllm
 ELEMENTWISE_MAX = 1 << 16  # combos up to this many elements are compared element by element
 
 
 @pytest.fixture(scope="module")
-def probe(vllm_env) -> dict:
-    res = subprocess.run([str(vllm_env.python), str(REPO / "tests/vllm/vllm_gpu_layouts_probe.py")], cwd=REPO,
-                         capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-4000:]
-    return json.loads(res.stdout)
+def probe(run_probe) -> dict:
+    return run_probe("vllm_gpu_layouts_probe.py")
 
 
 @pytest.mark.parametrize("backend", sorted(BACKEND_LAYOUTS))

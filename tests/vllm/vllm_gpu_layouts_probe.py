@@ -39,8 +39,12 @@ def backends() -> dict:
 def combos() -> list[dict]:
     import torch
     from vllm.v1.attention.backends.utils import _DEFAULT_LAYOUT_PREFERENCE
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, MLAAttentionSpec, compute_layer_kv_cache_shape_bytes,
-                                            compute_layout_strides)
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        compute_layer_kv_cache_shape_bytes,
+        compute_layout_strides,
+    )
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
