@@ -88,6 +88,10 @@ def test_every_element_at_vllms_byte_offset(probe):
         checked, elementwise, refused, mla_rows)
 
 
+def test_auto_cache_dtype_is_the_models():
+    assert gpu_layout("FLASH_ATTN", 16, 4, "auto").kv_dtype is None
+
+
 def test_refuses_unknown_backend_and_layout_in_one_line():
     with pytest.raises(InvalidRequest, match="unknown vLLM GPU attention backend 'NOPE'"):
         gpu_layout("NOPE", 16, 4)

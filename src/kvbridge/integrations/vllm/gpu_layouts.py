@@ -64,6 +64,8 @@ def gpu_layout(backend: str, block_size: int, num_blocks: int, kv_cache_dtype: s
     """The layout vLLM's `backend` gives the cache (its preferred `KVCacheLayout` unless named)."""
     if kv_cache_dtype in PACKED_CACHE_DTYPES:
         raise InvalidRequest(f"vLLM KV cache dtype {kv_cache_dtype} packs scales into the cell; not described")
+    if kv_cache_dtype == "auto":  # vLLM's default: the model's dtype
+        kv_cache_dtype = None
     layouts = BACKEND_LAYOUTS.get(backend.upper())
     if layouts is None:
         raise InvalidRequest(f"unknown vLLM GPU attention backend {backend!r}; known: {', '.join(BACKEND_LAYOUTS)}")
