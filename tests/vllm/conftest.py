@@ -99,3 +99,18 @@ def vllm_env() -> VllmEnv:
         pytest.skip(f"vLLM environment unusable ({why}); `make vllm-env` creates {venv.name} "
                     f"(~3.4 GB), or set KVBRIDGE_VLLM_TESTS=1 to have the tests create it")
     return VllmEnv(venv, python)
+
+
+
+@pytest.fixture(scope="session")
+def run_probe(vllm_env):
+    """Runs `tests/vllm/<script>` with the vLLM environment's Python and returns its JSON answer."""
+    import json
+
+    def run(script: str, timeout_s: int = 900) -> dict:
+        res = subprocess.run([str(vllm_env.python), str(REPO / "tests/vllm" / script)], cwd=REPO,
+                             capture_output=True, text=True, timeout=timeout_s)
+        assert res.returncode == 0, res.stderr[-4000:]
+        return json.loads(res.stdout)
+
+    return run

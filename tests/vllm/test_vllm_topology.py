@@ -24,14 +24,9 @@ kvbridge's producer counts only the decode ranks that actually read from it
 
 from __future__ import annotations
 
-import json
-import subprocess
 from collections import Counter
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.vllm
 
@@ -40,11 +35,8 @@ COMPARED = ("tp_ratio", "is_kv_replicated", "replicates_kv_cache", "local_replic
 
 
 @pytest.fixture(scope="module")
-def probe(vllm_env) -> dict:
-    res = subprocess.run([str(vllm_env.python), str(REPO / "tests/vllm/vllm_topology_probe.py")], cwd=REPO,
-                         capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-4000:]
-    return json.loads(res.stdout)
+def probe(run_probe) -> dict:
+    return run_probe("vllm_topology_probe.py")
 
 
 def _case(row: dict) -> str:
