@@ -24,7 +24,7 @@ from kvbridge.core.plan import plan_request
 from kvbridge.core.spec import ModelSpec
 from kvbridge.errors import ConfigError, InvalidRequest
 from kvbridge.proofs.hf_cache import BlockIds, export_cache, export_states, export_tokens
-from kvbridge.proofs.proof import greedy_config, make_prompt_ids, prefill as run_prefill, prove_cache
+from kvbridge.proofs.proof import cache_name, greedy_config, make_prompt_ids, prefill as run_prefill, prove_cache
 from kvbridge.proofs.results import DisaggregationResult
 from kvbridge.proofs.tiny_models import DEFAULT_MODEL, load_model, spec_for
 from kvbridge.proofs.verify import random_bytes, random_request
@@ -110,10 +110,12 @@ def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int
     model, config = load_model(model_name_or_dir, seed)
     model.generation_config = greedy_config()
     spec = spec_for(config, next(model.parameters()).dtype)
-    if all(layer.is_recurrent for layer in spec.layers):
+    if all(layer.is_recurrent for layer in spec.layers) and cache_name(model) != "cache_params":
+        # Mamba-style models (`cache_params`) generate without attention; the others need one attention
+        # layer for Cache.get_seq_length, so transformers' own generate fails before any move
         raise ConfigError(
-            f"{model_name_or_dir}: every layer is recurrent; transformers' generate needs an attention layer to "
-            f"track the sequence length (Cache.get_seq_length raises on a cache of linear-attention layers only)")
+            f"{model_name_or_dir}: every layer is recurrent and {type(model).__name__} keeps a past_key_values cache, "
+            "which transformers' generate cannot continue without an attention layer (Cache.get_seq_length)")
     vocab = int(config.get_text_config().vocab_size)
     ids = make_prompt_ids(prompt, vocab, seed)
     n = len(ids)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 
-from kvbridge.errors import InvalidRequest
+from kvbridge.errors import ConfigError, InvalidRequest
 from kvbridge.proofs.hf_cache import BlockIds, cache_differences, import_cache, replica_mismatches, save_cache
 from kvbridge.transport.cache import RankCache
 
@@ -70,6 +70,25 @@ def make_prompt_ids(prompt: Sequence[int] | int, vocab_size: int, seed: int) -> 
     return ids
 
 
+def cache_name(model: PreTrainedModel) -> str:
+    """The keyword under which `model` takes and returns its cache: Mamba-style models (every layer
+    recurrent) name it `cache_params`, the rest `past_key_values` (transformers' own split in generate)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache_params" if "cache_params" in params and "past_key_values" not in params else "past_key_values"
+
+
+def output_cache(model: PreTrainedModel, out: object) -> DynamicCache:
+    """The cache a forward returned, under the model's own name for it; a model that returns none
+    (GPT-1, XLM, XLNet: transformers keeps no cache for them) is refused in one line."""
+    cache = getattr(out, cache_name(model), None)
+    if cache is None:
+        raise ConfigError(f"{type(model).__name__} returns no cache from a forward; transformers exposes no cache for "
+                          "its layers, so there is nothing to move")
+    if not hasattr(cache, "layers") and hasattr(cache, "self_attention_cache"):
+        cache = cache.self_attention_cache  # a decoder built from an encoder (BERT-style): its self-attention cache
+    return cache
+
+
 def _input(ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     input_ids = torch.tensor([list(ids)], dtype=torch.long)
     return input_ids, torch.ones_like(input_ids)
@@ -94,7 +113,7 @@ def prefill(model: PreTrainedModel, prompt_ids: Sequence[int]) -> tuple[DynamicC
         # the positions `generate` passes; models such as RoBERTa's decoders default to others
         extra["position_ids"] = mask.long().cumsum(-1) - 1
     out = model(input_ids, attention_mask=mask, use_cache=True, **extra)
-    return out.past_key_values, int(out.logits[0, -1].argmax())
+    return output_cache(model, out), int(out.logits[0, -1].argmax())
 
 
 @torch.inference_mode()
@@ -111,14 +130,15 @@ def continue_greedy(model: PreTrainedModel, prompt_ids: Sequence[int], cache: Dy
         if first_token is not None:
             raise InvalidRequest(f"a first token follows the whole prompt, the cache holds {num_cached} of {n}")
         input_ids, mask = _input(prompt_ids)
-        return model.generate(input_ids, attention_mask=mask, past_key_values=cache,
-                              max_new_tokens=new_tokens)[0, n:].tolist()
+        return model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens,
+                              **{cache_name(model): cache})[0, n:].tolist()
     if first_token is None:
         return []
     tokens = [int(first_token)]
     if new_tokens > 1:
         input_ids, mask = _input([*prompt_ids, int(first_token)])
-        rest = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens - 1)
+        rest = model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens - 1,
+                              **{cache_name(model): cache})
         tokens += rest[0, n + 1:].tolist()
     return tokens
 
@@ -151,5 +171,5 @@ def prove_cache(model: PreTrainedModel, prompt_ids: Sequence[int], caches: Seque
     return CacheProof(tokens_reference, tokens, differences, replicas)
 
 
-__all__ = ["CacheProof", "continue_greedy", "greedy_config", "make_prompt_ids", "prefill", "prove_cache",
-           "reference_tokens"]
+__all__ = ["CacheProof", "cache_name", "continue_greedy", "greedy_config", "make_prompt_ids", "output_cache",
+           "prefill", "prove_cache", "reference_tokens"]
