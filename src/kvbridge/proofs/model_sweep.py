@@ -59,6 +59,11 @@ _TINY_EXTRA: dict[str, dict[str, Any]] = {
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
     "granitemoehybrid": {"layer_types": ["linear_attention"] * (NUM_LAYERS - 1) + ["full_attention"]},
     "lfm2_moe": {"layer_types": ["conv"] * (NUM_LAYERS - 1) + ["full_attention"]},
+    # class defaults that cannot build a model in transformers 5.23: the rope settings the modeling code reads
+    "dbrx": {"n_heads": 12, "attn_config": {"kv_n_heads": 6, "rope_theta": 10000.0, "clip_qkv": 8.0},
+             "ffn_config": {"hidden_size": 96, "ffn_hidden_size": 128, "moe_num_experts": 4}},
+    "cohere_compass_text": {"rope_parameters": {t: {"rope_type": "default", "rope_theta": 10000.0}
+                                                for t in ("full_attention", "sliding_attention")}},
 }
 _NONE = ("bos_token_id", "eos_token_id")  # pad stays: some embeddings need a padding index
 SECONDS_PER_ARCH = 240

@@ -82,8 +82,8 @@ def output_cache(model: PreTrainedModel, out: object) -> DynamicCache:
     (GPT-1, XLM, XLNet: transformers keeps no cache for them) is refused in one line."""
     cache = getattr(out, cache_name(model), None)
     if cache is None:
-        raise ConfigError(f"{type(model).__name__} returns no cache from a forward; transformers exposes no cache for "
-                          "its layers, so there is nothing to move")
+        raise ConfigError(f"layer 0: {type(model).__name__} returns no {cache_name(model)} from a forward "
+                          "(transformers exposes no cache for it), so there is nothing to move")
     if not hasattr(cache, "layers") and hasattr(cache, "self_attention_cache"):
         cache = cache.self_attention_cache  # a decoder built from an encoder (BERT-style): its self-attention cache
     return cache
