@@ -62,6 +62,12 @@ _TINY_EXTRA: dict[str, dict[str, Any]] = {
     # class defaults that cannot build a model in transformers 5.23: the rope settings the modeling code reads
     "dbrx": {"n_heads": 12, "attn_config": {"kv_n_heads": 6, "rope_theta": 10000.0, "clip_qkv": 8.0},
              "ffn_config": {"hidden_size": 96, "ffn_hidden_size": 128, "moe_num_experts": 4}},
+    # its forward sizes the cache by the encoder's layer count (2 by default), the decoder has 24
+    "blenderbot": {"encoder_layers": NUM_LAYERS, "decoder_layers": NUM_LAYERS, "encoder_attention_heads": 12,
+                   "decoder_attention_heads": 12, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128},
+    # CPM-Ant prepends `prompt_length` learned prompt tokens inside the model: its cache holds more
+    # positions than the request has tokens, which no serving engine's block table describes
+    "cpmant": {"prompt_length": 0},
     "cohere_compass_text": {"rope_parameters": {t: {"rope_type": "default", "rope_theta": 10000.0}
                                                 for t in ("full_attention", "sliding_attention")}},
 }
