@@ -62,6 +62,8 @@ _TINY_EXTRA: dict[str, dict[str, Any]] = {
     # class defaults that cannot build a model in transformers 5.23: the rope settings the modeling code reads
     "dbrx": {"n_heads": 12, "attn_config": {"kv_n_heads": 6, "rope_theta": 10000.0, "clip_qkv": 8.0},
              "ffn_config": {"hidden_size": 96, "ffn_hidden_size": 128, "moe_num_experts": 4}},
+    "falcon_h1": {"mamba_d_ssm": 192},  # mamba_n_heads * mamba_d_head
+    "zaya": {"num_experts_per_tok": 1},  # its config accepts no other
     # its forward sizes the cache by the encoder's layer count (2 by default), the decoder has 24
     "blenderbot": {"encoder_layers": NUM_LAYERS, "decoder_layers": NUM_LAYERS, "encoder_attention_heads": 12,
                    "decoder_attention_heads": 12, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128},
@@ -70,6 +72,11 @@ _TINY_EXTRA: dict[str, dict[str, Any]] = {
     "cpmant": {"prompt_length": 0},
     "cohere_compass_text": {"rope_parameters": {t: {"rope_type": "default", "rope_theta": 10000.0}
                                                 for t in ("full_attention", "sliding_attention")}},
+}
+# Class defaults that the class's own validation rejects (transformers 5.23): what makes them valid.
+_BASE: dict[str, dict[str, Any]] = {
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+                                         "enable_moe_block": False, "use_double_wide_mlp": False}},
 }
 _NONE = ("bos_token_id", "eos_token_id")  # pad stays: some embeddings need a padding index
 SECONDS_PER_ARCH = 240
@@ -111,7 +118,11 @@ def tiny_config(arch: str) -> Any:
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[arch]
-    base = cls().to_dict()
+    base = cls(**_BASE.get(arch, {})).to_dict()
+    text = base.get("text_config")
+    if isinstance(text, dict) and text.get("num_kv_shared_layers") == text.get("num_hidden_layers"):
+        raise ConfigError(f"layers 0-{text['num_hidden_layers'] - 1} of {arch!r} all read the target model's K/V "
+                          "(num_kv_shared_layers = num_hidden_layers): transformers gives it no cache of its own")
     if any(isinstance(base.get(k), dict) for k in ("text_config", "vision_config", "audio_config")):
         raise _Skip("a multimodal wrapper: its text model is swept under its own model_type")
     kw = {k: v for k, v in _TINY.items() if k in base}
