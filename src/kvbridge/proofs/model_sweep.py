@@ -64,7 +64,9 @@ _TINY_EXTRA: dict[str, dict[str, Any]] = {
              "ffn_config": {"hidden_size": 96, "ffn_hidden_size": 128, "moe_num_experts": 4}},
     "falcon_h1": {"mamba_d_ssm": 192},  # mamba_n_heads * mamba_d_head
     "zaya": {"num_experts_per_tok": 1},  # its config accepts no other
-    "longcat_flash": {"head_dim": 8},  # its rotary embedding is sized by head_dim, = qk_rope_head_dim
+    "longcat_flash": {"head_dim": 8},
+    "reformer": {"axial_pos_embds": False},  # its axial factors must sum to the hidden size
+    "xmod": {"default_language": "en_XX"},  # it refuses to run without a language adapter chosen  # its rotary embedding is sized by head_dim, = qk_rope_head_dim
     # its forward sizes the cache by the encoder's layer count (2 by default), the decoder has 24
     "blenderbot": {"encoder_layers": NUM_LAYERS, "decoder_layers": NUM_LAYERS, "encoder_attention_heads": 12,
                    "decoder_attention_heads": 12, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128},

@@ -81,6 +81,10 @@ def output_cache(model: PreTrainedModel, out: object) -> DynamicCache:
     """The cache a forward returned, under the model's own name for it; a model that returns none
     (GPT-1, XLM, XLNet: transformers keeps no cache for them) is refused in one line."""
     cache = getattr(out, cache_name(model), None)
+    other = next((name for name in ("past_buckets_states", "mems") if getattr(out, name, None) is not None), None)
+    if cache is None and other:  # Reformer's LSH buckets, Transformer-XL-style memories: no per-layer K/V
+        raise ConfigError(f"layer 0: {type(model).__name__} keeps its cache as {other}, not per-layer K/V "
+                          "(transformers exposes no K/V cache for it), so there is nothing to move")
     if cache is None:
         raise ConfigError(f"layer 0: {type(model).__name__} returns no {cache_name(model)} from a forward "
                           "(transformers exposes no cache for it), so there is nothing to move")
