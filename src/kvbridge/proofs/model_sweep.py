@@ -122,6 +122,10 @@ def tiny_config(arch: str) -> Any:
 
     cls = CONFIG_MAPPING[arch]
     base = cls(**_BASE.get(arch, {})).to_dict()
+    if isinstance(base.get("decoder"), dict) and "num_codebooks" in base["decoder"]:
+        raise ConfigError(f"layer 0 of {arch!r}: its causal LM is the audio decoder alone (a config AutoConfig "
+                          "cannot load from config.json) decoding num_codebooks token streams at once; the proof "
+                          "runs one stream")
     text = base.get("text_config")
     if isinstance(text, dict) and text.get("num_kv_shared_layers") == text.get("num_hidden_layers"):
         raise ConfigError(f"layers 0-{text['num_hidden_layers'] - 1} of {arch!r} all read the target model's K/V "
@@ -292,6 +296,20 @@ NOTES = """\
   model whose cache is not a `DynamicCache` (encoder caches, no cache at all). The reason is shown.
 * **skipped**: multimodal wrappers; their text model is a row of its own.
 """
+
+
+def parse_markdown(text: str) -> tuple[list[SweepRow], float]:
+    """The rows and total seconds of a docs/models.md that `render_markdown` wrote (to merge a re-run
+    subset into it without sweeping everything again)."""
+    import re
+    seconds = float(m.group(1)) if (m := re.search(r"MAPPING_NAMES`\) in (\d+) s", text)) else 0.0
+    rows = []
+    for m in re.finditer(r"^\| (\S+) \| ([^|]*) \| (moved|refused|mismatch|error|skipped) \| (.*) \|$", text, re.M):
+        arch, kinds, status, why = m.groups()
+        moved = status == "moved"
+        rows.append(SweepRow(arch, status, "" if kinds == "-" else kinds, "" if moved else why,
+                             why.split(", ") if moved else []))
+    return rows, seconds
 
 
 def render_markdown(rows: list[SweepRow], version: str, seconds: float) -> str:
