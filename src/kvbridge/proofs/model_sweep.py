@@ -288,12 +288,12 @@ NOTES = """\
 * **moved**: both pairs bit-exact (every cache tensor, and the greedy tokens equal plain `generate`).
 * **refused**: one line; from the spec it names the layer and its kind (`indexed_attention`,
   `hybrid`, `dummy`, an unknown recurrent mixer...); from the proof, its reason (for example a
-  model whose every layer is recurrent: the proof needs one attention layer to continue `generate`).
+  model whose forward returns no per-layer cache: GPT-1, XLM, XLNet's memories, Reformer's buckets).
 * **mismatch**: the proof ran and something differed. The RoBERTa-style decoders here keep a
   bit-exact cache; their tokens differ because the proof takes the first new token from a plain
   forward, whose position ids (padding offset) differ from the ones `generate` passes.
-* **error**: the proof could not run the architecture: a tiny config its class rejects, or a
-  model whose cache is not a `DynamicCache` (encoder caches, no cache at all). The reason is shown.
+* **error**: the proof could not run the architecture (a failure inside transformers, or a
+  time-out). The reason is shown.
 * **skipped**: multimodal wrappers; their text model is a row of its own.
 """
 
