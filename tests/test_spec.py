@@ -228,15 +228,16 @@ def test_kv_heads_default_to_attention_heads():
 def test_unmovable_layer_refused_by_index_and_kind_not_by_name_list():
     # issue 11: a refusal names the layer and its state kind, never the list of known model types.
     with pytest.raises(ConfigError) as e:
-        spec_from_hf_config({**LLAMA3_8B, "model_type": "deepseek_v32"})
+        spec_from_hf_config({**LLAMA3_8B, "model_type": "deepseek_v4"})
     msg = str(e.value)
-    assert msg.startswith("layer 0 has type 'indexed_attention' (") and "\n" not in msg
+    assert msg.startswith("layer 0 has type 'heavily_compressed_attention' (") and "\n" not in msg
     for known in ("llama", "gemma2", "deepseek_v3"):
         assert known not in msg
     with pytest.raises(ConfigError, match="no model_type"):
         spec_from_hf_config({"num_hidden_layers": 2})
-    with pytest.raises(ConfigError, match=r"^layer 0 \(linear_attention\): config lacks"):  # Zamba: no mamba groups
-        spec_from_hf_config({"model_type": "zamba", "num_hidden_layers": 2, "layers_block_type": ["mamba", "mamba"]})
+    # Zamba (refused here before its multi-head Mamba1 mixer was known): heads but no B/C groups
+    zamba = spec_from_hf_config({"model_type": "zamba", "num_hidden_layers": 2, "layers_block_type": ["mamba", "mamba"]})
+    assert [layer.recurrent_type for layer in zamba.layers] == ["mamba1_heads"] * 2
     with pytest.raises(ConfigError, match="no config class in the installed transformers"):
         spec_from_hf_config({**LLAMA3_8B, "model_type": "not-a-model"})
 

@@ -36,7 +36,7 @@ def test_cli_demo_moves_mamba(tmp_path):
     assert r.exit_code == 0, r.output
 
 
-@pytest.mark.parametrize(("arch", "what"), [("openai-gpt", "returns no past_key_values"), ("xlnet", "as mems")])
+@pytest.mark.parametrize(("arch", "what"), [("openai-gpt", "no past_key_values"), ("xlnet", "as mems")])
 def test_a_model_without_a_cache_is_one_line_exit_2(tmp_path, arch, what):
     r = CliRunner().invoke(app, ["demo", "--model", _save(arch, tmp_path), "--prompt-len", "8", "--new-tokens", "2"])
     lines = [line for line in r.output.splitlines() if line.startswith("error:")]  # besides transformers' progress bars

@@ -73,6 +73,8 @@ def _rank_rows(cache: RankCache, block_ids: tuple[tuple[int, ...], ...], request
     coords = layout.rank_coords(cache.rank)
     for li in range(*layout.stage_layers(spec.num_layers, coords.pp)):
         layer, g = spec.layers[li], spec.layer_group[li]
+        if layer.is_stateless:
+            continue
         ids = block_ids[g]
         for ci in range(len(layer.components)):
             h0, nh = int(a.first_head[li, ci]), int(a.heads[li, ci])

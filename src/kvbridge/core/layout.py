@@ -314,6 +314,8 @@ def _addressing(spec: ModelSpec, layout: EngineLayout, rank: int) -> Addressing:
         if not first_layer <= li < stop_layer:
             arrays["region"][li, :] = -1  # another PP stage's layer: no region, no heads here
             continue
+        if not comps:  # a stateless layer: no region (vLLM allocates none), regions stay in layer order
+            continue
         g = spec.layer_group[li]
         kbs, nkb = layout.group_kernel_size(g), layout.group_num_kernel_blocks(g)
         ranges = [head_range(c.heads, layout.tp_size, tp_rank, layer.replicated) for c in comps]
@@ -322,7 +324,7 @@ def _addressing(spec: ModelSpec, layout: EngineLayout, rank: int) -> Addressing:
             # One state slot per logical block id; components back to back, each aligned to 16 B.
             base = 0
             for ci, ((h0, h1), row) in enumerate(zip(ranges, rows)):
-                put(li, ci, region=li - first_layer, base=base, token_stride=0, head_stride=row, row_bytes=row,
+                put(li, ci, region=len(region_nbytes), base=base, token_stride=0, head_stride=row, row_bytes=row,
                     heads=h1 - h0, first_head=h0)
                 base += _align((h1 - h0) * row)
             arrays["block_stride"][li, : len(comps)] = base
@@ -343,7 +345,7 @@ def _addressing(spec: ModelSpec, layout: EngineLayout, rank: int) -> Addressing:
             if layout.layer_placement == "cross_layer":
                 base, region = cross_offset + base, 0
             else:
-                region = li - first_layer
+                region = len(region_nbytes)  # this layer's, appended below (stateless layers have none)
             put(li, ci, region=region, base=base, block_stride=bstride, token_stride=tstride, head_stride=hstride,
                 row_bytes=row, heads=nheads, first_head=h0)
         slot_bytes.append(layer_block)

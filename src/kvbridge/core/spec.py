@@ -4,7 +4,10 @@ A `ModelSpec` lists every layer's attention state as *components* (K and V, or o
 each with a head count and a per-head row width. Engines shard heads over TP ranks and lay
 the rows out in blocks; both of those live elsewhere (`shard`, `layout`). Layers that share a
 block table form a *group* (full attention, each sliding window, MLA) and a request carries one
-block-id list per group, as vLLM's hybrid allocator does.
+block-id list per group, as vLLM's hybrid allocator does. A *stateless* layer (an MLP or MoE
+block in a hybrid stack, or a layer that reads another layer's K/V) keeps no cache: it has no
+components, belongs to no group and gets no memory region, yet keeps its index so that layer
+numbers (and pipeline stages) stay those of the model.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ import msgspec
 
 from kvbridge.errors import ConfigError, IncompatibleEngines
 
-LayerKind = Literal["full", "sliding", "mla", "recurrent"]
-RecurrentType = Literal["", "mamba1", "mamba2", "gdn", "short_conv"]
+LayerKind = Literal["full", "sliding", "mla", "recurrent", "stateless"]
+RecurrentType = Literal["", "mamba1", "mamba1_heads", "mamba2", "gdn", "kda", "short_conv"]
 
 DTYPE_SIZES: dict[str, int] = {
     "float32": 4,
@@ -65,6 +68,7 @@ class LayerSpec(msgspec.Struct, frozen=True):
     sliding layer keeps only its last `window - 1` tokens, as vLLM and transformers do.
     MLA keeps one latent row per token that every TP rank holds whole. A recurrent layer
     (Mamba, gated delta net, short conv) keeps one state per request: its `state` components.
+    A stateless layer keeps nothing (transformers gives it a `DummyLayer`, vLLM no cache at all).
     """
 
     kind: LayerKind
@@ -77,8 +81,13 @@ class LayerSpec(msgspec.Struct, frozen=True):
     conv_rows: int = 0  # values per conv channel kept in the state (kernel - 1, or kernel)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("full", "sliding", "mla", "recurrent"):
+        if self.kind not in ("full", "sliding", "mla", "recurrent", "stateless"):
             raise ConfigError(f"unknown layer kind {self.kind!r}")
+        if self.kind == "stateless":
+            if (self.state or self.num_kv_heads or self.key_dim or self.value_dim or self.window
+                    or self.recurrent_type or self.conv_rows):
+                raise ConfigError("a stateless layer has no KV heads, dims, window or state components")
+            return
         if self.kind == "recurrent":
             if not self.state or self.num_kv_heads or self.key_dim or self.value_dim or self.window:
                 raise ConfigError("a recurrent layer has state components and no KV heads, dims or window")
@@ -111,7 +120,19 @@ class LayerSpec(msgspec.Struct, frozen=True):
         return self.kind == "recurrent"
 
     @property
+    def is_stateless(self) -> bool:
+        """True when the layer keeps no cache (no components, no group, no region)."""
+        return self.kind == "stateless"
+
+    @property
+    def is_attention(self) -> bool:
+        """True for per-token K/V state (full, sliding, MLA)."""
+        return self.kind in ("full", "sliding", "mla")
+
+    @property
     def components(self) -> tuple[Component, ...]:
+        if self.kind == "stateless":
+            return ()
         if self.kind == "recurrent":
             return self.state
         if self.kind == "mla":
@@ -143,6 +164,8 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
     def __post_init__(self) -> None:
         if not self.layers:
             raise ConfigError("a model needs at least one layer")
+        if all(layer.is_stateless for layer in self.layers):
+            raise ConfigError("a model needs at least one layer that keeps a cache (every layer is stateless)")
         msgspec.structs.force_setattr(self, "dtype", normalize_dtype(self.dtype))
 
     @property
@@ -173,15 +196,18 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
 
     @cached_property
     def groups(self) -> tuple[tuple[int, ...], ...]:
-        """Layer indices per KV-cache group, groups in order of first appearance."""
+        """Layer indices per KV-cache group, groups in order of first appearance (stateless layers
+        are in none)."""
         order: dict[tuple[str, int | None], list[int]] = {}
         for i, layer in enumerate(self.layers):
-            order.setdefault(layer.group_key, []).append(i)
+            if not layer.is_stateless:
+                order.setdefault(layer.group_key, []).append(i)
         return tuple(tuple(v) for v in order.values())
 
     @cached_property
     def layer_group(self) -> tuple[int, ...]:
-        out = [0] * self.num_layers
+        """Group of each layer; -1 for a stateless layer."""
+        out = [-1] * self.num_layers
         for g, layers in enumerate(self.groups):
             for i in layers:
                 out[i] = g
@@ -193,16 +219,16 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
     @property
     def total_kv_heads(self) -> int:
         """vLLM's `total_num_kv_heads`: the head count of the attention layers (1 for MLA)."""
-        return max((layer.num_kv_heads for layer in self.layers if not layer.is_recurrent), default=0)
+        return max((layer.num_kv_heads for layer in self.layers if layer.is_attention), default=0)
 
     @property
     def is_mla(self) -> bool:
-        return all(layer.kind == "mla" for layer in self.layers if not layer.is_recurrent)
+        return all(layer.kind == "mla" for layer in self.layers if layer.is_attention)
 
     def bytes_per_token(self) -> int:
         """Bytes of KV state one token adds over all attention layers on a TP=1 engine."""
         return sum(c.heads * c.dim * self.component_itemsize(c) for layer in self.layers
-                   if not layer.is_recurrent for c in layer.components)
+                   if layer.is_attention for c in layer.components)
 
     def state_bytes(self) -> int:
         """Bytes of recurrent state one request holds over all layers on a TP=1 engine."""
@@ -243,7 +269,9 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
             + (f"(w={self.layers[layers[0]].window})" if self.layers[layers[0]].window else "")
             for layers in self.groups
         )
-        first = next((layer for layer in self.layers if not layer.is_recurrent), None)
+        stateless = sum(layer.is_stateless for layer in self.layers)
+        kinds += f", {stateless}xstateless" if stateless else ""
+        first = next((layer for layer in self.layers if layer.is_attention), None)
         attn = (f", {first.num_kv_heads} KV heads, head dim {first.key_dim}/{first.value_dim or '-'}"
                 if first else "")
         state = ""

@@ -34,7 +34,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from kvbridge.core.blocks import check_prefix_caching
-from kvbridge.errors import IncompatibleEngines, KVBridgeError, ShardingError
+from kvbridge.errors import IncompatibleEngines, InvalidRequest, KVBridgeError, ShardingError
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.plan import Plan, Request, pair_conversions, plan_request, source_slices
 from kvbridge.core.shard import HeadSlice, assign_sources, head_range, overlapping_ranks
@@ -261,7 +261,8 @@ class TransferTopology:
     def head_slices(self, engine_id: str, layer: int | None = None) -> tuple[HeadSlice, ...]:
         """Heads of an attention layer (default: the first) read from each remote rank."""
         if layer is None:
-            layer = next((i for i, x in enumerate(self.spec.layers) if not x.is_recurrent), 0)
+            layer = next((i for i, x in enumerate(self.spec.layers) if x.is_attention),
+                         next(i for i, x in enumerate(self.spec.layers) if x.components))
         return self.component_slices(engine_id, layer, 0)
 
     def component_slices(self, engine_id: str, layer: int, comp: int) -> tuple[HeadSlice, ...]:
@@ -295,6 +296,8 @@ class TransferTopology:
 
     def local_head_range(self, layer: int = 0) -> tuple[int, int]:
         spec_layer = self.spec.layers[layer]
+        if not spec_layer.components:
+            raise InvalidRequest(f"layer {layer} is stateless: it holds no heads")
         return head_range(spec_layer.components[0].heads, self.tp_size, self.tp_rank, spec_layer.replicated)
 
     # -- planning -----------------------------------------------------------------------------

@@ -11,8 +11,17 @@ list of model types, so a new plain-attention architecture needs nothing here:
 * `DynamicSlidingWindowLayer` -> "sliding" (sliding and chunked attention: transformers keeps the
   last `window - 1` tokens for both, with `window` the chunk size for chunked attention);
 * `LinearAttentionLayer` -> "recurrent", geometry from `recurrent.py`;
-* anything else (shared-KV dummy layers, indexer caches, attention+SSM hybrid layers, compressed
-  caches): refused with one line naming the layer and its kind.
+* `DummyLayer` -> "stateless": the layer stores nothing (an MLP / MoE block of a hybrid stack such
+  as Nemotron-H, or a layer reading another layer's K/V); it keeps its index and moves nothing;
+* `LinearAttentionAnd{Full,SlidingWindow}AttentionLayer` ("hybrid", "hybrid_sliding": Zamba2's
+  shared-attention layers, Falcon-H1) -> two logical layers, the attention part then the recurrent
+  part, as vLLM registers them (one attention and one Mamba cache layer per decoder layer). The
+  transformers bridge maps both back to the one cache layer by its class;
+* `DynamicIndexedLayer` ("indexed_attention": DeepSeek-V3.2, GLM-MoE-DSA) -> the attention layer,
+  then its sparse-attention indexer key cache as a layer of its own: one `index_head_dim` row per
+  token that every TP rank holds whole, which is what vLLM allocates for it (`DeepseekV32IndexerCache`:
+  an `MLAAttentionSpec` with one KV head), so it is an "mla" layer;
+* anything else (compressed caches): refused with one line naming the layer and its kind.
 
 The config is untrusted (`untrusted.py` checks it first). A cache-sizing field that config.json
 omits and transformers fills from its class default is named on stderr.
@@ -31,11 +40,9 @@ from kvbridge.models.untrusted import _NESTED, load_config, safe_text
 # The cache layer classes transformers builds, by the layer-type name `get_layer_types_and_kwargs`
 # gives; the kind each is to kvbridge, and for refused ones, what it holds (for the refusal line).
 _ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# attention K/V and recurrent state in one cache layer: described as the attention part, then the recurrent part
+_HYBRID_TYPES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
 _REFUSED_TYPES = {
-    "dummy": "shared K/V: the layer reads another layer's cache and holds none of its own",
-    "indexed_attention": "K/V with a sparse-attention indexer key cache",
-    "hybrid": "attention K/V and recurrent state in one layer",
-    "hybrid_sliding": "sliding-window K/V and recurrent state in one layer",
     "heavily_compressed_attention": "compressed attention cache",
     "compressed_sparse_attention": "compressed sparse attention cache",
 }
@@ -189,16 +196,23 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
         raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {num_layers}")
     per_layer = text.per_layer_config
     modules: dict[int, tuple[int, int, int]] = {}
-    if any(t in _ATTENTION_TYPES for t in types) and not _global(text, "kv_lora_rank", True):
+    if any(t in _ATTENTION_TYPES or t in _HYBRID_TYPES for t in types) and not _global(text, "kv_lora_rank", True):
         from kvbridge.models.modules import module_kv_geometry
         modules = module_kv_geometry(text, tuple(types))
     out: list[LayerSpec] = []
     recurrent: LayerSpec | None = None  # one recurrent geometry per model, derived once
     for i, (lt, kw) in enumerate(zip(types, kwargs)):
         try:
-            out.append(_layer(text, reader, per_layer[i], lt, kw, i, mla_view, view, state_dtype, recurrent,
-                              modules.get(i)))
-            recurrent = out[-1] if out[-1].is_recurrent else recurrent
+            parts = (_HYBRID_TYPES[lt], "linear_attention") if lt in _HYBRID_TYPES else (lt,)
+            if lt == "indexed_attention":  # the attention, then its indexer key cache (see the module doc)
+                out.append(_layer(text, reader, per_layer[i], "full_attention", kw, i, mla_view, view, state_dtype,
+                                  recurrent, modules.get(i)))
+                parts = ()
+                out.append(LayerSpec("mla", 1, reader.int(per_layer[i], "index_head_dim")))
+            for part in parts:
+                out.append(_layer(text, reader, per_layer[i], part, kw, i, mla_view, view, state_dtype, recurrent,
+                                  modules.get(i), lt))
+                recurrent = out[-1] if out[-1].is_recurrent else recurrent
         except ConfigError as e:  # every refusal names the layer and its kind
             if str(e).startswith("layer "):
                 raise
@@ -208,7 +222,9 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
 
 def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], i: int, mla_view: str, view: str,
            state_dtype: str | None, previous: LayerSpec | None,
-           built: tuple[int, int, int] | None) -> LayerSpec:
+           built: tuple[int, int, int] | None, shown: str = "") -> LayerSpec:
+    """One spec layer for transformers layer type `lt` (`shown`: the type to name in a refusal, when
+    `lt` is one part of it)."""
     if lt in _ATTENTION_TYPES:
         window = None
         if lt != "full_attention":
@@ -229,11 +245,10 @@ def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], 
         if previous is not None:
             return previous
         from kvbridge.models.recurrent import recurrent_layer
-        return recurrent_layer(text.to_dict(), -1 if view == "engine" else 0, state_dtype, i, lt)
+        return recurrent_layer(text.to_dict(), -1 if view == "engine" else 0, state_dtype, i, shown or lt)
+    if lt == "dummy":  # transformers' DummyLayer stores no cache for this layer
+        return LayerSpec("stateless")
     what = _REFUSED_TYPES.get(lt, "a cache layer kvbridge does not know")
-    declared = getattr(text, "layer_types", None)
-    if lt == "dummy" and isinstance(declared, (list, tuple)) and i < len(declared) and declared[i] in ("moe", "mlp"):
-        what = f"a {declared[i]} layer that holds no cache; kvbridge's spec has no stateless layer kind yet"
     raise ConfigError(f"layer {i} has type {lt!r} ({what}); kvbridge cannot move it yet")
 
 
@@ -252,8 +267,9 @@ def _attention_layer(layer: Any, reader: _Reader, mla_view: str, window: int | N
     hidden = getattr(layer, "hidden_size", None)
     derived = hidden // q_heads if isinstance(hidden, int) and not isinstance(hidden, bool) else None
     head_dim = reader.get(layer, "head_dim", derived)
-    if head_dim is None and getattr(layer, "dim_head", None) is not None:  # CPM-Ant's spelling
-        head_dim = reader.get(layer, "dim_head", derived)
+    for spelling in ("dim_head", "attention_head_dim"):  # CPM-Ant's, Zamba's spelling
+        if head_dim is None and getattr(layer, spelling, None) is not None:
+            head_dim = reader.get(layer, spelling, derived)
     if head_dim is None:
         head_dim = reader.int(layer, "hidden_size") // q_heads
         if head_dim < 1:

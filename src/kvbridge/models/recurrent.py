@@ -1,4 +1,4 @@
-"""Recurrent-state geometry of hybrid models (Mamba2, gated delta net, short conv) from configs.
+"""Recurrent-state geometry of hybrid models (Mamba1/2, gated delta net, KDA, short conv) from configs.
 
 Each recurrent layer's state is described as components sharded on their own:
 
@@ -9,8 +9,15 @@ Each recurrent layer's state is described as components sharded on their own:
 * Gated delta net conv `[Q | K | V]`: Q and K have `num_k_heads` units of `head_k_dim * rows`,
   V has `num_v_heads` units of `head_v_dim * rows`; the recurrent state has `num_v_heads` units
   of `head_k_dim * head_v_dim`.
+* Kimi delta attention (Kimi-Linear, Bailing hybrid): the gated delta net layout with as many key
+  as value heads (`linear_num_heads` of `linear_head_dim`): conv `[Q | K | V]` and a state of
+  `heads` units of `head_dim * head_dim`, all by head (vLLM `kda_state_shape`).
 * Mamba1 (Mamba, Falcon-Mamba, Jamba): conv `intermediate` units of `rows`, SSM `intermediate`
   units of `d_state` (one unit per expanded channel, vLLM's TP split).
+* Multi-head Mamba1 (Zamba): the selective scan of Mamba1 with the expanded channels split into
+  `n_heads` heads (x_proj, dt_proj per head) and no B/C groups: conv `n_heads` units of
+  `head_dim * rows`, SSM `n_heads` units of `head_dim * d_state`. vLLM has no Zamba (v1) model;
+  the unit is the head because the mixer's per-head projections put whole heads on a rank.
 * Short conv (LFM2): one conv segment of `hidden_size` channels of `rows` values.
 
 `rows` is the conv kernel minus one as serving engines keep it, or the kernel as
@@ -59,6 +66,12 @@ def gdn_state(cfg: dict[str, Any], rows: int, state_dtype: str | None) -> tuple[
             Component("conv_v", v_heads, v_dim * rows), Component("recurrent", v_heads, k_dim * v_dim, state_dtype))
 
 
+def kda_state(cfg: dict[str, Any], rows: int, state_dtype: str | None) -> tuple[Component, ...]:
+    heads, dim = _get(cfg, "linear_num_heads"), _get(cfg, "linear_head_dim")
+    return (Component("conv_q", heads, dim * rows), Component("conv_k", heads, dim * rows),
+            Component("conv_v", heads, dim * rows), Component("recurrent", heads, dim * dim, state_dtype))
+
+
 def mamba1_state(cfg: dict[str, Any], rows: int, state_dtype: str | None) -> tuple[Component, ...]:
     """Mamba1 (selective scan): conv over the `intermediate` expanded channels and an SSM state of
     `d_state` per channel; vLLM shards both over TP by channel (`mamba1_state_shape`:
@@ -71,6 +84,16 @@ def mamba1_state(cfg: dict[str, Any], rows: int, state_dtype: str | None) -> tup
     return (Component("conv_x", channels, rows), Component("ssm", channels, d_state, state_dtype))
 
 
+def mamba1_heads_state(cfg: dict[str, Any], rows: int, state_dtype: str | None) -> tuple[Component, ...]:
+    n_heads = _get(cfg, "n_mamba_heads", "mamba_n_heads", "mamba_num_heads")
+    channels = _get(cfg, "mamba_expand") * _get(cfg, "hidden_size")
+    if channels % n_heads:
+        raise ConfigError(f"{n_heads} mamba heads do not split {channels} expanded channels")
+    head_dim = channels // n_heads
+    d_state = _get(cfg, "mamba_d_state", "state_size")
+    return (Component("conv_x", n_heads, head_dim * rows), Component("ssm", n_heads, head_dim * d_state, state_dtype))
+
+
 def short_conv_state(cfg: dict[str, Any], rows: int) -> tuple[Component, ...]:
     return (Component("conv", _get(cfg, "hidden_size"), rows),)
 
@@ -81,6 +104,7 @@ def short_conv_state(cfg: dict[str, Any], rows: int) -> tuple[Component, ...]:
 # field present names the state layout, whose geometry the functions above read.
 _SIGNALS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("gdn", ("linear_num_key_heads",), ("linear_conv_kernel_dim",)),
+    ("kda", ("linear_num_heads",), ("linear_conv_kernel_dim",)),
     ("short_conv", ("conv_L_cache",), ("conv_L_cache",)),
     ("mamba2", ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads"), ("mamba_d_conv", "conv_kernel")),
     ("mamba2", ("n_groups",), ("conv_kernel",)),  # Mamba2's own names: num_heads, head_dim, n_groups, state_size
@@ -94,6 +118,8 @@ def recurrent_layer(cfg: dict[str, Any], conv_rows_extra: int, state_dtype: str 
     `conv_rows_extra` is -1 (engine view: kernel - 1 columns) or 0 (transformers: kernel)."""
     for kind, signals, kernel in _SIGNALS:
         if _given(cfg, *signals):
+            if kind == "mamba2" and not _given(cfg, "mamba_n_groups", "mamba_ngroups", "n_groups"):
+                kind = "mamba1_heads"  # heads but no B/C groups: Mamba1's scan split by heads (Zamba)
             rows = _get(cfg, *kernel) + conv_rows_extra
             if rows < 1:
                 raise ConfigError(f"layer {index}: conv kernel {rows - conv_rows_extra} too small")
@@ -101,8 +127,12 @@ def recurrent_layer(cfg: dict[str, Any], conv_rows_extra: int, state_dtype: str 
                 state = gdn_state(cfg, rows, state_dtype)
             elif kind == "short_conv":
                 state = short_conv_state(cfg, rows)
+            elif kind == "kda":
+                state = kda_state(cfg, rows, state_dtype)
             elif kind == "mamba1":
                 state = mamba1_state(cfg, rows, state_dtype)
+            elif kind == "mamba1_heads":
+                state = mamba1_heads_state(cfg, rows, state_dtype)
             else:
                 state = mamba2_state(cfg, rows, state_dtype)
             return LayerSpec("recurrent", state=state, recurrent_type=kind, conv_rows=rows)  # type: ignore[arg-type]

@@ -1,11 +1,19 @@
-"""transformers caches <-> the paged rank caches of a TP engine.
+"""transformers caches <-> the paged rank caches of an engine (TP x PP x CP).
 
 A plan is only right if a model that decodes from the moved cache produces exactly what it
 would have produced without the move. This is the bridge that experiment needs: `export_cache`
 writes a batch-1 prefill `DynamicCache` into the prefill engine's paged rank caches (each rank
-its head shard, through the layout's addressing, as a serving engine's attention kernel would),
-`import_cache` rebuilds a `DynamicCache` from the decode engine's ranks (each head from the first
-rank that holds it), `cache_differences` and `replica_mismatches` compare bit for bit.
+its head shard of the layers of its PP stage and the token positions of its CP rank, through the
+layout's addressing, as a serving engine's attention kernel would), `import_cache` rebuilds a
+`DynamicCache` from the decode engine's ranks (each head and position from the first rank that
+holds it), `cache_differences` and `replica_mismatches` compare bit for bit. Block-id lists may
+be clipped to a sliding window, as vLLM sends them.
+
+A transformers cache layer that holds attention K/V and recurrent state together (Zamba2's
+shared-attention layers, Falcon-H1: `LinearAttentionAnd...AttentionLayer`) is two layers of the
+spec, the attention part then the recurrent part (`layer_map`); so is a layer with a sparse-attention
+indexer key cache (`DynamicIndexedLayer`: DeepSeek-V3.2), the attention then the indexer keys
+`[1, tokens, index_head_dim]`, one replicated row per token.
 
 Attention K/V go by token position; recurrent state (`hf_states` maps it to spec components)
 goes to the request's recurrent slot, the last block id of the recurrent group. Export writes
@@ -23,12 +31,14 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin, DynamicIndexedLayer, LinearAttentionCacheLayerMixin
 
 from kvbridge.core.layout import EngineLayout
+from kvbridge.core.plan import full_block_ids
 from kvbridge.core.spec import LayerSpec, ModelSpec, normalize_dtype
 from kvbridge.errors import ConfigError, InvalidRequest
 from kvbridge.proofs.hf_states import hf_state_tensors, state_components
+from kvbridge.proofs.kv_dtype import to_engine, to_model
 from kvbridge.transport.cache import TORCH_DTYPES, RankCache
 
 BlockIds = tuple[tuple[int, ...], ...]
@@ -42,11 +52,61 @@ def _is_attention(layer: Any) -> bool:
     return isinstance(layer, CacheLayerMixin)
 
 
+def _is_hybrid(layer: Any) -> bool:
+    return _is_linear(layer) and _is_attention(layer)
+
+
+def _is_indexed(layer: Any) -> bool:
+    return isinstance(layer, DynamicIndexedLayer)
+
+
+def _is_second_part(cache: DynamicCache, hf: tuple[int, ...], li: int) -> bool:
+    """True for the spec layer that is the indexer part of an indexed cache layer."""
+    return li > 0 and hf[li - 1] == hf[li] and _is_indexed(cache.layers[hf[li]])
+
+
+def _indexer_keys(layer: Any, li: int, num_tokens: int, spec: ModelSpec) -> torch.Tensor:
+    """The indexer keys as one head `[1, tokens, dim]`, after checking them against the spec."""
+    keys = getattr(layer, "indexer_keys", None)
+    lspec = spec.layers[li]
+    if keys is None or not getattr(layer, "is_indexer_initialized", False):
+        raise InvalidRequest(f"layer {li}: the indexer key cache is empty; run a prefill with use_cache=True first")
+    if keys.dim() != 3 or tuple(keys.shape) != (1, num_tokens, lspec.key_dim) or lspec.value_dim:
+        raise ConfigError(f"layer {li}: indexer keys {tuple(keys.shape)}, the spec's indexer layer keeps "
+                          f"[1, {num_tokens}, {lspec.key_dim}] (one replicated row per token)")
+    if normalize_dtype(str(keys.dtype)) != spec.dtype:
+        raise ConfigError(f"layer {li}: indexer key dtype {keys.dtype}, spec dtype {spec.dtype}")
+    return keys
+
+
+def layer_map(cache: DynamicCache, spec: ModelSpec, what: str = "cache has") -> tuple[int, ...]:
+    """The transformers cache layer of each spec layer: one each, except that a layer holding K/V
+    and recurrent state together stands for two spec layers (attention, then recurrent)."""
+    out: list[int] = []
+    for i, layer in enumerate(cache.layers):
+        out += [i, i] if _is_hybrid(layer) or _is_indexed(layer) else [i]
+    if len(out) != spec.num_layers:
+        twice = (f" ({len(out)} once attention+state and indexed layers count twice)"
+                 if len(out) != len(cache.layers) else "")
+        raise ConfigError(f"{what} {len(cache.layers)} layers{twice}, the rank caches have {spec.num_layers}")
+    for li, i in enumerate(out):
+        if _is_hybrid(cache.layers[i]) and (li + 1 < len(out) and out[li + 1] == i) != spec.layers[li].is_attention:
+            raise ConfigError(f"layer {li}: transformers cache layer {i} ({type(cache.layers[i]).__name__}) holds "
+                              f"K/V and state; the spec needs its attention part, then its recurrent part")
+        if _is_indexed(cache.layers[i]) and not spec.layers[li].is_attention:
+            raise ConfigError(f"layer {li}: transformers cache layer {i} holds K/V and indexer keys; the spec says "
+                              f"{spec.layers[li].kind!r}")
+    return tuple(out)
+
+
 def _check_layer_kind(layer: Any, lspec: LayerSpec, li: int) -> None:
-    """The transformers cache layer must hold what the spec says: K/V or recurrent state, not both."""
-    if _is_linear(layer) and _is_attention(layer):
-        raise ConfigError(f"layer {li}: transformers cache layer {type(layer).__name__} holds attention K/V and "
-                          f"recurrent state in one layer; kvbridge describes a layer as one or the other")
+    """The transformers cache layer must hold what the spec says: K/V, recurrent state, both (one
+    part each in the spec), or nothing (a stateless layer is transformers' `DummyLayer`)."""
+    if lspec.is_stateless != (not _is_linear(layer) and not _is_attention(layer)):
+        raise ConfigError(f"layer {li}: the spec says {lspec.kind!r} but transformers caches it as "
+                          f"{type(layer).__name__}")
+    if _is_hybrid(layer):
+        return
     if lspec.is_recurrent and not _is_linear(layer):
         raise ConfigError(f"layer {li}: the spec says recurrent ({lspec.recurrent_type}) but transformers caches it "
                           f"as {type(layer).__name__}")
@@ -60,10 +120,9 @@ def _cached_length(layer: Any) -> int:
     return int(getattr(layer, "cumulative_length", None) or layer.get_seq_length())
 
 
-def _check_layer(cache: DynamicCache, spec: ModelSpec, li: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_layer(layer: Any, spec: ModelSpec, li: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's [H, T, D] key and value tensors, after checking them against the spec."""
     lspec = spec.layers[li]
-    layer = cache.layers[li]
     if lspec.kind == "mla" and not lspec.value_dim:
         raise ConfigError(f"layer {li} describes MLA as one latent row (the engine view); transformers keeps the "
                           f"latent and the rope part apart: build the spec with view='transformers'")
@@ -104,8 +163,27 @@ def _check_caches(caches: Sequence[RankCache], spec: ModelSpec, block_ids: Block
     if len(block_ids) != len(spec.groups):
         raise InvalidRequest(f"{len(block_ids)} block-id lists for {len(spec.groups)} KV-cache groups")
     for rc in caches:
-        if rc.spec.fingerprint() != spec.fingerprint():
+        if rc.spec.fingerprint() != rc.layout.engine_spec(spec).fingerprint():
             raise ConfigError(f"rank {rc.rank} cache was allocated for another geometry ({rc.spec.describe()})")
+
+
+def _holds(rc: RankCache, li: int) -> bool:
+    """Whether the rank holds layer `li` (its PP stage) with at least one head or unit."""
+    return int(rc.addr.region[li, 0]) >= 0 and int(rc.addr.heads[li].max()) > 0
+
+
+def _owned(rc: RankCache, spec: ModelSpec, li: int, positions: np.ndarray) -> np.ndarray:
+    """Mask of the positions whose K/V the rank's CP rank holds."""
+    if rc.layout.cp_size == 1:
+        return np.ones(len(positions), dtype=bool)
+    cp = rc.layout.rank_coords(rc.rank).cp
+    return rc.layout.token_owner(positions, spec.layer_group[li]) == cp
+
+
+def _ids(rc: RankCache, spec: ModelSpec, block_ids: BlockIds, li: int, num_tokens: int) -> np.ndarray:
+    """The layer's group's block ids over all positions (a clipped window list padded in front)."""
+    g = spec.layer_group[li]
+    return full_block_ids(rc.layout, g, block_ids[g], num_tokens)
 
 
 def _state_slot(spec: ModelSpec, layout: EngineLayout, block_ids: BlockIds, li: int) -> int:
@@ -126,40 +204,51 @@ def export_tokens(cache: DynamicCache, spec: ModelSpec, caches: Sequence[RankCac
     Each rank gets its own head shard of every attention layer, through the layout's addressing,
     the way a serving engine's attention kernel would have written them.
     """
-    if len(cache.layers) != spec.num_layers:
-        raise ConfigError(f"cache has {len(cache.layers)} layers, spec {spec.num_layers}")
+    hf = layer_map(cache, spec)
     _check_caches(caches, spec, block_ids)
     stop = num_tokens if stop is None else stop
     if not 0 <= start <= stop <= num_tokens:
         raise InvalidRequest(f"need 0 <= start <= stop <= {num_tokens}, got {start} and {stop}")
     for li in range(spec.num_layers):
-        if spec.layers[li].is_recurrent:
+        if not spec.layers[li].is_attention:
+            _check_layer_kind(cache.layers[hf[li]], spec.layers[li], li)
             continue
-        kv = _check_layer(cache, spec, li, num_tokens)
+        if _is_second_part(cache, hf, li):
+            kv: tuple[torch.Tensor, ...] = (_indexer_keys(cache.layers[hf[li]], li, num_tokens, spec),)
+        else:
+            kv = _check_layer(cache.layers[hf[li]], spec, li, num_tokens)
         first = spec.layers[li].tokens_kept(num_tokens)
         lo = max(first, start)
         if lo >= stop:
             continue
-        positions = np.arange(lo, stop, dtype=np.int64)
-        ids = np.asarray(block_ids[spec.layer_group[li]], dtype=np.int64)
         for rc in caches:
+            if not _holds(rc, li):
+                continue
+            positions = np.arange(lo, stop, dtype=np.int64)
+            mine = _owned(rc, spec, li, positions)
+            positions, index = positions[mine], torch.from_numpy(positions[mine] - first)
+            if not len(positions):
+                continue
+            ids = _ids(rc, spec, block_ids, li, num_tokens)
             for ci, tensor in enumerate(kv):
                 h0, nh = int(rc.addr.first_head[li, ci]), int(rc.addr.heads[li, ci])
-                rc.write_tokens(li, ci, ids, positions, tensor[h0:h0 + nh, lo - first:stop - first].transpose(0, 1))
+                rows = to_engine(tensor[h0:h0 + nh, index].transpose(0, 1), rc, li, ci, spec.dtype)
+                rc.write_tokens(li, ci, ids, positions, rows)
 
 
 def export_states(cache: DynamicCache, spec: ModelSpec, caches: Sequence[RankCache], block_ids: BlockIds) -> None:
     """Write every recurrent layer's state into each rank's shard of each component, at the
     request's slot (the last block id of the layer's group)."""
-    if len(cache.layers) != spec.num_layers:
-        raise ConfigError(f"cache has {len(cache.layers)} layers, spec {spec.num_layers}")
+    hf = layer_map(cache, spec)
     _check_caches(caches, spec, block_ids)
     for li in range(spec.num_layers):
         if not spec.layers[li].is_recurrent:
             continue
-        _check_layer_kind(cache.layers[li], spec.layers[li], li)
-        comps = state_components(cache.layers[li], spec, li)
+        _check_layer_kind(cache.layers[hf[li]], spec.layers[li], li)
+        comps = state_components(cache.layers[hf[li]], spec, li)
         for rc in caches:
+            if not _holds(rc, li):
+                continue
             slot = _state_slot(spec, rc.layout, block_ids, li)
             for ci, full in enumerate(comps):
                 u0, nu = int(rc.addr.first_head[li, ci]), int(rc.addr.heads[li, ci])
@@ -178,15 +267,15 @@ def _check_rank_order(caches: Sequence[RankCache]) -> None:
     if not caches:
         raise InvalidRequest("no rank caches to import from")
     layout = caches[0].layout
-    if [c.rank for c in caches] != list(range(layout.tp_size)):
+    if [c.rank for c in caches] != list(range(layout.world_size)):
         got = [c.rank for c in caches]
-        raise InvalidRequest(f"need the {layout.tp_size} rank caches in rank order, got ranks {got}")
+        raise InvalidRequest(f"need the {layout.world_size} rank caches in rank order, got ranks {got}")
 
 
 def gather_kv(caches: Sequence[RankCache], block_ids: BlockIds,
-              num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """Every attention layer's global `[H, N, D]` keys and values from the decode ranks (None for
-    recurrent layers).
+              num_tokens: int) -> list[tuple[torch.Tensor, ...] | None]:
+    """Every attention layer's global `[H, N, D]` keys and values (the indexer keys alone for an
+    indexer layer) from the decode ranks (None for recurrent and stateless layers).
 
     Each head is read from the first rank that holds it; positions before a sliding window are
     zeros (the engine does not keep them and transformers drops them).
@@ -195,33 +284,36 @@ def gather_kv(caches: Sequence[RankCache], block_ids: BlockIds,
     spec = caches[0].spec
     if len(block_ids) != len(spec.groups):
         raise InvalidRequest(f"{len(block_ids)} block-id lists for {len(spec.groups)} KV-cache groups")
-    dtype = caches[0].regions[0].dtype
+    dtype = TORCH_DTYPES[spec.dtype]  # attention K/V as the engine stores them
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     for li, lspec in enumerate(spec.layers):
-        if lspec.is_recurrent:
+        if not lspec.is_attention:
             out.append(None)
             continue
         first = lspec.tokens_kept(num_tokens)
         positions = np.arange(first, num_tokens, dtype=np.int64)
-        ids = np.asarray(block_ids[spec.layer_group[li]], dtype=np.int64)
         pair = []
         for ci, comp in enumerate(lspec.components):
-            full = torch.zeros(comp.heads, num_tokens, comp.dim, dtype=dtype)
-            have = np.zeros(comp.heads, dtype=bool)
+            full = torch.zeros(comp.heads, num_tokens, comp.dim, dtype=dtype, device=caches[0].regions[0].device)
+            have = np.zeros((comp.heads, len(positions)), dtype=bool)  # (head, position) already read
             for rc in caches:
-                h0, nh = int(rc.addr.first_head[li, ci]), int(rc.addr.heads[li, ci])
-                need = [h for h in range(h0, h0 + nh) if not have[h]]
-                if not need or not len(positions):
-                    have[need] = True
+                if not _holds(rc, li):
                     continue
-                rows = rc.read_tokens(li, ci, ids, positions)  # [T, nh, D]
-                for h in need:
-                    full[h, first:] = rows[:, h - h0]
-                have[need] = True
+                h0, nh = int(rc.addr.first_head[li, ci]), int(rc.addr.heads[li, ci])
+                mine = np.flatnonzero(_owned(rc, spec, li, positions))
+                fresh = ~have[h0:h0 + nh][:, mine]  # [nh, mine]
+                if not fresh.any():
+                    continue
+                rows = rc.read_tokens(li, ci, _ids(rc, spec, block_ids, li, num_tokens), positions[mine])
+                for h in np.flatnonzero(fresh.any(axis=1)):
+                    take = mine[fresh[h]]
+                    full[h0 + h, torch.from_numpy(positions[take])] = rows[torch.from_numpy(fresh[h]), h]
+                    have[h0 + h, take] = True
             if not have.all():
-                raise InvalidRequest(f"layer {li} component {ci}: heads {np.flatnonzero(~have).tolist()} on no rank")
+                heads = np.flatnonzero(~have.all(axis=1)).tolist()
+                raise InvalidRequest(f"layer {li} component {ci}: heads {heads} not held for every position by any rank")
             pair.append(full)
-        out.append((pair[0], pair[1]))
+        out.append(tuple(pair))
     return out
 
 
@@ -238,9 +330,12 @@ def gather_states(caches: Sequence[RankCache], block_ids: BlockIds) -> dict[int,
             continue
         comps = []
         for ci, comp in enumerate(lspec.components):
-            full = torch.zeros(comp.heads, comp.dim, dtype=TORCH_DTYPES[spec.component_dtype(comp)])
+            full = torch.zeros(comp.heads, comp.dim, dtype=TORCH_DTYPES[spec.component_dtype(comp)],
+                               device=caches[0].regions[0].device)
             have = np.zeros(comp.heads, dtype=bool)
             for rc in caches:
+                if not _holds(rc, li):
+                    continue
                 u0, nu = int(rc.addr.first_head[li, ci]), int(rc.addr.heads[li, ci])
                 need = [u for u in range(u0, u0 + nu) if not have[u]]
                 if need:
@@ -260,32 +355,38 @@ def replica_mismatches(caches: Sequence[RankCache], block_ids: BlockIds, num_tok
     out = []
     for li, lspec in enumerate(spec.layers):
         positions = np.arange(lspec.tokens_kept(num_tokens), num_tokens, dtype=np.int64)
-        if not lspec.is_recurrent and not len(positions):
+        if lspec.is_stateless or (not lspec.is_recurrent and not len(positions)):
             continue
-        ids = np.asarray(block_ids[spec.layer_group[li]], dtype=np.int64)
         for ci, comp in enumerate(lspec.components):
-            seen: dict[int, tuple[int, torch.Tensor]] = {}
+            seen: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}  # (unit, CP rank) -> first holder's rows
             for rc in caches:
+                if not _holds(rc, li):
+                    continue
                 h0, nh = int(rc.addr.first_head[li, ci]), int(rc.addr.heads[li, ci])
+                cp = 0 if lspec.is_recurrent else rc.layout.rank_coords(rc.rank).cp
                 if lspec.is_recurrent:
                     rows = rc.read_state(li, ci, _state_slot(spec, rc.layout, block_ids, li), as_int=True)
                 else:
-                    rows = rc.read_tokens(li, ci, ids, positions, as_int=True).transpose(0, 1)
+                    mine = positions[_owned(rc, spec, li, positions)]
+                    ids = _ids(rc, spec, block_ids, li, num_tokens)
+                    rows = rc.read_tokens(li, ci, ids, mine, as_int=True).transpose(0, 1)
                 for h in range(h0, h0 + nh):
-                    if h not in seen:
-                        seen[h] = (rc.rank, rows[h - h0])
-                    elif not torch.equal(seen[h][1], rows[h - h0]):
+                    if (h, cp) not in seen:
+                        seen[h, cp] = (rc.rank, rows[h - h0])
+                    elif not torch.equal(seen[h, cp][1], rows[h - h0]):
                         what = f"{comp.name} unit" if lspec.is_recurrent else f"comp {ci} head"
-                        out.append(f"layer {li} {what} {h}: rank {rc.rank} differs from rank {seen[h][0]}")
+                        out.append(f"layer {li} {what} {h}: rank {rc.rank} differs from rank {seen[h, cp][0]}")
     return out
 
 
 def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: int,
-                 config: PretrainedConfig) -> DynamicCache:
+                 config: PretrainedConfig, model_dtype: str | None = None) -> DynamicCache:
     """A `DynamicCache` for `config` holding the decode ranks' paged cache of `num_tokens` tokens.
 
     Sliding layers get all N positions (zeros before the window) so that their cumulative length
     is N, which is what transformers uses for positions and masks; the layer crops itself.
+    An engine that stores K/V in another dtype or with scales (fp8) is read back as model values
+    (`element * scale` in `model_dtype`), which is lossy by nature (`kv_dtype`).
     Recurrent layers get their conv and recurrent state through transformers' own prefill path
     (`update_conv_state` / `update_recurrent_state`), which also marks `has_previous_state`, so
     the next forward continues with the single-token update exactly as after a prefill.
@@ -293,30 +394,44 @@ def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: i
     _check_rank_order(caches)
     spec = caches[0].spec
     cache = DynamicCache(config=config)
-    if len(cache.layers) not in (0, spec.num_layers) or (not cache.layers and spec.has_recurrent):
+    if not cache.layers and (spec.has_recurrent or any(x.is_stateless for x in spec.layers)):
         raise ConfigError(f"config makes a cache of {len(cache.layers)} layers, the rank caches have {spec.num_layers}")
+    hf = layer_map(cache, spec, "config makes a cache of") if cache.layers else tuple(range(spec.num_layers))
     states = gather_states(caches, block_ids)
     for li, kv in enumerate(gather_kv(caches, block_ids, num_tokens)):
         lspec = spec.layers[li]
         if cache.layers:
-            _check_layer_kind(cache.layers[li], lspec, li)
+            _check_layer_kind(cache.layers[hf[li]], lspec, li)
+        if kv is not None and cache.layers and _is_second_part(cache, hf, li):
+            cache.layers[hf[li]].update_indexer(kv[0])  # [1 head, N, D] is [batch 1, N, D]
+            continue
         if kv is not None:
-            cache.update(kv[0][None], kv[1][None], li)
+            if model_dtype is not None:
+                kv = tuple(to_model(t, caches[0].layout, li, ci, spec.dtype, model_dtype) for ci, t in enumerate(kv))
+            cache.update(kv[0][None], kv[1][None], hf[li])
+            continue
+        if lspec.is_stateless:  # transformers' DummyLayer: nothing to put back
             continue
         conv, rec = hf_state_tensors(lspec, states[li])
-        cache.update_conv_state(conv, li, conv_kernel_size=lspec.conv_rows)
+        cache.update_conv_state(conv, hf[li], conv_kernel_size=lspec.conv_rows)
         if rec is not None:
-            cache.update_recurrent_state(rec, li)
-    for li, layer in enumerate(cache.layers):
+            cache.update_recurrent_state(rec, hf[li])
+    for li, lspec in enumerate(spec.layers):
+        layer = cache.layers[hf[li]]
+        if spec.layers[li].is_stateless:
+            continue
         if spec.layers[li].is_recurrent:
-            if not cache.has_previous_state(li):
+            if not cache.has_previous_state(hf[li]):
                 raise InvalidRequest(f"imported layer {li} did not take its recurrent state")
+            continue
+        if _is_second_part(cache, hf, li):
+            _indexer_keys(layer, li, num_tokens, spec)
             continue
         if layer.get_seq_length() != num_tokens:
             raise InvalidRequest(f"imported layer {li} reports {layer.get_seq_length()} tokens, expected {num_tokens}")
         if bool(getattr(layer, "is_sliding", False)) != (spec.layers[li].kind == "sliding"):
             raise ConfigError(f"layer {li}: config builds {type(layer).__name__}, spec says {spec.layers[li].kind!r}")
-    if any(not x.is_recurrent for x in spec.layers) and cache.get_seq_length() != num_tokens:
+    if any(x.is_attention for x in spec.layers) and cache.get_seq_length() != num_tokens:
         raise InvalidRequest(f"imported cache reports {cache.get_seq_length()} tokens, expected {num_tokens}")
     return cache
 
@@ -332,6 +447,8 @@ def _layer_tensors(layer: Any) -> dict[str, torch.Tensor | None]:
     out: dict[str, torch.Tensor | None] = {}
     if _is_attention(layer):
         out["keys"], out["values"] = layer.keys, layer.values
+    if _is_indexed(layer):
+        out["indexer_keys"] = layer.indexer_keys
     if _is_linear(layer):
         for name in ("conv_states", "recurrent_states"):
             for i, t in getattr(layer, name).items():
@@ -386,4 +503,4 @@ def save_cache(cache: DynamicCache, path: str | Path) -> None:
 
 
 __all__ = ["BlockIds", "cache_differences", "export_cache", "export_states", "export_tokens", "gather_kv",
-           "gather_states", "import_cache", "replica_mismatches", "save_cache"]
+           "gather_states", "import_cache", "layer_map", "replica_mismatches", "save_cache"]

@@ -30,8 +30,8 @@ def _conv_components(lspec: LayerSpec) -> list[int]:
 def hf_state_shapes(lspec: LayerSpec) -> tuple[tuple[int, int, int], tuple[int, ...] | None]:
     """Shapes transformers gives a recurrent layer's `conv_states[0]` and `recurrent_states[0]` (batch 1).
 
-    conv: `[1, sum of segment channels, conv_rows]`. Recurrent: Mamba2 `[1, heads, head_dim, d_state]`
-    (head_dim = conv_x's channels per head), Mamba1 `[1, intermediate, d_state]`, GDN `[1, v_heads, k_head_dim, v_head_dim]` (k_head_dim =
+    conv: `[1, sum of segment channels, conv_rows]`. Recurrent: Mamba2 and multi-head Mamba1 (Zamba)
+    `[1, heads, head_dim, d_state]` (head_dim = conv_x's channels per head), Mamba1 `[1, intermediate, d_state]`, GDN `[1, v_heads, k_head_dim, v_head_dim]` (k_head_dim =
     conv_q's channels per head); short conv (LFM2) keeps none.
     """
     rows = lspec.conv_rows
@@ -52,10 +52,11 @@ def hf_state_shapes(lspec: LayerSpec) -> tuple[tuple[int, int, int], tuple[int, 
     if lspec.recurrent_type == "mamba1":  # [1, intermediate, d_state]: one row per conv channel
         s = lspec.state[others[0]]
         return conv_shape, (1, s.heads, s.dim)
-    if lspec.recurrent_type not in ("mamba2", "gdn"):
+    if lspec.recurrent_type not in ("mamba2", "mamba1_heads", "gdn", "kda"):
         raise ConfigError(f"transformers recurrent-state layout of {lspec.recurrent_type!r} layers is not known")
     s = lspec.state[others[0]]
-    a = lspec.state[convs[0]].dim // rows  # mamba2: conv_x per head = head_dim; gdn: conv_q per head = k_head_dim
+    # mamba2 and multi-head mamba1 (Zamba): conv_x per head = head_dim; gdn, kda: conv_q per head = k_head_dim
+    a = lspec.state[convs[0]].dim // rows
     if s.dim % a:
         raise ConfigError(f"state {s.name!r} dim {s.dim} does not split into {a} x {s.dim / a}")
     return conv_shape, (1, s.heads, a, s.dim // a)

@@ -43,13 +43,14 @@ _TINY: dict[str, Any] = {
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "qk_head_dim": 24, "index_head_dim": 16, "index_n_heads": 2,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+    "num_experts_per_token": 2, "num_expert_group": 1,
     "moe_intermediate_size": 64, "n_shared_experts": 1, "shared_expert_intermediate_size": 64,
     "linear_num_key_heads": 6, "linear_num_value_heads": 12, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
     "linear_num_heads": 6, "linear_head_dim": 8,
     # Mamba2: heads * head_dim = expand (2) * hidden; 6 groups split over 3 and 2 ranks
     "mamba_n_heads": 12, "mamba_num_heads": 12, "mamba_d_head": 16, "mamba_head_dim": 16, "mamba_n_groups": 6,
     "n_groups": 6, "mamba_d_state": 8, "ssm_state_size": 8, "state_size": 8, "mamba_dt_rank": 8,
-    "time_step_rank": 8, "n_mamba_heads": 12, "mamba_headdim": 16, "mamba_ngroups": 6,
+    "time_step_rank": 8, "n_mamba_heads": 12, "mamba_headdim": 16, "mamba_ngroups": 6, "mamba_d_ssm": 192,
     "rotary_dim": 8, "dim_head": 8, "initializer_range": 0.2, "tie_word_embeddings": False, "is_decoder": True,
 }
 # Fields whose tiny value depends on the layer count and that no general rule derives.
@@ -62,11 +63,12 @@ _TINY_EXTRA: dict[str, dict[str, Any]] = {
     # class defaults that cannot build a model in transformers 5.23: the rope settings the modeling code reads
     "dbrx": {"n_heads": 12, "attn_config": {"kv_n_heads": 6, "rope_theta": 10000.0, "clip_qkv": 8.0},
              "ffn_config": {"hidden_size": 96, "ffn_hidden_size": 128, "moe_num_experts": 4}},
-    "falcon_h1": {"mamba_d_ssm": 192},  # mamba_n_heads * mamba_d_head
+    # the classes' validators: Mamba heads divide expand * hidden; one expert per token
+    "falcon_h1": {"mamba_expand": 2, "mamba_d_ssm": 192},
     "zaya": {"num_experts_per_tok": 1},  # its config accepts no other
-    "longcat_flash": {"head_dim": 8},
+    "longcat_flash": {"head_dim": 8},  # its rotary embedding is sized by head_dim, = qk_rope_head_dim
     "reformer": {"axial_pos_embds": False},  # its axial factors must sum to the hidden size
-    "xmod": {"default_language": "en_XX"},  # it refuses to run without a language adapter chosen  # its rotary embedding is sized by head_dim, = qk_rope_head_dim
+    "xmod": {"default_language": "en_XX"},  # it refuses to run without a language adapter chosen
     # its forward sizes the cache by the encoder's layer count (2 by default), the decoder has 24
     "blenderbot": {"encoder_layers": NUM_LAYERS, "decoder_layers": NUM_LAYERS, "encoder_attention_heads": 12,
                    "decoder_attention_heads": 12, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128},
@@ -88,7 +90,7 @@ SECONDS_PER_ARCH = 240
 @dataclass
 class SweepRow:
     arch: str
-    status: str  # moved | mismatch | refused | error | skipped
+    status: str  # moved | mismatch | refused | error | unbuildable | skipped
     kinds: str = ""
     detail: str = ""
     pairs: list[str] = field(default_factory=list)
@@ -121,11 +123,10 @@ def tiny_config(arch: str) -> Any:
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[arch]
-    base = cls(**_BASE.get(arch, {})).to_dict()
-    if isinstance(base.get("decoder"), dict) and "num_codebooks" in base["decoder"]:
-        raise ConfigError(f"layer 0 of {arch!r}: its causal LM is the audio decoder alone (a config AutoConfig "
-                          "cannot load from config.json) decoding num_codebooks token streams at once; the proof "
-                          "runs one stream")
+    try:
+        base = cls(**_BASE.get(arch, {})).to_dict()
+    except Exception as e:  # noqa: BLE001 - the class rejects its own defaults
+        raise _Unbuildable(_one_line(e)) from None
     text = base.get("text_config")
     if isinstance(text, dict) and text.get("num_kv_shared_layers") == text.get("num_hidden_layers"):
         raise ConfigError(f"layers 0-{text['num_hidden_layers'] - 1} of {arch!r} all read the target model's K/V "
@@ -175,15 +176,20 @@ class _Timeout(Exception):
     pass
 
 
+class _Unbuildable(Exception):
+    """transformers fails on a tiny config of the architecture's own class (its bug, not kvbridge's)."""
+
+
 def _alarm(signum: int, frame: Any) -> None:
     raise _Timeout()
 
 
 def _one_line(e: BaseException) -> str:
     from kvbridge.models.untrusted import safe_text
-    text = str(e).strip().splitlines()
-    return safe_text(f"{type(e).__name__}: {text[0] if text else ''}" if not isinstance(e, KVBridgeError)
-                     else (text[0] if text else type(e).__name__), 240)
+    text = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    first = " ".join(text[:2]) if text and text[0].endswith(":") else (text[0] if text else "")
+    return safe_text(f"{type(e).__name__}: {first}" if not isinstance(e, KVBridgeError)
+                     else (first or type(e).__name__), 240)
 
 
 def _kinds(spec: Any) -> str:
@@ -209,12 +215,19 @@ def sweep_one(arch: str, seed: int = 0, timeout: int = SECONDS_PER_ARCH) -> Swee
         spec = spec_from_hf_config(config.to_dict(), view="transformers", dtype="float32", warn=False)
         row.kinds = _kinds(spec)
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         # a real prompt holds no padding: RoBERTa-style position ids skip pad tokens
         special = {getattr(config, "pad_token_id", None)}
-        vocab = [t for t in range(int(config.get_text_config().vocab_size)) if t not in special]
+        vocab = [t for t in range(int(config.get_text_config(decoder=True).vocab_size)) if t not in special]
         prompt = [vocab[i] for i in torch.randint(0, len(vocab), (PROMPT_LEN,),
                                                   generator=torch.Generator().manual_seed(seed)).tolist()]
+        try:  # transformers itself must build the model and generate with it before kvbridge is asked
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            with torch.inference_mode():
+                model.generate(torch.tensor([prompt]), max_new_tokens=1, do_sample=False)
+        except (_Timeout, KVBridgeError):
+            raise
+        except Exception as e:  # noqa: BLE001 - transformers' own failure on its own config class
+            raise _Unbuildable(_one_line(e)) from None
         with tempfile.TemporaryDirectory(prefix=f"kvbridge-{arch}-") as d:
             model.save_pretrained(d)
             del model
@@ -234,6 +247,8 @@ def sweep_one(arch: str, seed: int = 0, timeout: int = SECONDS_PER_ARCH) -> Swee
         row.status = "moved"
     except _Skip as e:
         row.status, row.detail = "skipped", str(e)
+    except _Unbuildable as e:
+        row.status, row.detail = "unbuildable", f"transformers cannot build or run it from its config class: {e}"
     except _Timeout:
         row.status, row.detail = "error", f"over {timeout} s"
     except ConfigError as e:
@@ -256,7 +271,9 @@ def pre_check(spec: Any, prefill: EngineLayout, decode: EngineLayout) -> None:
 def representatives() -> dict[str, str]:
     """One architecture per state kind: the bounded CI sample always runs these."""
     return {"full": "llama", "sliding": "mistral", "sliding+full": "gemma2", "mla": "deepseek_v3",
-            "mamba1": "jamba", "mamba2": "bamba", "gdn": "qwen3_next", "short_conv": "lfm2", "mqa": "gpt_bigcode"}
+            "mamba1": "jamba", "mamba2": "bamba", "gdn": "qwen3_next", "short_conv": "lfm2", "mqa": "gpt_bigcode",
+            "stateless": "nemotron_h", "attention+state": "falcon_h1", "mamba1_heads": "zamba",
+            "kda": "kimi_linear", "indexer": "deepseek_v32"}
 
 
 TP_RULES = """\
@@ -276,6 +293,11 @@ beyond the units hold replicas):
 | mamba2 | conv `[x \\| B \\| C, kernel]`, SSM `[heads, head_dim, d_state]` | x and SSM by heads, B and C by groups (replicated when TP > groups, vLLM `mamba_mixer2`) |
 | gdn | conv `[Q \\| K \\| V, kernel]`, state `[v_heads, k_dim, v_dim]` | Q, K by key heads; V and state by value heads (vLLM `qwen3_next`) |
 | short_conv | conv `[hidden, L_cache]` | hidden channels (vLLM `short_conv`) |
+| attention+state (Zamba2, Falcon-H1) | `LinearAttentionAnd{Full,SlidingWindow}AttentionLayer`: K/V and a recurrent state in one layer | two logical layers, each by its own rule (vLLM registers an attention and a Mamba cache per such decoder layer) |
+| mla indexer (DeepSeek-V3.2, GLM-MoE-DSA) | `DynamicIndexedLayer`: the MLA latent, plus indexer keys `[tokens, index_head_dim]` | the indexer is a layer of its own after its attention, one row per token held whole by every rank (vLLM `DeepseekV32IndexerCache`, an `MLAAttentionSpec` of one KV head) |
+| kda (Kimi-Linear, Bailing hybrid) | conv `[Q \\| K \\| V, kernel]`, state `[heads, head_dim, head_dim]` | heads, Q, K, V and state alike (vLLM `kda_state_shape`) |
+| mamba1_heads (Zamba) | conv `[intermediate, kernel]`, SSM `[heads, head_dim, d_state]` | Mamba heads, conv channels with their head (no vLLM model; derived: the mixer's x_proj / dt_proj are per head) |
+| stateless | `DummyLayer` (MLP / MoE blocks of Nemotron-H, layers reading another layer's K/V): nothing | nothing to shard: no components, no group, no region (vLLM allocates no cache for it) |
 
 Serving engines keep `kernel - 1` conv columns, transformers `kernel`; `spec_from_hf_config(view=...)`
 describes either.
@@ -287,13 +309,13 @@ NOTES = """\
 
 * **moved**: both pairs bit-exact (every cache tensor, and the greedy tokens equal plain `generate`).
 * **refused**: one line; from the spec it names the layer and its kind (`indexed_attention`,
-  `hybrid`, `dummy`, an unknown recurrent mixer...); from the proof, its reason (for example a
+  `hybrid`, an unknown recurrent mixer...); from the proof, its reason (for example a
   model whose forward returns no per-layer cache: GPT-1, XLM, XLNet's memories, Reformer's buckets).
-* **mismatch**: the proof ran and something differed. The RoBERTa-style decoders here keep a
-  bit-exact cache; their tokens differ because the proof takes the first new token from a plain
-  forward, whose position ids (padding offset) differ from the ones `generate` passes.
-* **error**: the proof could not run the architecture (a failure inside transformers, or a
-  time-out). The reason is shown.
+* **mismatch**: the proof ran and something differed (a kvbridge bug).
+* **error**: kvbridge or the proof failed on an architecture transformers runs (a bug to fix).
+  The reason is shown.
+* **unbuildable**: transformers itself cannot build the model from a tiny config of its own class
+  or cannot `generate` with it (checked before kvbridge is asked); its error is shown.
 * **skipped**: multimodal wrappers; their text model is a row of its own.
 """
 
@@ -326,7 +348,7 @@ def render_markdown(rows: list[SweepRow], version: str, seconds: float) -> str:
         "`generate`) on " + " and ".join(f"`{p[0]}`" for p in PAIRS) + ".",
         "",
         "| status | count |", "|---|---|",
-        *[f"| {k} | {counts.get(k, 0)} |" for k in ("moved", "refused", "mismatch", "error", "skipped")],
+        *[f"| {k} | {counts.get(k, 0)} |" for k in ("moved", "refused", "mismatch", "error", "unbuildable", "skipped")],
         "",
         TP_RULES,
         NOTES,

@@ -115,6 +115,8 @@ def fill_source(caches: list[RankCache], block_ids: tuple[tuple[int, ...], ...],
     for cache in caches:
         spec = cache.spec
         for li in _held(cache, 0, positions[:0])[0]:
+            if spec.layers[li].is_stateless:
+                continue
             g = spec.layer_group[li]
             ids = block_ids[g]
             if spec.layers[li].is_recurrent:
@@ -144,6 +146,8 @@ def expected_destination(before: list[RankCache], request: Request, src: EngineL
         converted = converted_components(model, src, cache.layout) if src and model else set()
         src_spec = src.engine_spec(model) if src and model else spec
         for li in _held(cache, 0, np.zeros(0, np.int64))[0]:
+            if spec.layers[li].is_stateless:
+                continue
             g = spec.layer_group[li]
             if spec.layers[li].is_recurrent:
                 if request.num_cached_tokens < request.num_tokens:

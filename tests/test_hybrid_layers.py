@@ -1,0 +1,111 @@
+"""Layers that hold attention K/V and recurrent state together (issue 11): transformers'
+`LinearAttentionAnd{Full,SlidingWindow}AttentionLayer` (Zamba2's shared-attention layers, every
+Falcon-H1 layer). The spec describes each as two logical layers, the attention part then the
+recurrent part, as vLLM registers them (an attention and a Mamba cache per decoder layer); the
+transformers bridge maps both back to the one cache layer by its class. Zamba's multi-head Mamba1
+mixer (no B/C groups) is sharded by head, and so is Kimi delta attention. A layer with a sparse-attention
+indexer (DeepSeek-V3.2) is likewise its attention, then its indexer keys as an "mla" layer (one
+replicated row per token, vLLM's `DeepseekV32IndexerCache`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, Zamba2Config
+
+from kvbridge import ConfigError
+from kvbridge.core.layout import EngineLayout
+from kvbridge.models import spec_from_hf_config
+from kvbridge.proofs.hf_cache import layer_map
+
+ZAMBA2 = {  # Zamba2-style: Mamba2 layers with a shared-attention ("hybrid") layer every few
+    "model_type": "zamba2", "num_hidden_layers": 4, "hidden_size": 96, "num_attention_heads": 12,
+    "num_key_value_heads": 6, "attention_head_dim": 16, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2,
+    "mamba_ngroups": 6, "n_mamba_heads": 12, "mamba_headdim": 16, "hybrid_layer_ids": [2],
+    "layers_block_type": ["mamba", "mamba", "hybrid", "mamba"], "torch_dtype": "float32",
+}
+FALCON_H1 = {
+    "model_type": "falcon_h1", "num_hidden_layers": 2, "hidden_size": 96, "num_attention_heads": 12,
+    "num_key_value_heads": 6, "head_dim": 8, "mamba_n_heads": 12, "mamba_d_head": 16, "mamba_d_ssm": 192,
+    "mamba_n_groups": 6, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "torch_dtype": "float32",
+}
+ZAMBA = {"model_type": "zamba", "num_hidden_layers": 2, "hidden_size": 96, "n_mamba_heads": 12, "mamba_expand": 2,
+         "mamba_d_state": 8, "mamba_d_conv": 4, "layers_block_type": ["mamba", "hybrid"], "num_attention_heads": 12,
+         "num_key_value_heads": 6, "attention_head_dim": 16, "torch_dtype": "float32"}
+
+
+def test_zamba2_hybrid_layer_is_attention_then_state():
+    spec = spec_from_hf_config(ZAMBA2, view="transformers")
+    assert [x.kind for x in spec.layers] == ["recurrent", "recurrent", "full", "recurrent", "recurrent"]
+    attn = spec.layers[2]
+    assert (attn.num_kv_heads, attn.key_dim, attn.value_dim) == (6, 16, 16)  # attention_head_dim, not hidden/heads
+    assert spec.layers[3] == spec.layers[0]  # the recurrent part: the same Mamba2 state as the Mamba layers
+
+
+def test_falcon_h1_every_layer_is_two():
+    spec = spec_from_hf_config(FALCON_H1)
+    assert [x.kind for x in spec.layers] == ["full", "recurrent", "full", "recurrent"]
+    names = [(c.name, c.heads) for c in spec.layers[1].state]
+    assert names == [("conv_x", 12), ("conv_b", 6), ("conv_c", 6), ("ssm", 12)]
+
+
+def test_zamba_multi_head_mamba1_shards_by_head():
+    spec = spec_from_hf_config(ZAMBA, view="transformers")
+    rec = spec.layers[0]
+    assert rec.recurrent_type == "mamba1_heads" and [(c.name, c.heads, c.dim) for c in rec.state] == [
+        ("conv_x", 12, 16 * 4), ("ssm", 12, 16 * 8)]
+    assert [x.kind for x in spec.layers] == ["recurrent", "full", "recurrent"]
+    EngineLayout(tp_size=3, block_size=4, num_blocks=2).check_model(spec)  # 12 heads, 6 KV heads: TP 3 splits both
+    with pytest.raises(Exception, match="units"):
+        EngineLayout(tp_size=5, block_size=4, num_blocks=2).check_model(spec)
+
+
+def test_layer_map_counts_a_hybrid_cache_layer_twice_and_checks_the_order():
+    spec = spec_from_hf_config(ZAMBA2, view="transformers")
+    config = Zamba2Config(**{k: v for k, v in ZAMBA2.items() if k not in ("model_type", "torch_dtype")})
+    cache = DynamicCache(config=config)
+    assert layer_map(cache, spec) == (0, 1, 2, 2, 3)
+    swapped = spec.layers[:2] + (spec.layers[3], spec.layers[2]) + spec.layers[4:]
+    with pytest.raises(ConfigError, match="attention part, then its recurrent part"):
+        layer_map(cache, type(spec)(swapped, spec.dtype))
+    with pytest.raises(ConfigError, match="count\\s+twice"):
+        layer_map(cache, type(spec)(spec.layers[:4], spec.dtype))
+
+
+def test_kimi_linear_kda_state_is_sharded_by_head():
+    spec = spec_from_hf_config({"model_type": "kimi_linear", "num_hidden_layers": 2, "hidden_size": 96,
+                                "layer_types": ["linear_attention", "full_attention"], "linear_num_heads": 6,
+                                "linear_head_dim": 8, "linear_conv_kernel_dim": 4, "num_attention_heads": 12,
+                                "kv_lora_rank": 32, "qk_rope_head_dim": 8, "num_experts": 4,
+                                "num_experts_per_token": 2}, view="transformers")
+    rec = spec.layers[0]
+    assert rec.recurrent_type == "kda" and [(c.name, c.heads, c.dim) for c in rec.state] == [
+        ("conv_q", 6, 32), ("conv_k", 6, 32), ("conv_v", 6, 32), ("recurrent", 6, 64)]
+    assert spec.layers[1].kind == "mla"
+    EngineLayout(tp_size=3, block_size=4, num_blocks=2).check_model(spec)
+    with pytest.raises(Exception, match="units"):
+        EngineLayout(tp_size=4, block_size=4, num_blocks=2).check_model(spec)
+
+
+def test_deepseek_v32_indexer_is_a_replicated_layer_after_its_attention():
+    from kvbridge.proofs.hf_cache import cache_differences
+    from kvbridge.proofs.model_sweep import tiny_config
+
+    config = tiny_config("deepseek_v32")
+    spec = spec_from_hf_config(config.to_dict(), view="transformers", warn=False)
+    assert spec.num_layers == 2 * config.num_hidden_layers
+    main, indexer = spec.layers[0], spec.layers[1]
+    assert (main.kind, main.key_dim, main.value_dim) == ("mla", config.kv_lora_rank, config.qk_rope_head_dim)
+    assert (indexer.kind, indexer.num_kv_heads, indexer.key_dim, indexer.value_dim) == ("mla", 1, config.index_head_dim, 0)
+    engine = spec_from_hf_config(config.to_dict(), warn=False)
+    assert engine.layers[1] == indexer  # the indexer row is the same in both views
+    cache = DynamicCache(config=config)
+    assert layer_map(cache, spec) == tuple(i // 2 for i in range(spec.num_layers))
+    a, b = DynamicCache(config=config), DynamicCache(config=config)
+    for c in (a, b):
+        for li in range(len(c.layers)):
+            c.update(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 2), li)
+            c.layers[li].update_indexer(torch.zeros(1, 3, config.index_head_dim))
+    assert cache_differences(a, b) == []
+    b.layers[1].indexer_keys[0, 2, 0] = 1.0
+    assert cache_differences(a, b) == [f"layer 1 indexer_keys: 1 of {3 * config.index_head_dim} elements differ"]
