@@ -326,7 +326,7 @@ def parse_markdown(text: str) -> tuple[list[SweepRow], float]:
     import re
     seconds = float(m.group(1)) if (m := re.search(r"MAPPING_NAMES`\) in (\d+) s", text)) else 0.0
     rows = []
-    for m in re.finditer(r"^\| (\S+) \| ([^|]*) \| (moved|refused|mismatch|error|skipped) \| (.*) \|$", text, re.M):
+    for m in re.finditer(r"^\| (\S+) \| ([^|]*) \| (moved|refused|mismatch|error|unbuildable|skipped) \| (.*) \|$", text, re.M):
         arch, kinds, status, why = m.groups()
         moved = status == "moved"
         rows.append(SweepRow(arch, status, "" if kinds == "-" else kinds, "" if moved else why,
