@@ -165,7 +165,6 @@ def _prefill(model_name: str, seed: int, work: Workload, layout: EngineLayout,
              tables: list[tuple[tuple[int, ...], ...]], fill_seed: int) -> tuple[list[int], list[list[np.ndarray]]]:
     """Run every request's prefill; returns first tokens and each prefill rank's region bytes."""
     from kvbridge.proofs.hf_cache import export_cache
-    from kvbridge.proofs.proof import output_cache
     from kvbridge.proofs.tiny_models import load_model
     with _torch_threads(1):
         model, _ = load_model(model_name, seed)
@@ -177,7 +176,7 @@ def _prefill(model_name: str, seed: int, work: Workload, layout: EngineLayout,
             input_ids = torch.tensor([ids], dtype=torch.long)
             out = model(input_ids, attention_mask=torch.ones_like(input_ids), use_cache=True)
             firsts.append(int(out.logits[0, -1].argmax()))
-            export_cache(output_cache(model, out), work.spec, staging, table, len(ids))
+            export_cache(out.past_key_values, work.spec, staging, table, len(ids))
     return firsts, [[r.numpy().copy() for r in c.byte_regions()] for c in staging]
 
 
