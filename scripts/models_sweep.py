@@ -2,6 +2,7 @@
 and write docs/models.md (see `kvbridge.proofs.model_sweep`). `make models` runs it.
 
     python scripts/models_sweep.py [--only llama,mistral] [--out docs/models.md] [--json rows.json]
+    python scripts/models_sweep.py --only mamba,dbrx --merge   # re-run a few, keep the other rows of --out
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ def main() -> int:
     ap.add_argument("--out", default="docs/models.md")
     ap.add_argument("--json", default="", help="also write the rows as JSON here")
     ap.add_argument("--from-json", default="", help="render the rows of an earlier --json run, run nothing")
+    ap.add_argument("--merge", action="store_true",
+                    help="with --only: replace those rows in the existing --out, keep the others")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per architecture")
     args = ap.parse_args()
 
@@ -27,7 +30,7 @@ def main() -> int:
     import transformers
     import transformers.utils.logging as hf_logging
 
-    from kvbridge.proofs.model_sweep import SweepRow, causal_lm_types, render_markdown, sweep_one
+    from kvbridge.proofs.model_sweep import SweepRow, causal_lm_types, parse_markdown, render_markdown, sweep_one
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -46,6 +49,11 @@ def main() -> int:
         rows.append(row)
         print(f"{arch:28s} {row.status:8s} {row.seconds:6.1f}s {row.kinds} {row.detail}", flush=True)
     seconds = time.perf_counter() - t0
+    if args.merge and Path(args.out).is_file():
+        kept, kept_seconds = parse_markdown(Path(args.out).read_text())
+        ran = {r.arch: r for r in rows}
+        rows = [ran.pop(r.arch, r) for r in kept] + list(ran.values())
+        seconds += kept_seconds - sum(r.seconds for r in kept if r.arch in archs)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(render_markdown(rows, transformers.__version__, seconds))
     if args.json:

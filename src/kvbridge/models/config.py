@@ -137,6 +137,14 @@ def _check_layer_types(raw: dict[str, Any]) -> None:
         raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {n}")
 
 
+def _class_default(text: Any) -> Any:
+    """The architecture's config class with its own defaults (None when it cannot be built bare)."""
+    try:
+        return type(text)()
+    except Exception:  # noqa: BLE001 - classes whose defaults fail their own validation
+        return None
+
+
 class _Reader:
     """Reads geometry fields from a transformers config, noting those config.json left to defaults."""
 
@@ -158,6 +166,15 @@ class _Reader:
 
     def int(self, layer: Any, key: str, derived: Any = None) -> int:
         value = self.get(layer, key, derived)
+        if value is None and not self.given(key) and getattr(_class_default(self.text), key, None) is None:
+            # not a malformed config: the architecture has no such size (RWKV, xLSTM have no attention
+            # heads, BLT no single decoder stack), so transformers' cache layout does not describe it
+            why = ("layer 0: its layers are split over sub-models, not one decoder stack that transformers' cache "
+                   "layout describes" if key == "num_hidden_layers" else
+                   "transformers lays the layer out as attention, but its mixer keeps a state of its own that "
+                   "kvbridge does not know")
+            raise ConfigError(f"config of {self.text.model_type!r}: {type(self.text).__name__} has no {key}, not even "
+                              f"as a default; {why}")
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"config of {self.text.model_type!r}: {key} must be a positive integer, got "
                               f"{safe_text(repr(value))}")

@@ -8,6 +8,7 @@ decoding, whose tokens must equal plain `generate`.
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from kvbridge.core.blocks import compute_physical_blocks_per_logical
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.plan import plan_request
 from kvbridge.core.spec import ModelSpec
-from kvbridge.errors import InvalidRequest
+from kvbridge.errors import ConfigError, InvalidRequest
 from kvbridge.proofs.hf_cache import BlockIds, export_cache, export_states, export_tokens
 from kvbridge.proofs.kv_dtype import conversion_mismatches, describe_conversion, is_lossy
 from kvbridge.proofs.proof import greedy_config, make_prompt_ids, prefill as run_prefill, prove_cache
@@ -133,6 +134,12 @@ def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int
     model.to(device)
     model.generation_config = greedy_config()
     spec = spec_for(config, next(model.parameters()).dtype)
+    if not any(x.is_attention for x in spec.layers) and "cache_params" not in inspect.signature(model.forward).parameters:
+        # Mamba-style models (`cache_params`) generate without attention; the others need an attention
+        # layer for Cache.get_seq_length, so transformers' own generate fails before any move
+        raise ConfigError(
+            f"{model_name_or_dir}: every layer is recurrent and {type(model).__name__} keeps a past_key_values cache, "
+            "which transformers' generate cannot continue without an attention layer (Cache.get_seq_length)")
     vocab = int(config.get_text_config(decoder=True).vocab_size)
     ids = make_prompt_ids(prompt, vocab, seed)
     n = len(ids)

@@ -60,10 +60,28 @@ _TINY_EXTRA: dict[str, dict[str, Any]] = {
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
     "granitemoehybrid": {"layer_types": ["linear_attention"] * (NUM_LAYERS - 1) + ["full_attention"]},
     "lfm2_moe": {"layer_types": ["conv"] * (NUM_LAYERS - 1) + ["full_attention"]},
-    # the classes' validators: Mamba heads divide expand * hidden; no per-layer input; one expert per token
+    # class defaults that cannot build a model in transformers 5.23: the rope settings the modeling code reads
+    "dbrx": {"n_heads": 12, "attn_config": {"kv_n_heads": 6, "rope_theta": 10000.0, "clip_qkv": 8.0},
+             "ffn_config": {"hidden_size": 96, "ffn_hidden_size": 128, "moe_num_experts": 4}},
+    # the classes' validators: Mamba heads divide expand * hidden; one expert per token
     "falcon_h1": {"mamba_expand": 2, "mamba_d_ssm": 192},
-    "gemma4_assistant": {"hidden_size_per_layer_input": 0},
-    "zaya": {"num_experts_per_tok": 1},
+    "zaya": {"num_experts_per_tok": 1},  # its config accepts no other
+    "longcat_flash": {"head_dim": 8},  # its rotary embedding is sized by head_dim, = qk_rope_head_dim
+    "reformer": {"axial_pos_embds": False},  # its axial factors must sum to the hidden size
+    "xmod": {"default_language": "en_XX"},  # it refuses to run without a language adapter chosen
+    # its forward sizes the cache by the encoder's layer count (2 by default), the decoder has 24
+    "blenderbot": {"encoder_layers": NUM_LAYERS, "decoder_layers": NUM_LAYERS, "encoder_attention_heads": 12,
+                   "decoder_attention_heads": 12, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128},
+    # CPM-Ant prepends `prompt_length` learned prompt tokens inside the model: its cache holds more
+    # positions than the request has tokens, which no serving engine's block table describes
+    "cpmant": {"prompt_length": 0},
+    "cohere_compass_text": {"rope_parameters": {t: {"rope_type": "default", "rope_theta": 10000.0}
+                                                for t in ("full_attention", "sliding_attention")}},
+}
+# Class defaults that the class's own validation rejects (transformers 5.23): what makes them valid.
+_BASE: dict[str, dict[str, Any]] = {
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+                                         "enable_moe_block": False, "use_double_wide_mlp": False}},
 }
 _NONE = ("bos_token_id", "eos_token_id")  # pad stays: some embeddings need a padding index
 SECONDS_PER_ARCH = 240
@@ -106,9 +124,13 @@ def tiny_config(arch: str) -> Any:
 
     cls = CONFIG_MAPPING[arch]
     try:
-        base = cls().to_dict()
+        base = cls(**_BASE.get(arch, {})).to_dict()
     except Exception as e:  # noqa: BLE001 - the class rejects its own defaults
         raise _Unbuildable(_one_line(e)) from None
+    text = base.get("text_config")
+    if isinstance(text, dict) and text.get("num_kv_shared_layers") == text.get("num_hidden_layers"):
+        raise ConfigError(f"layers 0-{text['num_hidden_layers'] - 1} of {arch!r} all read the target model's K/V "
+                          "(num_kv_shared_layers = num_hidden_layers): transformers gives it no cache of its own")
     if any(isinstance(base.get(k), dict) for k in ("text_config", "vision_config", "audio_config")):
         raise _Skip("a multimodal wrapper: its text model is swept under its own model_type")
     kw = {k: v for k, v in _TINY.items() if k in base}
@@ -288,7 +310,7 @@ NOTES = """\
 * **moved**: both pairs bit-exact (every cache tensor, and the greedy tokens equal plain `generate`).
 * **refused**: one line; from the spec it names the layer and its kind (`indexed_attention`,
   `hybrid`, an unknown recurrent mixer...); from the proof, its reason (for example a
-  model whose every layer is recurrent: the proof needs one attention layer to continue `generate`).
+  model whose forward returns no per-layer cache: GPT-1, XLM, XLNet's memories, Reformer's buckets).
 * **mismatch**: the proof ran and something differed (a kvbridge bug).
 * **error**: kvbridge or the proof failed on an architecture transformers runs (a bug to fix).
   The reason is shown.
@@ -296,6 +318,20 @@ NOTES = """\
   or cannot `generate` with it (checked before kvbridge is asked); its error is shown.
 * **skipped**: multimodal wrappers; their text model is a row of its own.
 """
+
+
+def parse_markdown(text: str) -> tuple[list[SweepRow], float]:
+    """The rows and total seconds of a docs/models.md that `render_markdown` wrote (to merge a re-run
+    subset into it without sweeping everything again)."""
+    import re
+    seconds = float(m.group(1)) if (m := re.search(r"MAPPING_NAMES`\) in (\d+) s", text)) else 0.0
+    rows = []
+    for m in re.finditer(r"^\| (\S+) \| ([^|]*) \| (moved|refused|mismatch|error|unbuildable|skipped) \| (.*) \|$", text, re.M):
+        arch, kinds, status, why = m.groups()
+        moved = status == "moved"
+        rows.append(SweepRow(arch, status, "" if kinds == "-" else kinds, "" if moved else why,
+                             why.split(", ") if moved else []))
+    return rows, seconds
 
 
 def render_markdown(rows: list[SweepRow], version: str, seconds: float) -> str:

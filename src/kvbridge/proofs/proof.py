@@ -105,9 +105,13 @@ def _self_attention_cache(out: object, model: PreTrainedModel) -> DynamicCache:
     cache = getattr(out, "past_key_values", None)
     if cache is None:  # Mamba-style models name it cache_params
         cache = getattr(out, "cache_params", None)
+    other = next((name for name in ("past_buckets_states", "mems") if getattr(out, name, None) is not None), None)
+    if cache is None and other:  # Reformer's LSH buckets, XLNet's memories: no per-layer K/V
+        raise ConfigError(f"layer 0: {type(model).__name__} keeps its cache as {other}, not per-layer K/V "
+                          "(transformers exposes no KV cache for it), so there is nothing to move")
     if cache is None:
-        raise ConfigError(f"{type(model).__name__} returns no KV cache (no past_key_values): transformers exposes "
-                          f"none for it, so there is nothing to move")
+        raise ConfigError(f"layer 0: {type(model).__name__} returns no KV cache (no past_key_values): transformers "
+                          f"exposes none for it, so there is nothing to move")
     return getattr(cache, "self_attention_cache", cache)
 
 
