@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test verify bench plan models clean
+.PHONY: demo test verify bench plan models gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ plan: $(STAMP)
 # pairs); writes docs/models.md. CI runs a bounded sample (tests/models/test_sweep_sample.py).
 models: $(STAMP)
 	$(BIN)/python scripts/models_sweep.py --out docs/models.md
+
+# The CUDA checks (transformers proof on the device, executor vs a device copy, NIXL VRAM) on a
+# GPU machine; one JSON line per check; figures go into docs/gpu.md with device and date.
+gpu-check:
+	PYTHONPATH=src $(PYTHON) scripts/gpu_check.py --device cuda
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .benchmarks

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from kvbridge.cli import app
@@ -69,6 +70,19 @@ def test_bench_json_reports_ratio_and_planning_fraction():
     assert out["bytes"] == 128 * 32 * 2 * 8 * 128 * 2
     assert out["ratio"] > 0 and out["plan_fraction"] > 0
     assert out["num_runs"] > 0
+    # Planning beside the bytes' time on the link (default 50 GB/s = 400 Gbit/s), cold and warm.
+    assert out["link_gbps"] == 50 and out["link_seconds"] == pytest.approx(out["bytes"] / 50e9)
+    assert out["plan_warm_seconds"] > 0 and out["plan_cold_seconds"] > 0 and out["plan_reference_seconds"] > 0
+    assert out["plan_link_percent"] == pytest.approx(100 * out["plan_warm_seconds"] / out["link_seconds"])
+
+
+def test_bench_link_speed_sets_the_transfer_time():
+    r = run("bench", "--tokens", "64", "--repeats", "1", "--link-gbps", "12.5", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["link_gbps"] == 12.5 and out["link_seconds"] == pytest.approx(out["bytes"] / 12.5e9)
+    r = run("bench", "--tokens", "64", "--repeats", "1", "--link-gbps", "0")
+    assert r.exit_code == 2
 
 
 def test_plan_hybrid_names_attention_and_state_sources():
@@ -159,9 +173,11 @@ def test_absurd_numbers_exit_2_naming_the_bound():
 
 def test_decode_half_defaults_to_the_prefill_servers_transport():
     from kvbridge.cli.demo import _config
-    from kvbridge.cli.app import Mode, Order, Transport
-    cfg = _config("decode", "tiny-llama", None, 8, 2, 0, 1, 2, None, None, None, None, Order.HND, Order.HND, 0,
-                  Transport.local, Mode.pull, 1, 5.0, "127.0.0.1:1", None, True, None)
+    from kvbridge.cli.app import Mode, Transport
+    from kvbridge.cli.shapes import SideShape
+    shapes = {side: SideShape(side=side, tp=tp) for side, tp in (("prefill", 1), ("decode", 2))}
+    cfg = _config("decode", "tiny-llama", None, 8, 2, 0, shapes, None, None, 0, Transport.local, Mode.pull, 1, 5.0,
+                  "127.0.0.1:1", None, True, None)
     assert cfg.transport == "shm"
 
 

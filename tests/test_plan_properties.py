@@ -518,3 +518,67 @@ def test_verify_draws_every_axis_and_checks_it(seed):
     spec, src, dst, req = random_case(random.Random(seed * 7919), all_axes=True)
     result = check_case(spec, src, dst, req, seed=seed, checksum=True)
     assert result.ok, (result.mismatches, spec.describe(), src.describe(), dst.describe(), req)
+
+
+# --------------------------------------------------------------------------------------------
+# Cached templates (the fast path) against token-by-token planning (the reference)
+# --------------------------------------------------------------------------------------------
+
+def _ordered(req: Request) -> Request:
+    """The request with each group's ids ascending: neighbouring blocks get consecutive ids, so
+    runs continue across blocks and must be merged (fresh vLLM allocations look like this)."""
+    return Request(tuple(tuple(sorted(ids)) for ids in req.src_block_ids),
+                   tuple(tuple(sorted(ids)) for ids in req.dst_block_ids), req.num_tokens, req.num_cached_tokens)
+
+
+def assert_same_plan(fast: Plan, reference: Plan) -> None:
+    assert fast.conversions == reference.conversions
+    for name, arr in reference.runs(conversion=True).items():
+        np.testing.assert_array_equal(fast.runs(conversion=True)[name], arr, err_msg=name)
+
+
+@PLAN_ONLY
+@given(cases(max_tokens=160), st.booleans())
+def test_templates_plan_like_the_reference(case, ordered):
+    """Block sizes, kernel blocks, NHD/HND, kv_first/blocks_first/cross_layer, non-divisible TP,
+    prefix hits and partial blocks: the template path gives exactly the token-by-token runs."""
+    spec, src, dst, req = case
+    req = _ordered(req) if ordered else req
+    assert_same_plan(plan_request(spec, src, dst, req), plan_request(spec, src, dst, req, templates=False))
+
+
+@PLAN_ONLY
+@given(axes_cases(max_tokens=160), st.booleans())
+def test_templates_plan_like_the_reference_on_every_axis(case, ordered):
+    """PP (uneven splits), PCP/DCP with interleaves, group block sizes, KV dtypes with scales,
+    clipped window lists: the template path gives exactly the token-by-token runs."""
+    spec, src, dst, req = case
+    req = _ordered(req) if ordered else req
+    assert_same_plan(plan_request(spec, src, dst, req), plan_request(spec, src, dst, req, templates=False))
+    ranks = [d for d in range(dst.world_size) if d % 2]
+    assert_same_plan(plan_request(spec, src, dst, req, ranks),
+                     plan_request(spec, src, dst, req, ranks, templates=False))
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+@pytest.mark.parametrize("placement", ["kv_first", "blocks_first", "cross_layer"])
+@pytest.mark.parametrize(("src_shape", "dst_shape"), [((1, 16), (2, 16)), ((2, 16), (1, 32)), ((4, 32), (2, 16)),
+                                                      ((8, 16), (3, 16))])
+def test_common_pairs_take_the_template_path(order, placement, src_shape, dst_shape):
+    """The usual engine pairs do get templates (the fast path is not silently skipped), and their
+    plans for a request with a partial last block match the reference."""
+    from kvbridge.core.plan_template import plan_template
+    spec = ModelSpec.uniform(4, 24, 8, "bfloat16")
+    lay = lambda tp, block: EngineLayout(  # noqa: E731
+        tp_size=tp, block_size=block, num_blocks=64, kv_order=order,
+        kv_placement="kv_first" if placement == "kv_first" else "blocks_first",
+        layer_placement="cross_layer" if placement == "cross_layer" else "per_layer")
+    src, dst = lay(*src_shape), lay(*dst_shape)
+    assert all(plan_template(spec, src, dst, d, 0) is not None for d in range(dst.world_size))
+    rng = np.random.default_rng(0)
+    tokens = 1000 - 7
+    req = Request((tuple(rng.permutation(64)[:-(-tokens // src.block_size)].tolist()),),
+                  (tuple(rng.permutation(64)[:-(-tokens // dst.block_size)].tolist()),), tokens, 48)
+    assert_same_plan(plan_request(spec, src, dst, req), plan_request(spec, src, dst, req, templates=False))
+    assert_same_plan(plan_request(spec, src, dst, _ordered(req)),
+                     plan_request(spec, src, dst, _ordered(req), templates=False))

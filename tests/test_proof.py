@@ -111,5 +111,5 @@ def test_demo_result_json_keys_end_with_ok() -> None:
                    tokens_disaggregated=[1], match=True, cache_equal=True, replicas_equal=False, bytes_moved=1,
                    num_runs=1, transfer_seconds=0.0, plan_seconds=0.0)
     keys = list(r.to_dict())
-    assert keys[:4] == ["model", "spec", "prefill", "decode"] and keys[-2:] == ["num_cached_tokens", "ok"]
+    assert keys[:4] == ["model", "spec", "prefill", "decode"] and keys[-5:] == ["num_cached_tokens", "kv_conversion", "conversion_mismatches", "elements_checked", "ok"]
     assert not r.ok and r.summary().startswith("MISMATCH: m prefill [p] -> decode [d]")

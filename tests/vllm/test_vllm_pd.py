@@ -2,8 +2,8 @@
 
 One plain vLLM instance (no connector, TP 1, block 64) computes the reference first: the greedy
 tokens and log-probabilities of a 70-token prompt (the last block is partial on every side).
-Then four KVBridgeConnector instances (subprocesses of .venv-vllm, shm transport, pull) serve
-every test; each test sends the prompt through one prefill instance and one decode instance as
+Then six KVBridgeConnector instances (subprocesses of .venv-vllm, pull; four over kvbridge's shm
+transport, two over NIXL) serve every test; each test sends the prompt through one prefill instance and one decode instance as
 NixlConnector's proxy does (prefill with max_tokens=1, then decode with the returned
 kv_transfer_params) and requires the reference's tokens, what every decode rank moved (exactly
 its KV heads of the prompt), and the prefill blocks released after the reads:
@@ -14,10 +14,12 @@ its KV heads of the prompt), and the prefill blocks released after the reads:
 * prefill TP 2 / block 32 -> decode TP 1 / block 64: prefill TP larger, decode blocks larger (a
   pair vLLM's own NIXL connector refuses: its block-size ratio must be local/remote >= 1);
 * prefill TP 2 / block 32 -> decode TP 2 / block 32: equal TP 2 (each decode rank reads its
-  own heads from one prefill rank).
+  own heads from one prefill rank);
+* prefill TP 1 / block 64 -> decode TP 2 / block 32 over NIXL (UCX), the caches registered as DRAM
+  where vLLM allocated them.
 
 Cost (measured, docs/vllm.md): every instance start imports torch and vLLM in 3 processes (4 at
-TP 2), so the five instances are started together and reused by all tests, instead of two or
+TP 2), so the seven instances are started together and reused by all tests, instead of two or
 three per test. Tiny random Llama: 2 layers, 4 query heads, 2 KV heads of 32, float32.
 
 vLLM CPU runs TP 2 here once its OpenMP threads are bound by hand (`cpu_binding`): its "auto"
@@ -40,11 +42,13 @@ PROMPT = [random.Random(7).randrange(256) for _ in range(70)]
 NEW_TOKENS = 8
 LAYERS, KV_HEADS, HEAD_DIM, ITEMSIZE = 2, 2, 32, 4
 KV_BYTES = LAYERS * 2 * len(PROMPT) * KV_HEADS * HEAD_DIM * ITEMSIZE
-INSTANCES = {  # name: (TP, block size, role)
-    "p-tp1-b64": (1, 64, "kv_producer"),
-    "p-tp2-b32": (2, 32, "kv_producer"),
-    "d-tp1-b64": (1, 64, "kv_consumer"),
-    "d-tp2-b32": (2, 32, "kv_consumer"),
+INSTANCES = {  # name: (TP, block size, role, kvbridge transport)
+    "p-tp1-b64": (1, 64, "kv_producer", "shm"),
+    "p-tp2-b32": (2, 32, "kv_producer", "shm"),
+    "d-tp1-b64": (1, 64, "kv_consumer", "shm"),
+    "d-tp2-b32": (2, 32, "kv_consumer", "shm"),
+    "p-tp1-b64-nixl": (1, 64, "kv_producer", "nixl"),  # NIXL (UCX) registers the caches as DRAM
+    "d-tp2-b32-nixl": (2, 32, "kv_consumer", "nixl"),
 }
 REFERENCE_BLOCK = 64  # the reference instance's block size: the equal-TP pair's, so its log-probs must match exactly
 
@@ -64,14 +68,14 @@ def cluster(vllm_env, model, tmp_path_factory):
     with Cluster(model, str(vllm_env.python), work) as c:
         t0 = time.monotonic()
         c.start("reference", 1, REFERENCE_BLOCK)  # no connector
-        for name, (tp, block, role) in INSTANCES.items():
-            c.start(name, tp, block, role)
+        for name, (tp, block, role, transport) in INSTANCES.items():
+            c.start(name, tp, block, role, transport=transport)
         c.wait_ready(["reference"])
         reference = c.instances["reference"].generate(PROMPT, NEW_TOKENS)
         c.close(["reference"])  # before any P/D request: it must not share the CPU with them
         assert len(set(reference["token_ids"])) > 2, reference  # tokens that a wrong cache would change
         c.wait_ready(list(INSTANCES))
-        print(f"\n[vllm P/D] reference {reference['token_ids']}; reference and 4 instances ready in "
+        print(f"\n[vllm P/D] reference {reference['token_ids']}; reference and {len(INSTANCES)} instances ready in "
               f"{time.monotonic() - t0:.0f} s; startup seconds "
               f"{ {n: round(i.ready.get('startup_seconds', 0)) for n, i in c.instances.items()} }")
         yield c, reference
@@ -80,7 +84,7 @@ def cluster(vllm_env, model, tmp_path_factory):
 def run(cluster, prefill: str, decode: str) -> dict:
     c, reference = cluster
     r = c.pd(prefill, decode, PROMPT, NEW_TOKENS)
-    (p_tp, p_block, _), (d_tp, d_block, _) = INSTANCES[prefill], INSTANCES[decode]
+    (p_tp, p_block, _, _), (d_tp, d_block, _, _) = INSTANCES[prefill], INSTANCES[decode]
     assert (c.instances[prefill].ready["tp"], c.instances[prefill].ready["block_size"]) == (p_tp, p_block)
     assert (c.instances[decode].ready["tp"], c.instances[decode].ready["block_size"]) == (d_tp, d_block)
     why = {k: r.get(k) for k in ("tokens", "ok", "per_rank", "prefill_released", "decode_seconds")}
@@ -112,3 +116,8 @@ def test_prefill_tp2_to_decode_tp1_block_32_to_64(cluster):
 
 def test_equal_tp2(cluster):
     run(cluster, "p-tp2-b32", "d-tp2-b32")
+
+
+def test_nixl_block_64_to_32_and_decode_tp2(cluster):
+    """The same path over NIXL: each sidecar's NIXL agent registers vLLM's own cache memory."""
+    run(cluster, "p-tp1-b64-nixl", "d-tp2-b32-nixl")

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvbridge.proofs.vllm.cluster import free_ports
+from kvbridge.integrations.vllm.cache_handles import CpuSegment, Region
 from kvbridge.integrations.vllm.layout import vllm_cpu_layout, vllm_cpu_spec
 from kvbridge.integrations.vllm.sidecar import (Init, Received, Recv, Released, Send, Settings, SidecarClient,
                                                 SidecarError)
@@ -43,8 +44,10 @@ class Engine:
 
     def init(self, engine_id: str, produce: bool, port: int, **settings) -> Init:
         import msgspec
+        nbytes = self.layout.addressing(SPEC, self.rank).region_nbytes
         return Init(engine_id, self.rank, produce, not produce, SPEC, EngineLayout(**msgspec.structs.asdict(self.layout)),
-                    self.seg.path, self.seg.nbytes, self.offsets,
+                    [CpuSegment(self.seg.path, self.seg.nbytes)],
+                    [Region(0, o, n) for o, n in zip(self.offsets, nbytes)],
                     Settings(side_channel_port=port, lease_seconds=20, transfer_timeout=20, handshake_timeout=10,
                              secret=SECRET, **settings))
 
@@ -97,7 +100,7 @@ def test_prefill_sidecar_to_decode_sidecar(p_block, d_block, transport, mode):
 def test_sidecar_refuses_bad_init_and_reports_it():
     p = Engine(vllm_cpu_layout(1, 32, 8), 0)
     init = p.init("P", True, free_ports(1))
-    init.region_offsets = [0, p.seg.nbytes]  # the second region would lie past the segment
+    init.regions = [init.regions[0], Region(0, p.seg.nbytes, init.regions[1].nbytes)]  # past the segment
     with pytest.raises(SidecarError, match="outside the .*segment"):
         SidecarClient(init)
 

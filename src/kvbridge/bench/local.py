@@ -2,7 +2,8 @@
 
 The local executor moving one request is compared with a plain contiguous `copy_` of the same
 number of bytes, alternating the two so that machine noise hits both alike; planning time is
-reported as a fraction of the copy time. Absolute numbers on shared machines are noise; the
+reported as a fraction of the copy time and of the time the bytes take on a link
+(`bench.planning`: cold, warm, and the token-by-token reference). Absolute numbers on shared machines are noise; the
 ratios are the result.
 """
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbridge.bench.results import BenchFigures
+from kvbridge.bench.planning import DEFAULT_LINK_GBPS, PlanningFigures, bench_planning
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.plan import Request, plan_request
 from kvbridge.models import spec_from_hf_config
@@ -25,7 +26,7 @@ from kvbridge.transport.local import LocalExecutor
 
 
 @dataclass
-class BenchResult(BenchFigures):
+class BenchResult(PlanningFigures):
     model: str
     prefill: str
     decode: str
@@ -47,7 +48,7 @@ class BenchResult(BenchFigures):
 
 def bench_local(model: str = "llama-3-8b", num_tokens: int = 4096, prefill: EngineLayout | None = None,
                 decode: EngineLayout | None = None, repeats: int = 7, seed: int = 0,
-                progress=None) -> BenchResult:
+                progress=None, link_gbps: float = DEFAULT_LINK_GBPS) -> BenchResult:
     """Median of `repeats` interleaved runs of our executor vs a contiguous copy of the same bytes."""
     spec = spec_from_hf_config(PRESETS[model]) if model in PRESETS else spec_from_hf_config(model)
     rng = random.Random(seed)
@@ -75,21 +76,21 @@ def bench_local(model: str = "llama-3-8b", num_tokens: int = 4096, prefill: Engi
     b = torch.empty_like(a)
     executor.execute(plan)  # warm: numba compile, page faults
     b.copy_(a)
-    ours, contiguous, planning = [], [], []
+    planning = bench_planning(spec, prefill, decode, request.src_block_ids, request.dst_block_ids, num_tokens,
+                              link_gbps)
+    ours, contiguous = [], []
     for i in range(repeats):
-        t0 = time.perf_counter()
-        plan = plan_request(spec, prefill, decode, request)
-        planning.append(time.perf_counter() - t0)
         ours.append(executor.execute(plan))
         t0 = time.perf_counter()
         b.copy_(a)
         contiguous.append(time.perf_counter() - t0)
         if progress:
             progress(i + 1, repeats)
-    copy_s, cont_s, plan_s = (statistics.median(x) for x in (ours, contiguous, planning))
+    copy_s, cont_s = (statistics.median(x) for x in (ours, contiguous))
+    plan_s = planning.plan_warm_seconds
     return BenchResult(
         model=model, prefill=prefill.describe(), decode=decode.describe(), num_tokens=num_tokens,
         bytes=plan.nbytes, num_runs=len(plan), mean_run_bytes=plan.stats.mean_run_bytes, repeats=repeats,
         executor_gbps=plan.nbytes / copy_s / 1e9, contiguous_gbps=plan.nbytes / cont_s / 1e9,
         ratio=cont_s / copy_s, copy_seconds=copy_s, contiguous_seconds=cont_s, plan_seconds=plan_s,
-        plan_fraction=plan_s / copy_s, backend=executor.backend)
+        plan_fraction=plan_s / copy_s, backend=executor.backend, **planning.to_dict())

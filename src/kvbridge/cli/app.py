@@ -59,6 +59,7 @@ BOUNDS: dict[str, int] = {
     "requests": 256,          # requests in flight in a demo
     "cases": 100_000,         # verify's random cases
     "repeats": 1_000,
+    "link_gbps": 100_000,     # GB/s a transfer time is computed for (a 400G NIC is 50)
     "timeout": 86_400,        # seconds
 }
 
@@ -101,13 +102,13 @@ def parse_ids(text: str) -> list[int]:
 
 def load_spec(model: str):  # -> ModelSpec
     """A config.json path or model DIR (an existing path wins), else a preset or built-in tiny model NAME."""
-    from kvbridge.models import spec_from_hf_config
-    from kvbridge.models.presets import PRESETS
+    from kvbridge.models.presets import PRESETS, preset_spec
     path = Path(model)
     if path.exists():
+        from kvbridge.models import spec_from_hf_config
         return spec_from_hf_config(path)
     if model in PRESETS:
-        return spec_from_hf_config({**PRESETS[model], "_name_or_path": model})
+        return preset_spec(model)  # stored: no transformers import
     from kvbridge.proofs.tiny_models import BUILTIN_MODELS, spec_for
     if model in BUILTIN_MODELS:
         return spec_for(BUILTIN_MODELS[model]())

@@ -26,11 +26,13 @@ def bench(
     op: Mode = typer.Option(Mode.pull, help="pull (READ) or push (WRITE), for --transport shm/nixl/mooncake."),
     offload: bool = typer.Option(False, help="GPU<->CPU offload store and load instead of a P/D transfer."),
     engine: Engine = typer.Option(Engine.kvbridge, help="vllm: KVBridgeConnector vs vLLM's NixlConnector per request."),
+    link_gbps: float = typer.Option(50.0, min=0.001, help="Link speed in GB/s (bytes) that planning time is set "
+                                    "against: 50 GB/s = 400 Gbit/s."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Our copies vs a plain contiguous copy of the same bytes, side by side in one run."""
     check_bounds(tokens=tokens, prefill_tp=prefill_tp, decode_tp=decode_tp, prefill_block_size=prefill_block_size,
-                 decode_block_size=decode_block_size, repeats=repeats)
+                 decode_block_size=decode_block_size, repeats=repeats, link_gbps=link_gbps)
     if engine == Engine.vllm:
         from kvbridge.bench.vllm import bench_vllm
         out = bench_vllm(None, prefill_tp, decode_tp)
@@ -57,7 +59,7 @@ def bench(
                                      op="read" if op == Mode.pull else "write", repeats=repeats, progress=tick)
         else:
             from kvbridge.bench.local import bench_local
-            result = bench_local(model, tokens, prefill, decode, repeats, progress=tick)
+            result = bench_local(model, tokens, prefill, decode, repeats, progress=tick, link_gbps=link_gbps)
     out = result.to_dict()
     if as_json:
         print_json(out)
@@ -77,7 +79,11 @@ def bench(
     table.add_row(f"kvbridge local executor ({result.backend})", f"{result.executor_gbps:.2f} GB/s")
     table.add_row("contiguous copy of the same bytes", f"{result.contiguous_gbps:.2f} GB/s")
     table.add_row("ratio (executor / contiguous)", f"{result.ratio:.2f}x")
-    table.add_row("planning time", f"{result.plan_seconds * 1e3:.2f} ms "
-                                   f"({result.plan_fraction:.1%} of the copy)")
+    table.add_row("planning per request, warm (median)", f"{result.plan_warm_seconds * 1e3:.3f} ms "
+                                                         f"({result.plan_fraction:.1%} of the copy)")
+    table.add_row(f"transfer of the bytes at {result.link_gbps:g} GB/s", f"{result.link_seconds * 1e3:.2f} ms")
+    table.add_row("planning / transfer", f"{result.plan_link_percent:.2f}%")
+    table.add_row("planning, cold (the pair's first request)", f"{result.plan_cold_seconds * 1e3:.2f} ms")
+    table.add_row("planning token by token (reference)", f"{result.plan_reference_seconds * 1e3:.3f} ms")
     console.print(table)
     console.print(f"medians of {repeats} interleaved repetitions; compare ratios, not absolute times")

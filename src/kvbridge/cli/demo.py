@@ -18,11 +18,11 @@ from kvbridge.cli.app import (BOUNDS, Engine, Mode, Order, Role, Transport, app,
                               friendly_errors, load_spec, nullcontext, parse_ids, print_json)
 from kvbridge.cli.demo_configs import (DEFAULT_MODEL, RUNNER_FLAGS, RUNNERS, DecodeClient, LocalDemo, OffloadDemo,
                                        TransportDemo, VllmDemo)
-from kvbridge.core.layout import EngineLayout
+from kvbridge.cli.shapes import SideShape
 from kvbridge.errors import ConfigError, InvalidRequest
 
 _KEYS = ("model", "transport", "mode", "prefill", "decode", "tokens_reference", "tokens_disaggregated",
-         "tokens_offload", "match", "cache_equal", "bytes_moved", "num_runs", "plan_seconds", "transfer_seconds",
+         "tokens_offload", "match", "cache_equal", "kv_conversion", "elements_checked", "bytes_moved", "num_runs", "plan_seconds", "transfer_seconds",
          "store_engine", "load_engine", "pool", "hit_tokens", "bytes_stored", "bytes_loaded", "store_seconds",
          "load_seconds", "requests_ok")
 
@@ -77,7 +77,7 @@ def _context_length(model: str) -> int | None:
         config = model_config(model)
     except ConfigError:
         return None
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     value = getattr(text, "max_position_embeddings", None)
     return int(value) if isinstance(value, int) and value > 0 else None
 
@@ -107,6 +107,24 @@ def demo(
         None, min=1, help="Kernel block size [default: the block size].", rich_help_panel=SHAPES),
     prefill_layout: Order = typer.Option(Order.HND, case_sensitive=False, rich_help_panel=SHAPES),
     decode_layout: Order = typer.Option(Order.HND, case_sensitive=False, rich_help_panel=SHAPES),
+    prefill_pp: int = typer.Option(1, min=1, help="Pipeline stages.", rich_help_panel=SHAPES),
+    decode_pp: int = typer.Option(1, min=1, rich_help_panel=SHAPES),
+    prefill_layer_split: Optional[str] = typer.Option(
+        None, help="Layers per PP stage, e.g. 3,1 [default: even].", rich_help_panel=SHAPES),
+    decode_layer_split: Optional[str] = typer.Option(None, rich_help_panel=SHAPES),
+    prefill_pcp: int = typer.Option(1, min=1, help="Context parallel ranks (PCP).", rich_help_panel=SHAPES),
+    decode_pcp: int = typer.Option(1, min=1, rich_help_panel=SHAPES),
+    prefill_dcp: int = typer.Option(1, min=1, help="Decode context parallel (inside TP).", rich_help_panel=SHAPES),
+    decode_dcp: int = typer.Option(1, min=1, rich_help_panel=SHAPES),
+    prefill_cp_interleave: int = typer.Option(1, min=1, help="Tokens per CP rank in turn.", rich_help_panel=SHAPES),
+    decode_cp_interleave: int = typer.Option(1, min=1, rich_help_panel=SHAPES),
+    prefill_group_block_sizes: Optional[str] = typer.Option(
+        None, help="One block size per KV-cache group, e.g. 16,8.", rich_help_panel=SHAPES),
+    decode_group_block_sizes: Optional[str] = typer.Option(None, rich_help_panel=SHAPES),
+    prefill_kv_dtype: Optional[str] = typer.Option(
+        None, help="KV cache dtype, e.g. fp8 (e4m3), fp8_e5m2, bfloat16 [default: the model's]; another dtype "
+        "than the model's is proven element by element (lossy by nature). Local runner.", rich_help_panel=SHAPES),
+    decode_kv_dtype: Optional[str] = typer.Option(None, rich_help_panel=SHAPES),
     num_cached_tokens: int = typer.Option(
         0, min=0, help="Prefix the decode side already holds (a multiple of its block size); only the rest "
         "moves. Local runner.", rich_help_panel=SHAPES),
@@ -139,7 +157,8 @@ def demo(
     with `generate`. Five runners; each refuses an option it does not take:
 
     \b
-    local      (default) --prefill-*/--decode-* shapes, --num-cached-tokens
+    local      (default) --prefill-*/--decode-* shapes (TP, PP, CP, blocks,
+               layouts, KV dtype), --num-cached-tokens
     transport  --transport shm|nixl|mooncake: one process per rank;
                shapes, --mode, --requests, --timeout
     decode     --role decode --prefill HOST:PORT: the decode half against
@@ -168,15 +187,25 @@ def demo(
         raise InvalidRequest("--role decode needs --prefill HOST:PORT of a running `kvbridge prefill-server`")
     if role == Role.decode and not (secret_file or insecure):
         raise ConfigError("--role decode needs --secret-file FILE (the prefill server's) or --insecure")
-    config = _config(runner, model, ids, prompt_len, new_tokens, seed, prefill_tp, decode_tp, prefill_block_size,
-                     decode_block_size, prefill_kernel_block_size, decode_kernel_block_size, prefill_layout,
-                     decode_layout, num_cached_tokens, transport, mode, requests, timeout, prefill, secret_file,
-                     insecure, dump_decode_cache)
+    shapes = {side: SideShape(side=side, tp=v[0], block_size=v[1] or 16, kernel_block_size=v[2], layout=v[3].value,
+                              pp=v[4], layer_split=v[5], pcp=v[6], dcp=v[7], cp_interleave=v[8],
+                              group_block_sizes=v[9], kv_dtype=v[10])
+              for side, v in (("prefill", (prefill_tp, prefill_block_size, prefill_kernel_block_size, prefill_layout,
+                                           prefill_pp, prefill_layer_split, prefill_pcp, prefill_dcp,
+                                           prefill_cp_interleave, prefill_group_block_sizes, prefill_kv_dtype)),
+                              ("decode", (decode_tp, decode_block_size, decode_kernel_block_size, decode_layout,
+                                          decode_pp, decode_layer_split, decode_pcp, decode_dcp, decode_cp_interleave,
+                                          decode_group_block_sizes, decode_kv_dtype)))}
+    config = _config(runner, model, ids, prompt_len, new_tokens, seed, shapes, prefill_block_size, decode_block_size,
+                     num_cached_tokens, transport, mode, requests, timeout, prefill, secret_file, insecure,
+                     dump_decode_cache)
     status = console.status("prefill, transfer, decode ...", spinner="dots") if not as_json else nullcontext()
     with status:
         result = config.run()
     out = result if isinstance(result, dict) else result.to_dict()
-    ok = bool(out.get("match")) if isinstance(result, dict) else (result.ok if runner == "offload" else result.match)
+    ok = bool(out.get("match")) if isinstance(result, dict) else (
+        result.ok if runner in ("offload", "local") else result.match)
+    lossy = bool(out.get("kv_conversion"))
     out.setdefault("transport", getattr(config, "transport", "local"))
     if as_json:
         print_json(out)
@@ -184,7 +213,14 @@ def demo(
         _show(out, f"kvbridge demo ({RUNNER_FLAGS[runner]}): {out.get('model', model)}")
         verdict = "[bold green]MATCH[/]" if ok else "[bold red]MISMATCH[/]"
         what = "offloaded-and-reloaded" if runner == "offload" else "disaggregated"
-        console.print(f"{verdict}: {what} tokens {'equal' if ok else 'differ from'} monolithic generate")
+        if lossy:
+            console.print(f"{verdict}: KV dtype {out['kv_conversion']}: {out['elements_checked']:,} moved elements "
+                          f"{'are each' if ok else 'are NOT all'} the reference conversion of their source; tokens "
+                          f"{'equal' if out['match'] else 'differ from'} monolithic generate (not required: "
+                          f"quantization is lossy by nature)")
+        else:
+            console.print(f"{verdict}: {what} tokens {'equal' if ok else 'differ from'} monolithic generate"
+                          + ("" if ok or out.get("match") is False else " or the cache is not bit-exact"))
         if dump_decode_cache:
             console.print(f"decode cache written to {dump_decode_cache}")
     if not ok:
@@ -192,11 +228,11 @@ def demo(
 
 
 def _config(runner: str, model: str, ids: list[int] | None, prompt_len: int, new_tokens: int, seed: int,
-            prefill_tp: int, decode_tp: int, prefill_block_size: int | None, decode_block_size: int | None,
-            prefill_kbs: int | None, decode_kbs: int | None, prefill_layout: Order, decode_layout: Order,
+            shapes: dict[str, SideShape], prefill_block_size: int | None, decode_block_size: int | None,
             num_cached_tokens: int, transport: Transport, mode: Mode, requests: int, timeout: float,
             prefill: str | None, secret_file: Path | None, insecure: bool, dump: Path | None) -> Any:
     """The runner's typed config; engine layouts sized to the prompt and checked against the model."""
+    prefill_tp, decode_tp = shapes["prefill"].tp, shapes["decode"].tp
     if runner == "vllm":
         return VllmDemo(model_dir=model, prompt_ids=ids, prompt_len=prompt_len, new_tokens=new_tokens, seed=seed,
                         prefill_tp=prefill_tp, decode_tp=decode_tp, prefill_block_size=prefill_block_size or 32,
@@ -208,22 +244,14 @@ def _config(runner: str, model: str, ids: list[int] | None, prompt_len: int, new
                            store_tp=prefill_tp, load_tp=decode_tp)
     n = (len(ids) if ids else prompt_len) + new_tokens
     spec = load_spec(model)
-
-    def layout(tp: int, bs: int | None, kbs: int | None, order: Order, side: str) -> EngineLayout:
-        bs = bs or 16
-        shape = EngineLayout(tp_size=tp, block_size=bs, num_blocks=(-(-n // bs) + 8) * requests,
-                             kernel_block_size=kbs, kv_order=order.value)
-        shape.check_model(spec, f"{side} engine")
-        return shape
-
-    decode = layout(decode_tp, decode_block_size, decode_kbs, decode_layout, "decode")
+    decode = shapes["decode"].layout_for(spec, n, requests)
     common = {"model": model, "prompt_ids": ids, "prompt_len": prompt_len, "new_tokens": new_tokens, "seed": seed,
               "dump_decode_cache": dump}
     if runner == "decode":
         return DecodeClient(prefill=prefill or "", transport="shm" if transport == Transport.local else transport.value,
                             decode=decode, mode=mode.value, requests=requests, timeout=timeout,
                             secret_file=secret_file, insecure=insecure, **common)
-    shape = layout(prefill_tp, prefill_block_size, prefill_kbs, prefill_layout, "prefill")
+    shape = shapes["prefill"].layout_for(spec, n, requests)
     if runner == "local":
         return LocalDemo(prefill=shape, decode=decode, num_cached_tokens=num_cached_tokens, **common)
     return TransportDemo(transport=transport.value, prefill=shape, decode=decode, mode=mode.value,

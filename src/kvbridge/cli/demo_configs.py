@@ -14,6 +14,12 @@ import msgspec
 from kvbridge.core.layout import EngineLayout
 
 _SHARED = frozenset({"model", "prompt_len", "new_tokens", "seed", "as_json"})
+_SHAPE = ("tp", "pp", "layer_split", "pcp", "dcp", "cp_interleave", "block_size", "kernel_block_size",
+          "group_block_sizes", "layout", "kv_dtype")
+"""Each side's shape options (`--prefill-X` / `--decode-X`)."""
+_LOSSY = frozenset({"prefill_kv_dtype", "decode_kv_dtype"})
+"""KV dtype conversion runs on the local executor's copy path only: the connector's transports
+move bytes, and its handshake refuses peers of another KV dtype."""
 
 
 class _Proof(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,9 +42,8 @@ class LocalDemo(_Shapes, frozen=True, kw_only=True):
     """`--transport local` (default): both engines in this process, the transformers proof."""
 
     OPTIONS: ClassVar[frozenset[str]] = _SHARED | {
-        "prompt_ids", "prefill_tp", "decode_tp", "prefill_block_size", "decode_block_size",
-        "prefill_kernel_block_size", "decode_kernel_block_size", "prefill_layout", "decode_layout",
-        "num_cached_tokens", "dump_decode_cache", "transport"}
+        f"{side}_{name}" for side in ("prefill", "decode") for name in _SHAPE} | {
+        "prompt_ids", "num_cached_tokens", "dump_decode_cache", "transport"}
     num_cached_tokens: int = 0
 
     def run(self) -> Any:
@@ -51,7 +56,8 @@ class LocalDemo(_Shapes, frozen=True, kw_only=True):
 class TransportDemo(_Shapes, frozen=True, kw_only=True):
     """`--transport shm|nixl|mooncake`: every rank its own process, a real engine between them."""
 
-    OPTIONS: ClassVar[frozenset[str]] = LocalDemo.OPTIONS - {"num_cached_tokens"} | {"mode", "requests", "timeout"}
+    OPTIONS: ClassVar[frozenset[str]] = (LocalDemo.OPTIONS - {"num_cached_tokens"} - _LOSSY
+                                         | {"mode", "requests", "timeout"})
     transport: Literal["shm", "nixl", "mooncake"]
     mode: Literal["pull", "push"] = "pull"
     requests: int = 1
@@ -70,8 +76,9 @@ class DecodeClient(_Proof, frozen=True, kw_only=True):
     """`--role decode --prefill HOST:PORT`: the decode half against a `kvbridge prefill-server`."""
 
     OPTIONS: ClassVar[frozenset[str]] = _SHARED | {
-        "prompt_ids", "decode_tp", "decode_block_size", "decode_kernel_block_size", "decode_layout", "transport",
-        "mode", "requests", "timeout", "role", "prefill", "dump_decode_cache", "secret_file", "insecure"}
+        f"decode_{name}" for name in _SHAPE if name != "kv_dtype"} | {
+        "prompt_ids", "transport", "mode", "requests", "timeout", "role", "prefill", "dump_decode_cache",
+        "secret_file", "insecure"}
     prefill: str
     transport: Literal["shm", "nixl", "mooncake"]
     decode: EngineLayout

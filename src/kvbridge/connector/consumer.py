@@ -189,7 +189,8 @@ class Consumer(RankEndpoint):
         budget = timeout or self.config.transfer_timeout
         eng = self._engines[engine]
         req = _Pending(request_id, engine, ids, num_tokens, int(num_cached_tokens), now, now + budget, eng.sources)
-        self._owners.admit(request_id, written_blocks(ids, req.num_cached_tokens, self.cache.layout.block_size,
+        per_block = [self.cache.layout.tokens_per_block_id(g) for g in range(len(ids))]
+        self._owners.admit(request_id, written_blocks(ids, req.num_cached_tokens, per_block,
                                                       self._recurrent))
         self._expected.pop(request_id, None)
         self._active[request_id] = req

@@ -89,10 +89,11 @@ class RankEndpoint:
                 raise InvalidRequest(f"request {request_id!r} group {g}: block id {int(bad[0])} outside "
                                      f"[0, {layout.num_blocks})")
             if exact and num_tokens is not None and not spec.group_layer(g).is_recurrent:
-                need = -(-num_tokens // layout.block_size)
+                per = layout.tokens_per_block_id(g)
+                need = -(-num_tokens // per)
                 if len(group) != need:
                     raise InvalidRequest(f"request {request_id!r} group {g}: {num_tokens} tokens need {need} blocks "
-                                         f"of {layout.block_size}, got {len(group)}")
+                                         f"of {per}, got {len(group)}")
         return ids
 
     def _check_open(self) -> None:

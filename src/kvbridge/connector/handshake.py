@@ -36,8 +36,8 @@ def validate_peer(topology: TransferTopology, mine: Hello, peer: Hello) -> Engin
         raise HandshakeRefused(f"transfer mode differs: local {mine.mode}, {who} {peer.mode}")
     if peer.transport != mine.transport:
         raise HandshakeRefused(f"transport differs: local {mine.transport}, {who} {peer.transport}")
-    if not 0 <= peer.rank < peer.layout.tp_size:
-        raise HandshakeRefused(f"{who} claims rank {peer.rank} of an engine of TP size {peer.layout.tp_size}")
+    if not 0 <= peer.rank < peer.layout.world_size:
+        raise HandshakeRefused(f"{who} claims rank {peer.rank} of an engine of {peer.layout.describe_ranks()}")
     declared = Fingerprint.of(peer.spec, peer.layout)
     # A fingerprint that disagrees with the layout and spec in the same message is a broken or
     # lying peer: compare every field except the version, which check_compatible reports.
@@ -54,9 +54,9 @@ def validate_peer(topology: TransferTopology, mine: Hello, peer: Hello) -> Engin
     except KVBridgeError as e:
         raise HandshakeRefused(f"{who} refused: {e}") from None
     mine.fingerprint.check_compatible(peer.fingerprint, f"local {mine.engine_id!r}", who)
-    if peer.peer_addresses and len(peer.peer_addresses) != peer.layout.tp_size:
-        raise HandshakeRefused(f"{who} lists {len(peer.peer_addresses)} rank addresses for an engine of TP size "
-                               f"{peer.layout.tp_size}")
+    if peer.peer_addresses and len(peer.peer_addresses) != peer.layout.world_size:
+        raise HandshakeRefused(f"{who} lists {len(peer.peer_addresses)} rank addresses for an engine of "
+                               f"{peer.layout.describe_ranks()}")
     try:
         return topology.register_remote_engine(peer.engine_id, peer.layout, peer.spec)
     except HandshakeRefused:

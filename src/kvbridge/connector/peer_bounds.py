@@ -9,7 +9,8 @@ numbers by what real deployments use, with headroom, and refuses the Hello in mi
 The bounds (documented in docs/security.md):
 
 * every parallel size of the layout (TP today, and any `*_size` axis a layout grows): at most
-  `MAX_PARALLEL_SIZE` (the largest published single-engine TP is 64: 8 nodes x 8 GPUs);
+  `MAX_PARALLEL_SIZE` (the largest published single-engine TP is 64: 8 nodes x 8 GPUs), and all
+  ranks together (TP x PCP x PP) at most `MAX_WORLD_SIZE`;
 * tokens per block at most `MAX_BLOCK_TOKENS` (vLLM uses 16..256; Mamba-style hybrid pages 1k-2k);
 * blocks per rank at most `MAX_BLOCKS` (the wire's block-id bound is 2**40; a 2**31-block cache
   of even one byte per block is 2 GiB of metadata alone);
@@ -23,6 +24,7 @@ import msgspec
 from kvbridge.connector.messages import HandshakeRefused, Hello
 
 MAX_PARALLEL_SIZE = 256
+MAX_WORLD_SIZE = 4096  # ranks of one engine (TP x PCP x PP): 512 nodes of 8 GPUs
 MAX_BLOCK_TOKENS = 1 << 16
 MAX_BLOCKS = 1 << 31
 MAX_TRANSPORT_METADATA = 512 << 10
@@ -41,16 +43,18 @@ def check_hello_bounds(peer: Hello) -> None:
         value = getattr(layout, name, None)
         if isinstance(value, int) and not 1 <= value <= MAX_BLOCK_TOKENS:
             raise HandshakeRefused(f"{who} declares {name} {value}: the bound is {MAX_BLOCK_TOKENS} tokens")
+    if layout.world_size > MAX_WORLD_SIZE:
+        raise HandshakeRefused(f"{who} declares {layout.world_size} ranks: the bound is {MAX_WORLD_SIZE}")
     if not 1 <= layout.num_blocks <= MAX_BLOCKS:
         raise HandshakeRefused(f"{who} declares {layout.num_blocks} blocks per rank: the bound is {MAX_BLOCKS}")
-    if not peer.rank < layout.tp_size:
-        raise HandshakeRefused(f"{who} claims rank {peer.rank} of an engine of TP size {layout.tp_size}")
+    if not peer.rank < layout.world_size:
+        raise HandshakeRefused(f"{who} claims rank {peer.rank} of an engine of {layout.describe_ranks()}")
     if len(peer.transport_metadata) > MAX_TRANSPORT_METADATA:
         raise HandshakeRefused(f"{who} sent {len(peer.transport_metadata)} bytes of transport metadata: the bound "
                                f"is {MAX_TRANSPORT_METADATA}")
-    if len(peer.peer_addresses) > layout.tp_size:
-        raise HandshakeRefused(f"{who} lists {len(peer.peer_addresses)} rank addresses for an engine of TP size "
-                               f"{layout.tp_size}")
+    if len(peer.peer_addresses) > layout.world_size:
+        raise HandshakeRefused(f"{who} lists {len(peer.peer_addresses)} rank addresses for an engine of "
+                               f"{layout.describe_ranks()}")
 
 
-__all__ = ["MAX_BLOCKS", "MAX_BLOCK_TOKENS", "MAX_PARALLEL_SIZE", "MAX_TRANSPORT_METADATA", "check_hello_bounds"]
+__all__ = ["MAX_BLOCKS", "MAX_BLOCK_TOKENS", "MAX_PARALLEL_SIZE", "MAX_TRANSPORT_METADATA", "MAX_WORLD_SIZE", "check_hello_bounds"]

@@ -122,8 +122,8 @@ class Producer(RankEndpoint):
 
     def set_peer_addresses(self, addresses: Sequence[str]) -> None:
         """The side-channel address of every rank of this engine, by rank (rank 0 serves it)."""
-        if len(addresses) != self.cache.layout.tp_size:
-            raise KVBridgeError(f"{len(addresses)} addresses for an engine of TP size {self.cache.layout.tp_size}")
+        if len(addresses) != self.cache.layout.world_size:
+            raise KVBridgeError(f"{len(addresses)} addresses for an engine of {self.cache.layout.describe_ranks()}")
         self._peer_addresses = tuple(addresses)
 
     @property

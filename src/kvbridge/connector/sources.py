@@ -77,14 +77,14 @@ class SourceLinks:
             if engine_id in self.engines:
                 raise m.HandshakeRefused(f"prefill engine {engine_id!r} is already connected to decode rank "
                                          f"{ep.rank}")
-            tp = reply.layout.tp_size
+            world = reply.layout.world_size
             if reply.peer_addresses:
                 addresses = reply.peer_addresses
-            elif tp == 1:
+            elif world == 1:
                 addresses = (address,)
             else:
                 raise m.HandshakeRefused(f"prefill engine {engine_id!r} rank {reply.rank} at {address} does not list "
-                                         f"its engine's {tp} rank addresses; connect to its rank 0")
+                                         f"its engine's {world} rank addresses; connect to its rank 0")
             sources = ep.topology.source_ranks(engine_id)
             eng = SourceEngine(engine_id, reply.layout, tuple(addresses), sources)
             for s in sources:

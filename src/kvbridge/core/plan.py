@@ -23,8 +23,15 @@ differs from `length` (destination bytes). Such runs never span heads whose scal
 executor converts element by element on its copy path; a transport that only moves bytes must
 refuse a plan with `needs_conversion`.
 
-Length: just over 500 lines; the planner is one pipeline (validate, segment, pieces, expand,
-coalesce) kept in one file so its vectorized steps read in order.
+Speed. Everything that depends only on the engine pair (per destination rank and group: the
+runs one whole destination block receives, up to its ids) is a cached template
+(`plan_template`); a request then only adds its block ids, vectorized, and merges across
+blocks where consecutive ids allow it. The token-by-token pipeline below stays as the reference
+(`templates=False`, tested equal) and plans what templates do not cover (several groups, a
+recurrent state, a layout outside the template's form).
+
+Length: about 600 lines; the planner is one pipeline (validate, segment, pieces, expand,
+coalesce) kept in one file so its vectorized steps read in order (the template is its own module).
 """
 
 from __future__ import annotations
@@ -188,21 +195,37 @@ class Plan:
 
 
 def plan_request(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, request: Request,
-                 dst_ranks: Sequence[int] | None = None) -> Plan:
-    """Plan the copies of one request from every source rank to `dst_ranks` (default: all)."""
+                 dst_ranks: Sequence[int] | None = None, *, templates: bool = True) -> Plan:
+    """Plan the copies of one request from every source rank to `dst_ranks` (default: all).
+
+    `templates=False` plans every token the straightforward way (no cached per-pair template):
+    the reference the template path is tested against; both give the same plan.
+    """
     t0 = time.perf_counter()
-    src.check_model(spec, "source engine")
-    dst.check_model(spec, "destination engine")
-    segments = _validate_and_segment(spec, src, dst, request)
+    _check_models(spec, src, dst)
+    groups = _validate(spec, src, dst, request)
     ranks = range(dst.world_size) if dst_ranks is None else dst_ranks
-    parts = []
     for d in ranks:
         if not 0 <= d < dst.world_size:
             raise InvalidRequest(f"destination rank {d} outside {dst.describe_ranks()}")
-        parts.append(_plan_rank(spec, src, dst, d, segments))
     conversions = _conversions(spec, src, dst)[0]
-    return Plan(spec, src, dst, _concat(parts, _RUN_FIELDS + (_EXTRA_FIELDS if conversions else ())),
-                time.perf_counter() - t0, conversions)
+    runs = None
+    if templates and len(groups) == 1 and isinstance(groups[0], _GroupIds):  # the common case: one buffer
+        from kvbridge.core.plan_template import template_runs
+        ids = groups[0]
+        runs = template_runs(spec, src, dst, 0, ids.src, ids.dst, ids.first, request.num_tokens, ranks,
+                               bool(conversions))
+    if runs is None:
+        runs = _concat([_plan_rank(spec, src, dst, d, groups, request.num_tokens, templates) for d in ranks],
+                       _RUN_FIELDS + (_EXTRA_FIELDS if conversions else ()))
+    return Plan(spec, src, dst, runs, time.perf_counter() - t0, conversions)
+
+
+@lru_cache(maxsize=256)
+def _check_models(spec: ModelSpec, src: EngineLayout, dst: EngineLayout) -> None:
+    """Both engines can hold the model (checked once per pair: only a pass is cached)."""
+    src.check_model(spec, "source engine")
+    dst.check_model(spec, "destination engine")
 
 
 def _concat(parts: list[dict[str, np.ndarray]], fields: Sequence[str]) -> dict[str, np.ndarray]:
@@ -278,8 +301,17 @@ def _block_ids(side: str, g: int, layout: EngineLayout, ids: Sequence[int], num_
         f"{f' x CP {layout.cp_size}' if layout.cp_size > 1 else ''} need {need} block ids{window}, got {len(arr)}")
 
 
-def _validate_and_segment(spec: ModelSpec, src: EngineLayout, dst: EngineLayout,
-                          req: Request) -> list[_Segments | None]:
+class _GroupIds(NamedTuple):
+    """A group's validated id lists over `[0, num_tokens)` and the first token it moves."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    first: int
+
+
+def _validate(spec: ModelSpec, src: EngineLayout, dst: EngineLayout,
+              req: Request) -> list[_GroupIds | _Segments | None]:
+    """Per group: its ids (attention), its state segment (recurrent), or None (nothing to move)."""
     n_groups = len(spec.groups)
     N, cached = req.num_tokens, req.num_cached_tokens
     if N < 0 or not 0 <= cached <= N:
@@ -287,7 +319,7 @@ def _validate_and_segment(spec: ModelSpec, src: EngineLayout, dst: EngineLayout,
     for side, ids in (("source", req.src_block_ids), ("destination", req.dst_block_ids)):
         if len(ids) != n_groups:
             raise InvalidRequest(f"{side} has block ids for {len(ids)} KV-cache groups, the model has {n_groups}")
-    out: list[_Segments | None] = []
+    out: list[_GroupIds | _Segments | None] = []
     for g in range(n_groups):
         if spec.group_layer(g).is_recurrent:
             out.append(_state_segment(g, src, dst, req))
@@ -297,20 +329,19 @@ def _validate_and_segment(spec: ModelSpec, src: EngineLayout, dst: EngineLayout,
         for side, layout, ids in (("source", src, req.src_block_ids[g]), ("destination", dst, req.dst_block_ids[g])):
             arr = _block_ids(side, g, layout, ids, N, first)
             used = arr[first // layout.tokens_per_block_id(g):] if first < N else arr[:0]
-            bad = used[(used < 0) | (used >= layout.num_blocks)]
-            if bad.size:
+            if used.size and (used.min() < 0 or used.max() >= layout.num_blocks):
+                bad = used[(used < 0) | (used >= layout.num_blocks)]
                 raise InvalidRequest(
                     f"{side} group {g}: block id {int(bad[0])} outside [0, {layout.num_blocks})")
-            if side == "destination" and len(np.unique(used)) != len(used):
-                values, counts = np.unique(used, return_counts=True)
-                raise InvalidRequest(
-                    f"destination group {g}: block id {int(values[counts > 1][0])} appears twice among the "
-                    f"blocks that receive tokens (two writes to one block)")
+            if side == "destination" and used.size > 1:
+                ordered = np.sort(used)
+                twice = ordered[1:][ordered[1:] == ordered[:-1]]
+                if twice.size:
+                    raise InvalidRequest(
+                        f"destination group {g}: block id {int(twice[0])} appears twice among the "
+                        f"blocks that receive tokens (two writes to one block)")
             sides.append(arr)
-        if first >= N:
-            out.append(None)
-            continue
-        out.append(_segments(g, src, dst, sides[0], sides[1], first, N))
+        out.append(_GroupIds(sides[0], sides[1], first) if first < N else None)
     return out
 
 
@@ -431,29 +462,46 @@ def _pieces(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int, src_c
 
 
 def _plan_rank(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int,
-               segments: list[_Segments | None]) -> dict[str, np.ndarray]:
-    cp = dst.rank_coords(d).cp
-    fields = _RUN_FIELDS[1:] + (_EXTRA_FIELDS if _conversions(spec, src, dst)[0] else ())
-    cells = []
-    for g, seg in enumerate(segments):
-        if seg is None:
-            continue
-        if seg.state:  # every CP rank holds the whole state; spread readers over the source CP ranks
-            parts = [(cp % src.cp_size, seg)]
-        else:
-            mine = seg.take(seg.dst_cp == cp)
-            parts = [(int(c), mine.take(mine.src_cp == c)) for c in np.unique(mine.src_cp)]
-        for c, part in parts:
-            pieces = _pieces(spec, src, dst, d, c)[g]
-            if len(pieces) and len(part.n):
-                cells.append(_expand(pieces, part, len(fields) > len(_RUN_FIELDS) - 1))
+               groups: list[_GroupIds | _Segments | None], N: int, templates: bool) -> dict[str, np.ndarray]:
+    """Runs of destination rank `d`: each group from its template if it has one (and
+    `templates`), else token by token (the reference the templates are tested against); merged."""
+    from kvbridge.core.plan_template import rank_runs
+    converting = bool(_conversions(spec, src, dst)[0])
+    fields = _RUN_FIELDS[1:] + (_EXTRA_FIELDS if converting else ())
+    cells: list[dict[str, np.ndarray]] = []
+    for g, item in enumerate(groups):
+        if isinstance(item, _GroupIds):
+            fast = rank_runs(spec, src, dst, d, g, item.src, item.dst, item.first, N, converting) if templates else None
+            if fast is not None:
+                cells.append(fast)
+                continue
+            item = _segments(g, src, dst, item.src, item.dst, item.first, N)
+        if item is not None:
+            cells += _cells(spec, src, dst, d, g, item, converting)
     runs = _coalesce(_concat(cells, fields)) if cells else {n: np.zeros(0, np.int64) for n in fields}
     runs["dst_rank"] = np.full(len(runs["length"]), d, dtype=np.int64)
     return runs
 
 
-def _expand(p: np.ndarray, seg: _Segments, converting: bool) -> dict[str, np.ndarray]:
-    """Runs of every piece x segment box, vectorized over the (piece, segment) grid.
+def _cells(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int, g: int, seg: _Segments,
+           converting: bool) -> list[dict[str, np.ndarray]]:
+    """Uncoalesced runs of one group's segments for destination rank `d`, per source CP rank."""
+    if seg.state:  # every CP rank holds the whole state; spread readers over the source CP ranks
+        parts = [(dst.rank_coords(d).cp % src.cp_size, seg)]
+    else:
+        mine = seg.take(seg.dst_cp == dst.rank_coords(d).cp)
+        parts = [(int(c), mine.take(mine.src_cp == c)) for c in np.unique(mine.src_cp)]
+    cells = []
+    for c, part in parts:
+        pieces = _pieces(spec, src, dst, d, c)[g]
+        if len(pieces) and len(part.n):
+            cells.append(_expand(pieces, part, converting)[0])
+    return cells
+
+
+def _expand(p: np.ndarray, seg: _Segments, converting: bool) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """Runs of every piece x segment box, vectorized over the (piece, segment) grid, and the grid
+    cell (`piece * len(seg.n) + segment`) of each run (None: one run per cell, in cell order).
 
     A box is `n` tokens x `m` heads of rows (`R` bytes on the destination, `Rs` on the source).
     If rows of all its heads are adjacent on both sides (NHD-like, or a single head) the heads
@@ -480,7 +528,7 @@ def _expand(p: np.ndarray, seg: _Segments, converting: bool) -> dict[str, np.nda
                "dst_region": flat(d_reg), "dst_offset": d_start.reshape(-1), "length": flat(n * m * R)}
         if converting:
             out |= {"src_length": flat(n * m * Rs), "convert": flat(conv)}
-        return out
+        return out, None
     mixed = ~heads_inner & ~tokens_inner
     flat = lambda a: np.broadcast_to(a, shape).reshape(-1)  # noqa: E731
     c1 = flat(np.where(whole, 1, np.where(tokens_inner, m, n)))
@@ -503,7 +551,7 @@ def _expand(p: np.ndarray, seg: _Segments, converting: bool) -> dict[str, np.nda
     }
     if converting:
         out |= {"src_length": (rows * flat(Rs))[cell], "convert": flat(conv)[cell]}
-    return out
+    return out, cell
 
 
 def _coalesce(r: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

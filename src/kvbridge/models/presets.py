@@ -1,9 +1,23 @@
 """Geometry of well-known models (the `config.json` fields kvbridge reads), so that `plan` and
-`bench` can describe real deployments without downloading anything."""
+`bench` can describe real deployments without downloading anything.
+
+`preset_spec(name)` reads the `ModelSpec` each preset gives from `preset_specs.json` beside this
+file instead of deriving it through transformers' config classes at every call: importing
+transformers costs seconds, and `kvbridge plan llama-3-8b` should answer at once. The file is
+written by `python -m kvbridge.models.presets` and a test re-derives every entry through
+transformers and requires it equal, so it cannot drift from `spec_from_hf_config`.
+"""
 
 from __future__ import annotations
 
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
+
+import msgspec
+
+from kvbridge.core.spec import ModelSpec
+from kvbridge.errors import ConfigError
 
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-3-8b": {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -32,3 +46,38 @@ PRESETS: dict[str, dict[str, Any]] = {
                  "hidden_size": 4096, "attn_layer_indices": [9, 18, 27], "mamba_n_heads": 128, "mamba_d_head": 64,
                  "mamba_n_groups": 1, "mamba_d_state": 128, "mamba_d_conv": 4, "torch_dtype": "bfloat16"},
 }
+
+
+_SPECS = Path(__file__).with_name("preset_specs.json")
+
+
+def preset_spec(name: str) -> ModelSpec:
+    """The `ModelSpec` of preset `name`, as `spec_from_hf_config` derives it (stored, see above)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    stored = _stored()
+    if name not in stored:  # pragma: no cover - the test keeps the file complete
+        from kvbridge.models.config import spec_from_hf_config
+        return spec_from_hf_config({**PRESETS[name], "_name_or_path": name})
+    return stored[name]
+
+
+@lru_cache(maxsize=1)
+def _stored() -> dict[str, ModelSpec]:
+    try:
+        return msgspec.json.decode(_SPECS.read_bytes(), type=dict[str, ModelSpec])
+    except (OSError, msgspec.DecodeError):  # pragma: no cover - a broken install derives them instead
+        return {}
+
+
+def derive_all() -> dict[str, ModelSpec]:
+    """Every preset's spec through transformers (what `preset_specs.json` must hold)."""
+    from kvbridge.models.config import spec_from_hf_config
+    return {name: spec_from_hf_config({**cfg, "_name_or_path": name}) for name, cfg in PRESETS.items()}
+
+
+if __name__ == "__main__":
+    specs = derive_all()  # one preset per line: diffs stay readable
+    _SPECS.write_bytes(b"{\n" + b",\n".join(msgspec.json.encode(k) + b": " + msgspec.json.encode(v)
+                                            for k, v in specs.items()) + b"\n}\n")
+    print(f"wrote {_SPECS} ({len(PRESETS)} presets)")

@@ -343,7 +343,7 @@ def run_multiprocess_demo(transport: str = "shm", model: str = "tiny-llama", pro
     result.releases, result.released_exactly_once, _ = _releases_summary(pre.releases, work.ids)
     if mode == "push":
         result.bytes_measured = sum(s.get("bytes_written", 0) for s in stats.values())
-    result.processes = prefill.tp_size + decode.tp_size
+    result.processes = prefill.world_size + decode.world_size
     result.receive_seconds = receive_seconds
     result.wall_seconds = time.monotonic() - t0
     return result
@@ -391,7 +391,7 @@ def run_prefill_server(listen: str = "127.0.0.1:5600", *, transport: str = "shm"
     return PrefillServerResult(listen=pre.address or listen, engine_id=pre.engine_id, transport=transport, mode=mode,
                                num_requests=num_requests, decode_engines=sorted(pre.decode_engines),
                                releases=releases, released_exactly_once=once, all_done=all_done,
-                               wall_seconds=time.monotonic() - t0, processes=prefill.tp_size)
+                               wall_seconds=time.monotonic() - t0, processes=prefill.world_size)
 
 
 def run_decode_client(prefill: str = "127.0.0.1:5600", *, transport: str = "shm", model: str = "tiny-llama",
@@ -440,7 +440,7 @@ def run_decode_client(prefill: str = "127.0.0.1:5600", *, transport: str = "shm"
         src_tables = block_tables(work.spec, remote, work.lengths, random.Random(seed))
         result.bytes_moved, result.num_runs, result.plan_seconds, result.warnings = _plan_totals(
             work.spec, remote, decode, work.lengths, src_tables, dst_tables)
-    result.processes = decode.tp_size
+    result.processes = decode.world_size
     result.receive_seconds = receive_seconds
     result.wall_seconds = time.monotonic() - t0
     return result

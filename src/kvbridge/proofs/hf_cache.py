@@ -1,11 +1,13 @@
-"""transformers caches <-> the paged rank caches of a TP engine.
+"""transformers caches <-> the paged rank caches of an engine (TP x PP x CP).
 
 A plan is only right if a model that decodes from the moved cache produces exactly what it
 would have produced without the move. This is the bridge that experiment needs: `export_cache`
 writes a batch-1 prefill `DynamicCache` into the prefill engine's paged rank caches (each rank
-its head shard, through the layout's addressing, as a serving engine's attention kernel would),
-`import_cache` rebuilds a `DynamicCache` from the decode engine's ranks (each head from the first
-rank that holds it), `cache_differences` and `replica_mismatches` compare bit for bit.
+its head shard of the layers of its PP stage and the token positions of its CP rank, through the
+layout's addressing, as a serving engine's attention kernel would), `import_cache` rebuilds a
+`DynamicCache` from the decode engine's ranks (each head and position from the first rank that
+holds it), `cache_differences` and `replica_mismatches` compare bit for bit. Block-id lists may
+be clipped to a sliding window, as vLLM sends them.
 
 A transformers cache layer that holds attention K/V and recurrent state together (Zamba2's
 shared-attention layers, Falcon-H1: `LinearAttentionAnd...AttentionLayer`) is two layers of the
@@ -32,9 +34,11 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import CacheLayerMixin, DynamicIndexedLayer, LinearAttentionCacheLayerMixin
 
 from kvbridge.core.layout import EngineLayout
+from kvbridge.core.plan import full_block_ids
 from kvbridge.core.spec import LayerSpec, ModelSpec, normalize_dtype
 from kvbridge.errors import ConfigError, InvalidRequest
 from kvbridge.proofs.hf_states import hf_state_tensors, state_components
+from kvbridge.proofs.kv_dtype import to_engine, to_model
 from kvbridge.transport.cache import TORCH_DTYPES, RankCache
 
 BlockIds = tuple[tuple[int, ...], ...]
@@ -159,8 +163,27 @@ def _check_caches(caches: Sequence[RankCache], spec: ModelSpec, block_ids: Block
     if len(block_ids) != len(spec.groups):
         raise InvalidRequest(f"{len(block_ids)} block-id lists for {len(spec.groups)} KV-cache groups")
     for rc in caches:
-        if rc.spec.fingerprint() != spec.fingerprint():
+        if rc.spec.fingerprint() != rc.layout.engine_spec(spec).fingerprint():
             raise ConfigError(f"rank {rc.rank} cache was allocated for another geometry ({rc.spec.describe()})")
+
+
+def _holds(rc: RankCache, li: int) -> bool:
+    """Whether the rank holds layer `li` (its PP stage) with at least one head or unit."""
+    return int(rc.addr.region[li, 0]) >= 0 and int(rc.addr.heads[li].max()) > 0
+
+
+def _owned(rc: RankCache, spec: ModelSpec, li: int, positions: np.ndarray) -> np.ndarray:
+    """Mask of the positions whose K/V the rank's CP rank holds."""
+    if rc.layout.cp_size == 1:
+        return np.ones(len(positions), dtype=bool)
+    cp = rc.layout.rank_coords(rc.rank).cp
+    return rc.layout.token_owner(positions, spec.layer_group[li]) == cp
+
+
+def _ids(rc: RankCache, spec: ModelSpec, block_ids: BlockIds, li: int, num_tokens: int) -> np.ndarray:
+    """The layer's group's block ids over all positions (a clipped window list padded in front)."""
+    g = spec.layer_group[li]
+    return full_block_ids(rc.layout, g, block_ids[g], num_tokens)
 
 
 def _state_slot(spec: ModelSpec, layout: EngineLayout, block_ids: BlockIds, li: int) -> int:
@@ -198,12 +221,19 @@ def export_tokens(cache: DynamicCache, spec: ModelSpec, caches: Sequence[RankCac
         lo = max(first, start)
         if lo >= stop:
             continue
-        positions = np.arange(lo, stop, dtype=np.int64)
-        ids = np.asarray(block_ids[spec.layer_group[li]], dtype=np.int64)
         for rc in caches:
+            if not _holds(rc, li):
+                continue
+            positions = np.arange(lo, stop, dtype=np.int64)
+            mine = _owned(rc, spec, li, positions)
+            positions, index = positions[mine], torch.from_numpy(positions[mine] - first)
+            if not len(positions):
+                continue
+            ids = _ids(rc, spec, block_ids, li, num_tokens)
             for ci, tensor in enumerate(kv):
                 h0, nh = int(rc.addr.first_head[li, ci]), int(rc.addr.heads[li, ci])
-                rc.write_tokens(li, ci, ids, positions, tensor[h0:h0 + nh, lo - first:stop - first].transpose(0, 1))
+                rows = to_engine(tensor[h0:h0 + nh, index].transpose(0, 1), rc, li, ci, spec.dtype)
+                rc.write_tokens(li, ci, ids, positions, rows)
 
 
 def export_states(cache: DynamicCache, spec: ModelSpec, caches: Sequence[RankCache], block_ids: BlockIds) -> None:
@@ -217,6 +247,8 @@ def export_states(cache: DynamicCache, spec: ModelSpec, caches: Sequence[RankCac
         _check_layer_kind(cache.layers[hf[li]], spec.layers[li], li)
         comps = state_components(cache.layers[hf[li]], spec, li)
         for rc in caches:
+            if not _holds(rc, li):
+                continue
             slot = _state_slot(spec, rc.layout, block_ids, li)
             for ci, full in enumerate(comps):
                 u0, nu = int(rc.addr.first_head[li, ci]), int(rc.addr.heads[li, ci])
@@ -235,9 +267,9 @@ def _check_rank_order(caches: Sequence[RankCache]) -> None:
     if not caches:
         raise InvalidRequest("no rank caches to import from")
     layout = caches[0].layout
-    if [c.rank for c in caches] != list(range(layout.tp_size)):
+    if [c.rank for c in caches] != list(range(layout.world_size)):
         got = [c.rank for c in caches]
-        raise InvalidRequest(f"need the {layout.tp_size} rank caches in rank order, got ranks {got}")
+        raise InvalidRequest(f"need the {layout.world_size} rank caches in rank order, got ranks {got}")
 
 
 def gather_kv(caches: Sequence[RankCache], block_ids: BlockIds,
@@ -252,7 +284,7 @@ def gather_kv(caches: Sequence[RankCache], block_ids: BlockIds,
     spec = caches[0].spec
     if len(block_ids) != len(spec.groups):
         raise InvalidRequest(f"{len(block_ids)} block-id lists for {len(spec.groups)} KV-cache groups")
-    dtype = caches[0].regions[0].dtype
+    dtype = TORCH_DTYPES[spec.dtype]  # attention K/V as the engine stores them
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     for li, lspec in enumerate(spec.layers):
         if not lspec.is_attention:
@@ -260,23 +292,26 @@ def gather_kv(caches: Sequence[RankCache], block_ids: BlockIds,
             continue
         first = lspec.tokens_kept(num_tokens)
         positions = np.arange(first, num_tokens, dtype=np.int64)
-        ids = np.asarray(block_ids[spec.layer_group[li]], dtype=np.int64)
         pair = []
         for ci, comp in enumerate(lspec.components):
-            full = torch.zeros(comp.heads, num_tokens, comp.dim, dtype=dtype)
-            have = np.zeros(comp.heads, dtype=bool)
+            full = torch.zeros(comp.heads, num_tokens, comp.dim, dtype=dtype, device=caches[0].regions[0].device)
+            have = np.zeros((comp.heads, len(positions)), dtype=bool)  # (head, position) already read
             for rc in caches:
-                h0, nh = int(rc.addr.first_head[li, ci]), int(rc.addr.heads[li, ci])
-                need = [h for h in range(h0, h0 + nh) if not have[h]]
-                if not need or not len(positions):
-                    have[need] = True
+                if not _holds(rc, li):
                     continue
-                rows = rc.read_tokens(li, ci, ids, positions)  # [T, nh, D]
-                for h in need:
-                    full[h, first:] = rows[:, h - h0]
-                have[need] = True
+                h0, nh = int(rc.addr.first_head[li, ci]), int(rc.addr.heads[li, ci])
+                mine = np.flatnonzero(_owned(rc, spec, li, positions))
+                fresh = ~have[h0:h0 + nh][:, mine]  # [nh, mine]
+                if not fresh.any():
+                    continue
+                rows = rc.read_tokens(li, ci, _ids(rc, spec, block_ids, li, num_tokens), positions[mine])
+                for h in np.flatnonzero(fresh.any(axis=1)):
+                    take = mine[fresh[h]]
+                    full[h0 + h, torch.from_numpy(positions[take])] = rows[torch.from_numpy(fresh[h]), h]
+                    have[h0 + h, take] = True
             if not have.all():
-                raise InvalidRequest(f"layer {li} component {ci}: heads {np.flatnonzero(~have).tolist()} on no rank")
+                heads = np.flatnonzero(~have.all(axis=1)).tolist()
+                raise InvalidRequest(f"layer {li} component {ci}: heads {heads} not held for every position by any rank")
             pair.append(full)
         out.append(tuple(pair))
     return out
@@ -295,9 +330,12 @@ def gather_states(caches: Sequence[RankCache], block_ids: BlockIds) -> dict[int,
             continue
         comps = []
         for ci, comp in enumerate(lspec.components):
-            full = torch.zeros(comp.heads, comp.dim, dtype=TORCH_DTYPES[spec.component_dtype(comp)])
+            full = torch.zeros(comp.heads, comp.dim, dtype=TORCH_DTYPES[spec.component_dtype(comp)],
+                               device=caches[0].regions[0].device)
             have = np.zeros(comp.heads, dtype=bool)
             for rc in caches:
+                if not _holds(rc, li):
+                    continue
                 u0, nu = int(rc.addr.first_head[li, ci]), int(rc.addr.heads[li, ci])
                 need = [u for u in range(u0, u0 + nu) if not have[u]]
                 if need:
@@ -319,30 +357,36 @@ def replica_mismatches(caches: Sequence[RankCache], block_ids: BlockIds, num_tok
         positions = np.arange(lspec.tokens_kept(num_tokens), num_tokens, dtype=np.int64)
         if lspec.is_stateless or (not lspec.is_recurrent and not len(positions)):
             continue
-        ids = np.asarray(block_ids[spec.layer_group[li]], dtype=np.int64)
         for ci, comp in enumerate(lspec.components):
-            seen: dict[int, tuple[int, torch.Tensor]] = {}
+            seen: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}  # (unit, CP rank) -> first holder's rows
             for rc in caches:
+                if not _holds(rc, li):
+                    continue
                 h0, nh = int(rc.addr.first_head[li, ci]), int(rc.addr.heads[li, ci])
+                cp = 0 if lspec.is_recurrent else rc.layout.rank_coords(rc.rank).cp
                 if lspec.is_recurrent:
                     rows = rc.read_state(li, ci, _state_slot(spec, rc.layout, block_ids, li), as_int=True)
                 else:
-                    rows = rc.read_tokens(li, ci, ids, positions, as_int=True).transpose(0, 1)
+                    mine = positions[_owned(rc, spec, li, positions)]
+                    ids = _ids(rc, spec, block_ids, li, num_tokens)
+                    rows = rc.read_tokens(li, ci, ids, mine, as_int=True).transpose(0, 1)
                 for h in range(h0, h0 + nh):
-                    if h not in seen:
-                        seen[h] = (rc.rank, rows[h - h0])
-                    elif not torch.equal(seen[h][1], rows[h - h0]):
+                    if (h, cp) not in seen:
+                        seen[h, cp] = (rc.rank, rows[h - h0])
+                    elif not torch.equal(seen[h, cp][1], rows[h - h0]):
                         what = f"{comp.name} unit" if lspec.is_recurrent else f"comp {ci} head"
-                        out.append(f"layer {li} {what} {h}: rank {rc.rank} differs from rank {seen[h][0]}")
+                        out.append(f"layer {li} {what} {h}: rank {rc.rank} differs from rank {seen[h, cp][0]}")
     return out
 
 
 def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: int,
-                 config: PretrainedConfig) -> DynamicCache:
+                 config: PretrainedConfig, model_dtype: str | None = None) -> DynamicCache:
     """A `DynamicCache` for `config` holding the decode ranks' paged cache of `num_tokens` tokens.
 
     Sliding layers get all N positions (zeros before the window) so that their cumulative length
     is N, which is what transformers uses for positions and masks; the layer crops itself.
+    An engine that stores K/V in another dtype or with scales (fp8) is read back as model values
+    (`element * scale` in `model_dtype`), which is lossy by nature (`kv_dtype`).
     Recurrent layers get their conv and recurrent state through transformers' own prefill path
     (`update_conv_state` / `update_recurrent_state`), which also marks `has_previous_state`, so
     the next forward continues with the single-token update exactly as after a prefill.
@@ -362,6 +406,8 @@ def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: i
             cache.layers[hf[li]].update_indexer(kv[0])  # [1 head, N, D] is [batch 1, N, D]
             continue
         if kv is not None:
+            if model_dtype is not None:
+                kv = tuple(to_model(t, caches[0].layout, li, ci, spec.dtype, model_dtype) for ci, t in enumerate(kv))
             cache.update(kv[0][None], kv[1][None], hf[li])
             continue
         if lspec.is_stateless:  # transformers' DummyLayer: nothing to put back

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,9 @@ from kvbridge.core.blocks import compute_physical_blocks_per_logical
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.plan import plan_request
 from kvbridge.core.spec import ModelSpec
-from kvbridge.errors import ConfigError, InvalidRequest
+from kvbridge.errors import InvalidRequest
 from kvbridge.proofs.hf_cache import BlockIds, export_cache, export_states, export_tokens
+from kvbridge.proofs.kv_dtype import conversion_mismatches, describe_conversion, is_lossy
 from kvbridge.proofs.proof import greedy_config, make_prompt_ids, prefill as run_prefill, prove_cache
 from kvbridge.proofs.results import DisaggregationResult
 from kvbridge.proofs.tiny_models import DEFAULT_MODEL, load_model, spec_for
@@ -38,6 +39,24 @@ class DemoResult(DisaggregationResult):
     (`transfer_seconds`: the steady-state copy, the second execution of the same plan)."""
 
     num_cached_tokens: int = 0  # prefix the decode engine already held (not moved)
+    kv_conversion: str = ""  # e.g. "float32 -> float8_e4m3fn" when either side stores K/V lossily
+    conversion_mismatches: list[str] = field(default_factory=list)
+    elements_checked: int = 0  # decode elements compared with the reference conversion
+
+    @property
+    def ok(self) -> bool:
+        """Bit-exact pairs: tokens and cache. Lossy (fp8) pairs: every element is the reference
+        conversion of its source; the tokens are reported, not required (quantization changes them)."""
+        if self.kv_conversion:
+            return not self.conversion_mismatches and self.replicas_equal and self.elements_checked > 0
+        return super().ok
+
+    def verdicts(self) -> str:
+        if not self.kv_conversion:
+            return super().verdicts()
+        return (f"KV dtype {self.kv_conversion}: {self.elements_checked:,} elements "
+                f"{'all the reference conversion' if not self.conversion_mismatches else 'NOT all converted right'}; "
+                f"tokens {'match' if self.match else 'differ'} (not required: lossy by nature)")
 
     def describe(self) -> str:
         hit = f" ({self.num_cached_tokens} cached on decode)" if self.num_cached_tokens else ""
@@ -86,7 +105,7 @@ def vllm_block_size(spec: ModelSpec, tp_size: int, kernel_block_size: int = 16) 
 def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int | None = None, new_tokens: int = 8,
              seed: int = 0, prefill: EngineLayout | None = None, decode: EngineLayout | None = None,
              dump_decode_cache: str | Path | None = None, *, prompt_ids: Sequence[int] | None = None,
-             prompt_len: int | None = None, num_cached_tokens: int = 0) -> DemoResult:
+             prompt_len: int | None = None, num_cached_tokens: int = 0, device: str = "cpu") -> DemoResult:
     """Prefill on one engine layout, move the cache to another, decode there, compare with `generate`.
 
     The prompt is `prompt` (ids, or a length for random ids) or, by keyword, `prompt_ids`, else
@@ -100,6 +119,9 @@ def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int
     the recurrent state after the prefix in the slot of the prefix's last block), and only the rest
     is moved: attention positions from `num_cached_tokens` on and the recurrent state after the
     whole prompt, into the request's slot.
+
+    `device`: where the model and both engines' caches live (e.g. "cuda"; the executor then copies
+    with torch on that device).
     """
     if prompt is not None and prompt_ids is not None:
         raise InvalidRequest("give the prompt once: positional `prompt` or `prompt_ids`, not both")
@@ -108,13 +130,10 @@ def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int
     if new_tokens < 1:
         raise InvalidRequest(f"new_tokens must be >= 1, got {new_tokens}")
     model, config = load_model(model_name_or_dir, seed)
+    model.to(device)
     model.generation_config = greedy_config()
     spec = spec_for(config, next(model.parameters()).dtype)
-    if all(layer.is_recurrent for layer in spec.layers):
-        raise ConfigError(
-            f"{model_name_or_dir}: every layer is recurrent; transformers' generate needs an attention layer to "
-            f"track the sequence length (Cache.get_seq_length raises on a cache of linear-attention layers only)")
-    vocab = int(config.get_text_config().vocab_size)
+    vocab = int(config.get_text_config(decoder=True).vocab_size)
     ids = make_prompt_ids(prompt, vocab, seed)
     n = len(ids)
     prefill = prefill or default_layout(n)
@@ -127,11 +146,12 @@ def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int
             f"(a prefix hit covers whole blocks and leaves at least one token to move), got {num_cached_tokens}")
 
     prefill_cache, first = run_prefill(model, ids)
-    src = RankCache.allocate_engine(spec, prefill, fill=None)
-    dst = RankCache.allocate_engine(spec, decode, fill=None)
+    src = RankCache.allocate_engine(spec, prefill, device=device, fill=None)
+    dst = RankCache.allocate_engine(spec, decode, device=device, fill=None)
     random_bytes(src, seed + 1)
     random_bytes(dst, seed + 2)
-    request = random_request(spec, prefill, decode, n, num_cached_tokens, random.Random(seed))
+    # Sliding-window lists are clipped to the window at random, as vLLM sends them.
+    request = random_request(spec, prefill, decode, n, num_cached_tokens, random.Random(seed), clip_windows=True)
     export_cache(prefill_cache, spec, src, request.src_block_ids, n)
     if num_cached_tokens:
         _hold_prefix(model, ids, prefill_cache, spec, dst, request.dst_block_ids, n, num_cached_tokens)
@@ -143,6 +163,8 @@ def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int
     transfer_seconds = executor.execute(plan)
     proof = prove_cache(model, ids, dst, request.dst_block_ids, new_tokens, reference_cache=prefill_cache,
                         first_token=first, dump=dump_decode_cache)
+    lossy = is_lossy(spec, prefill, decode)
+    mismatches, checked = conversion_mismatches(spec, src, dst, request) if lossy else ([], 0)
 
     return DemoResult(
         model=str(model_name_or_dir), spec=spec.describe(), prefill=prefill.describe(), decode=decode.describe(),
@@ -151,7 +173,8 @@ def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int
         replicas_equal=proof.replicas_equal, bytes_moved=plan.nbytes, num_runs=len(plan),
         transfer_seconds=transfer_seconds, plan_seconds=plan.stats.plan_seconds,
         cache_differences=proof.cache_differences + proof.replica_mismatches, warnings=list(plan.stats.warnings),
-        num_cached_tokens=num_cached_tokens)
+        num_cached_tokens=num_cached_tokens, kv_conversion=describe_conversion(spec, prefill, decode) if lossy else "",
+        conversion_mismatches=mismatches, elements_checked=checked)
 
 
 def _hold_prefix(model: PreTrainedModel, prompt_ids: Sequence[int], prefill_cache: DynamicCache, spec: ModelSpec,

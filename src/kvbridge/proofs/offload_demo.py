@@ -149,7 +149,7 @@ def run_offload_demo(model: str = "tiny-gemma2", seed: int = 0, prompt_len: int 
     net, config = load_model(model, seed)
     net.generation_config = greedy_config()
     spec = spec_for(config, next(net.parameters()).dtype)
-    vocab = int(config.get_text_config().vocab_size)
+    vocab = int(config.get_text_config(decoder=True).vocab_size)
     obs = block_size * block_size_factor  # tokens per offloaded block (the key granularity)
     prefix_len = prefix_len if prefix_len is not None else (prompt_len - 1) // obs * obs
     if prefix_len < obs or prefix_len % obs or prefix_len >= prompt_len:

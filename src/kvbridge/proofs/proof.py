@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 
-from kvbridge.errors import InvalidRequest
+from kvbridge.core.spec import normalize_dtype
+from kvbridge.errors import ConfigError, InvalidRequest
 from kvbridge.proofs.hf_cache import BlockIds, cache_differences, import_cache, replica_mismatches, save_cache
 from kvbridge.transport.cache import RankCache
 
@@ -70,15 +71,16 @@ def make_prompt_ids(prompt: Sequence[int] | int, vocab_size: int, seed: int) -> 
     return ids
 
 
-def _input(ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    input_ids = torch.tensor([list(ids)], dtype=torch.long)
+def _input(ids: Sequence[int], model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch-1 ids and mask on the model's device."""
+    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=model.device)
     return input_ids, torch.ones_like(input_ids)
 
 
 @torch.inference_mode()
 def reference_tokens(model: PreTrainedModel, prompt_ids: Sequence[int], new_tokens: int) -> list[int]:
     """Monolithic greedy `generate`: the tokens every disaggregated path must reproduce."""
-    input_ids, mask = _input(prompt_ids)
+    input_ids, mask = _input(prompt_ids, model)
     out = model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens)[0, len(prompt_ids):].tolist()
     if len(out) != new_tokens:
         raise InvalidRequest(f"reference generate stopped after {len(out)} of {new_tokens} tokens")
@@ -88,13 +90,25 @@ def reference_tokens(model: PreTrainedModel, prompt_ids: Sequence[int], new_toke
 @torch.inference_mode()
 def prefill(model: PreTrainedModel, prompt_ids: Sequence[int]) -> tuple[DynamicCache, int]:
     """One forward over the prompt, as a prefill engine runs it: its cache and the greedy first token."""
-    input_ids, mask = _input(prompt_ids)
+    input_ids, mask = _input(prompt_ids, model)
     extra = {}
     if "position_ids" in inspect.signature(model.forward).parameters:
         # the positions `generate` passes; models such as RoBERTa's decoders default to others
         extra["position_ids"] = mask.long().cumsum(-1) - 1
     out = model(input_ids, attention_mask=mask, use_cache=True, **extra)
-    return out.past_key_values, int(out.logits[0, -1].argmax())
+    return _self_attention_cache(out, model), int(out.logits[0, -1].argmax())
+
+
+def _self_attention_cache(out: object, model: PreTrainedModel) -> DynamicCache:
+    """The cache a forward returned: the decoder's self-attention cache of an encoder-decoder cache
+    (BERT-style models run as decoders); one line naming the model when it returns none."""
+    cache = getattr(out, "past_key_values", None)
+    if cache is None:  # Mamba-style models name it cache_params
+        cache = getattr(out, "cache_params", None)
+    if cache is None:
+        raise ConfigError(f"{type(model).__name__} returns no KV cache (no past_key_values): transformers exposes "
+                          f"none for it, so there is nothing to move")
+    return getattr(cache, "self_attention_cache", cache)
 
 
 @torch.inference_mode()
@@ -110,17 +124,25 @@ def continue_greedy(model: PreTrainedModel, prompt_ids: Sequence[int], cache: Dy
     if num_cached < n:
         if first_token is not None:
             raise InvalidRequest(f"a first token follows the whole prompt, the cache holds {num_cached} of {n}")
-        input_ids, mask = _input(prompt_ids)
-        return model.generate(input_ids, attention_mask=mask, past_key_values=cache,
-                              max_new_tokens=new_tokens)[0, n:].tolist()
+        input_ids, mask = _input(prompt_ids, model)
+        return model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens,
+                              **_cache_kwarg(model, cache))[0, n:].tolist()
     if first_token is None:
         return []
     tokens = [int(first_token)]
     if new_tokens > 1:
-        input_ids, mask = _input([*prompt_ids, int(first_token)])
-        rest = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens - 1)
+        input_ids, mask = _input([*prompt_ids, int(first_token)], model)
+        rest = model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens - 1,
+                              **_cache_kwarg(model, cache))
         tokens += rest[0, n + 1:].tolist()
     return tokens
+
+
+def _cache_kwarg(model: PreTrainedModel, cache: DynamicCache) -> dict[str, DynamicCache]:
+    """`past_key_values=cache`, or `cache_params=cache` for models whose forward names it so (Mamba)."""
+    params = inspect.signature(model.forward).parameters
+    name = "cache_params" if "cache_params" in params and "past_key_values" not in params else "past_key_values"
+    return {name: cache}
 
 
 @torch.inference_mode()
@@ -142,7 +164,8 @@ def prove_cache(model: PreTrainedModel, prompt_ids: Sequence[int], caches: Seque
     tokens_reference = reference_tokens(model, prompt_ids, new_tokens)
     if reference_cache is None:
         reference_cache, _ = prefill(model, prompt_ids[:num_cached])
-    imported = import_cache(caches, block_ids, num_cached, model.config)
+    dtype = normalize_dtype(str(next(model.parameters()).dtype))
+    imported = import_cache(caches, block_ids, num_cached, model.config, model_dtype=dtype)
     differences = cache_differences(reference_cache, imported)
     replicas = replica_mismatches(caches, block_ids, num_cached)
     if dump is not None:

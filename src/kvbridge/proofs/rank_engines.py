@@ -44,7 +44,7 @@ class _Ranks:
                                            layout=layout, mode=mode, host=host, config=config,
                                            fill_seed=fill_seed + r, max_lifetime=max_lifetime,
                                            **({"listen": listen(r)} if listen else {})), ctx)
-                      for r in range(layout.tp_size)]
+                      for r in range(layout.world_size)]
 
     def broadcast(self, request: Any, reply: type, timeout: float) -> list[Any]:
         """Send `request` to every rank, then wait for each one's `reply`."""
@@ -81,7 +81,7 @@ class PrefillEngine(_Ranks):
         super().__init__(ctx, "prefill", transport, engine_id, spec, layout, mode, config, fill_seed, max_lifetime,
                          listen=lambda r: listen if r == 0 else format_address(host, 0), host=host)
         self.address = ""
-        self.releases: dict[int, list[tuple[str, str]]] = {r: [] for r in range(layout.tp_size)}
+        self.releases: dict[int, list[tuple[str, str]]] = {r: [] for r in range(layout.world_size)}
         self.decode_engines: set[str] = set()
 
     def start(self, timeout: float) -> str:
@@ -130,7 +130,7 @@ class DecodeEngine(_Ranks):
         super().__init__(ctx, "decode", transport, engine_id, spec, layout, mode, config, fill_seed, max_lifetime,
                          host=host)
         self.prefill_layouts: dict[str, EngineLayout] = {}
-        self.results: dict[int, dict[str, dict[str, Any]]] = {r: {} for r in range(layout.tp_size)}
+        self.results: dict[int, dict[str, dict[str, Any]]] = {r: {} for r in range(layout.world_size)}
 
     def start(self, timeout: float) -> None:
         for p in self.ranks:

@@ -59,7 +59,7 @@ def workload(model: str, prompt: Sequence[int] | int | None, prompt_ids: Sequenc
         prompt = prompt_ids if prompt_ids is not None else (32 if prompt_len is None else prompt_len)
     config = model_config(model)
     spec = spec_for(config, "float32")
-    vocab = int(config.get_text_config().vocab_size)
+    vocab = int(config.get_text_config(decoder=True).vocab_size)
     prompts = [make_prompt_ids(prompt, vocab, seed + i) for i in range(num_requests)]
     return Workload(model, spec, [f"req-{seed}-{i}" for i in range(num_requests)], prompts)
 
@@ -70,7 +70,7 @@ def sized_layout(layout: EngineLayout | None, spec: ModelSpec, lengths: list[int
     if layout is None:
         need = groups * sum(math.ceil(n / 16) for n in lengths)
         return EngineLayout(tp_size=tp, block_size=16, num_blocks=max(4, 2 * need + 2))
-    need = groups * sum(math.ceil(n / layout.block_size) for n in lengths)
+    need = sum(math.ceil(n / layout.tokens_per_block_id(g)) for n in lengths for g in range(groups))
     if need > layout.num_blocks:
         raise InvalidRequest(f"{side} layout has {layout.num_blocks} blocks of {layout.block_size} tokens; "
                              f"{len(lengths)} request(s) of {sum(lengths)} tokens over {groups} KV-cache group(s) need "
@@ -80,14 +80,15 @@ def sized_layout(layout: EngineLayout | None, spec: ModelSpec, lengths: list[int
 
 def block_tables(spec: ModelSpec, layout: EngineLayout, lengths: list[int],
                   rng: random.Random) -> list[tuple[tuple[int, ...], ...]]:
-    """Disjoint random block ids for every request and group (one permutation, sliced)."""
+    """Disjoint random block ids for every request and group (one permutation, sliced); a block id
+    covers `block_size x CP size` tokens of its group."""
     perm = list(range(layout.num_blocks))
     rng.shuffle(perm)
     out, at = [], 0
     for n in lengths:
-        per = math.ceil(n / layout.block_size)
         groups = []
-        for _ in spec.groups:
+        for g in range(len(spec.groups)):
+            per = math.ceil(n / layout.tokens_per_block_id(g))
             groups.append(tuple(perm[at:at + per]))
             at += per
         out.append(tuple(groups))

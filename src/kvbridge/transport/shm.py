@@ -210,10 +210,25 @@ def shared_bytes(nbytes: int, name_prefix: str = "buf") -> torch.Tensor:
     return seg.tensor
 
 
+def new_segment(nbytes: int, name_prefix: str = "seg") -> SharedSegment:
+    """A new kvbridge segment of this process, registered (so `segment_at` finds it) and unlinked
+    at exit."""
+    reap_stale_segments()
+    seg = SharedSegment(nbytes, name_prefix)
+    with _SEG_LOCK:
+        _SEGMENTS[seg.path] = seg
+    return seg
+
+
 def adopt_segment(path: str, nbytes: int) -> SharedSegment:
     """Map a segment another process of this host created (a vLLM worker's cache) so that views
     of it can be registered with `ShmTransport` here. The caller names the segment; a peer never
-    does (peers' metadata is checked by `_check_layout`)."""
+    does (peers' metadata is checked by `_check_layout`). A segment this process already holds
+    (created or adopted) is returned as it is: replacing its owner would unlink it."""
+    with _SEG_LOCK:
+        known = _SEGMENTS.get(path)
+    if known is not None and known.nbytes == nbytes:
+        return known
     seg = SharedSegment(nbytes, path=path)
     with _SEG_LOCK:
         _SEGMENTS[seg.path] = seg
@@ -229,6 +244,11 @@ def release_shared(obj: RankCache | torch.Tensor) -> None:
             seg.unlink()
             with _SEG_LOCK:
                 _SEGMENTS.pop(seg.path, None)
+
+
+def segment_at(addr: int, nbytes: int) -> SharedSegment | None:
+    """The kvbridge segment of this process (created or adopted here) holding `[addr, addr + nbytes)`."""
+    return _segment_of(addr, nbytes)
 
 
 def _segment_of(addr: int, nbytes: int) -> SharedSegment | None:

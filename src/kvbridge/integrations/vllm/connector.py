@@ -24,14 +24,17 @@ The request flow is NixlConnector's (same `kv_transfer_params`, so a NIXL proxy 
   `failed_recving` on failure) tells the scheduler. vLLM then recomputes the last prompt token
   and decodes.
 
-Worker memory and the sidecar: `get_mem_pool_context` returns a context in which vLLM's one
-KV cache allocation (`torch.zeros(n, int8)` in `allocate_kv_cache`) lands in a /dev/shm
-segment. Each worker rank starts a kvbridge *sidecar process* (`sidecar.py`) that maps that
-segment, adopts every layer's bytes as a `RankCache` region (vLLM's own cache, no copy; layout
-`layout.VllmCpuLayout`), and runs the rank's Producer/Consumer and transport (`shm` by default;
-`nixl`/`mooncake` selectable, not exercised by the tests here). The worker only forwards
-commands and collects events over a pipe, never blocking an engine step; the sidecar is not
-starved by the engine thread's GIL (measured: a thread in the worker was, for 10 s).
+Worker memory and the sidecar: vLLM allocates its KV cache itself, on CPU or CUDA; the
+connector takes the tensors `register_kv_caches` hands it, with no allocator of its own. Each
+worker rank starts a kvbridge *sidecar process* (`sidecar.py`) and hands it a handle to the
+memory behind those tensors (`cache_handles.py`: a CUDA IPC handle on GPU; on CPU a kvbridge
+shared-memory segment the empty cache moves into once, at registration, the tensors re-pointed
+in place). The sidecar maps it, adopts every layer's bytes as a `RankCache` region (vLLM's own
+cache, no copy; layout `layout.VllmCpuLayout`), and runs the rank's Producer/Consumer and
+transport (`shm` by default; `nixl`/`mooncake` selectable; NIXL registers the regions as DRAM or
+VRAM as they are). The worker only forwards commands and collects events over a pipe, never
+blocking an engine step; the sidecar is not starved by the engine thread's GIL (measured: a
+thread in the worker was, for 10 s).
 
 Limits (each refused with a message, none silently wrong): K/V attention models only (no MLA
 or Mamba state: vLLM CPU's layouts for those are not described yet), no hybrid allocator
@@ -48,13 +51,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
-from torch.overrides import TorchFunctionMode
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults)
 from vllm.logger import init_logger
 
 from kvbridge.errors import ConfigError, IncompatibleEngines
+from kvbridge.integrations.vllm.cache_handles import share_tensors
 from kvbridge.integrations.vllm.layout import VllmCpuLayout, vllm_cpu_layout, vllm_cpu_spec
 from kvbridge.integrations.vllm.sidecar import (Abandon, Expect, Fatal, Init, Received, Recv, Released, Send, Settings,
                                                 SidecarClient)
@@ -165,9 +168,6 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return tuple(self._kv_cache_config.transfer_group_ids)
 
     # -- worker side --------------------------------------------------------------------------
-    def get_mem_pool_context(self):
-        return self._worker.mem_pool_context() if self._worker is not None else None
-
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self._worker.register_kv_caches(kv_caches)
 
@@ -294,28 +294,6 @@ def _address(params: dict[str, Any]) -> str:
 # Worker side
 # ------------------------------------------------------------------------------------------------
 
-class _ShmAllocation(TorchFunctionMode):
-    """Inside it, vLLM's KV cache buffer (`torch.zeros(n, dtype=torch.int8)` on CPU, in
-    `allocate_kv_cache`) is a /dev/shm segment (zero-filled by the kernel); every other torch
-    call passes through."""
-
-    def __init__(self, prefix: str):
-        super().__init__()
-        self.prefix = prefix
-        self.segments: list[Any] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.zeros and len(args) == 1 and isinstance(args[0], int) and args[0] > 0 \
-                and kwargs.get("dtype") == torch.int8 and torch.device(kwargs.get("device") or "cpu").type == "cpu":
-            from kvbridge.transport.shm import SharedSegment, reap_stale_segments
-            reap_stale_segments()
-            seg = SharedSegment(args[0], self.prefix)
-            self.segments.append(seg)  # keeps the mapping alive as long as this worker
-            return seg.tensor.view(torch.int8)
-        return func(*args, **kwargs)
-
-
 def spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_caches: dict[str, torch.Tensor],
                     tp_size: int) -> tuple[ModelSpec, VllmCpuLayout, list[str]]:
     """kvbridge's description of this rank's vLLM CPU cache, and the layer names in layer order."""
@@ -391,14 +369,8 @@ class _Worker:
         self.tp_size = cfg.parallel_config.tensor_parallel_size
         self.rank = get_tensor_model_parallel_rank()
         self.sidecar: SidecarClient | None = None
-        self._alloc: _ShmAllocation | None = None
         self._keep: list[torch.Tensor] = []
         self._res = KVConnectorTransferResults()
-
-    def mem_pool_context(self) -> _ShmAllocation:
-        # Every transport gets shared memory: the sidecar process must map the cache.
-        self._alloc = _ShmAllocation(f"vllm-{self.conn.engine_id[:24]}-r{self.rank}")
-        return self._alloc
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         spec, layout, names = spec_and_layout(self.conn._vllm_config, self.conn._kv_cache_config, kv_caches,
@@ -406,25 +378,18 @@ class _Worker:
         first = kv_caches[names[0]]
         isa = check_cpu_kv_layout(first.dtype, layout.kernel_size, spec.layers[0].key_dim,
                                   self.conn._vllm_config.cache_config.cache_dtype)
-        if self._alloc is None or len(self._alloc.segments) != 1:
-            raise IncompatibleEngines(
-                "KVBridgeConnector: vLLM did not allocate its KV cache (one buffer) through the connector's "
-                "get_mem_pool_context, so it is not in shared memory")
-        seg = self._alloc.segments[0]
-        offsets = []
-        for n in names:
-            t = kv_caches[n]
-            if not t.is_contiguous():
-                raise IncompatibleEngines(f"vLLM KV cache tensor {n} {tuple(t.shape)} is not contiguous")
-            offsets.append(t.data_ptr() - seg.addr)
         self._keep = [kv_caches[n] for n in names]
+        t0 = time.perf_counter()
+        storages, regions = share_tensors(self._keep, f"vllm-{self.conn.engine_id[:24]}-r{self.rank}")
+        shared_s = time.perf_counter() - t0
         init = Init(self.conn.engine_id, self.rank, self.conn.produces, self.conn.consumes, spec,
-                    EngineLayout(**msgspec.structs.asdict(layout)), seg.path, seg.nbytes, offsets, self.settings)
+                    EngineLayout(**msgspec.structs.asdict(layout)), storages, regions, self.settings)
         self.sidecar = SidecarClient(init)
-        logger.info("KVBridgeConnector %s rank %d: %s%s; %s; %s (ISA %s) over %s (sidecar pid %d%s)",
+        logger.info("KVBridgeConnector %s rank %d: %s%s; %s; %s (ISA %s) over %s (sidecar pid %d; cache of %d B "
+                    "handed over in %.3f s%s)",
                     self.conn.engine_id, self.rank, "producer" if self.conn.produces else "",
                     "consumer" if self.conn.consumes else "", spec.describe(), layout.describe(), isa,
-                    self.settings.transport, self.sidecar.ready.pid,
+                    self.settings.transport, self.sidecar.ready.pid, sum(r.nbytes for r in regions), shared_s,
                     f", side channel {self.sidecar.ready.address}" if self.sidecar.ready.address else "")
 
     def submit(self, meta: KVBridgeMetadata) -> None:

@@ -7,8 +7,9 @@ prefill lease is outstanding), and on a loaded two-core host a thread of ours th
 starved for over 10 s, past the 5 s handshake deadline (measured: "sleep 0.0005 s took
 10.4 s"). A sidecar process has its own interpreter: only the OS schedules it.
 
-Memory: the worker's KV cache lives in one POSIX shared-memory segment (the connector's
-allocation context puts it there); the sidecar maps the same segment and adopts each layer's
+Memory: the worker hands over a handle to the memory behind the KV cache tensors vLLM registered
+(`cache_handles.py`: a CUDA IPC handle on GPU; on CPU a kvbridge shared-memory segment the cache
+moved into once, at registration); the sidecar maps the same memory and adopts each layer's
 bytes as a `RankCache` region, so the transport reads and writes vLLM's own cache, no copy.
 
 Protocol: `connector.rank_host`'s typed messages as length-prefixed frames, commands on the
@@ -20,8 +21,8 @@ multiprocessing context vLLM owns):
     sidecar -> worker   Ready(address), then Released / Received per request, Fatal(error)
 
 The sidecar exits on Close, on EOF of its stdin (the worker died) or when its parent changes.
-It uses public APIs only: the connector's, and `shm.adopt_segment` to map the worker's
-shared-memory segment.
+It uses public APIs only: the connector's, and `cache_handles.open_regions` to map the worker's
+memory.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.rank_host import (Failed, Peer, Stop, StreamChannel, report_failure, serve, stderr_logging,
                                           union_of, warm_copier)
 from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.integrations.vllm.cache_handles import Region, StorageHandle
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.spec import ModelSpec
 
@@ -115,9 +117,8 @@ class Init(msgspec.Struct, tag="init"):
     consume: bool
     spec: ModelSpec
     layout: EngineLayout  # the fields of a VllmCpuLayout
-    segment_path: str
-    segment_nbytes: int
-    region_offsets: list[int]
+    storages: list[StorageHandle]  # the worker's cache memory (cache_handles.py)
+    regions: list[Region]  # each layer's bytes in it, in layer order
     settings: Settings
 
 
@@ -184,21 +185,20 @@ class Sidecar:
         from kvbridge.connector.producer import Producer
         from kvbridge.connector.transports import make_transport
         from kvbridge.integrations.vllm.layout import VllmTopology, as_vllm_cpu, vllm_cpu_spec
+        from kvbridge.integrations.vllm.cache_handles import open_regions
         from kvbridge.transport.cache import RankCache
-        from kvbridge.transport.shm import adopt_segment
 
         self.init, self.emit, s = init, emit, init.settings
         self.settings = s
-        seg = self.segment = adopt_segment(init.segment_path, init.segment_nbytes)
         layout = as_vllm_cpu(init.layout)
         spec = vllm_cpu_spec(init.spec)  # the wire carries plain LayerSpecs
         nbytes = layout.addressing(spec, init.rank).region_nbytes
-        if len(nbytes) != len(init.region_offsets):
-            raise KVBridgeError(f"{len(init.region_offsets)} regions given, the layout has {len(nbytes)}")
-        for off, n in zip(init.region_offsets, nbytes):
-            if off < 0 or off + n > seg.nbytes:
-                raise KVBridgeError(f"region [{off}, {off + n}) outside the {seg.nbytes}-byte segment")
-        self.cache = RankCache(spec, layout, init.rank, [seg.view(o, n) for o, n in zip(init.region_offsets, nbytes)])
+        if len(nbytes) != len(init.regions):
+            raise KVBridgeError(f"{len(init.regions)} regions given, the layout has {len(nbytes)}")
+        for r, n in zip(init.regions, nbytes):
+            if r.nbytes != n:
+                raise KVBridgeError(f"a region of {r.nbytes} bytes where the layout has {n}")
+        self.cache = RankCache(spec, layout, init.rank, open_regions(init.storages, init.regions))
         cfg = s.connector_config()
         eid, r = init.engine_id, init.rank
         self.producer = self.consumer = None

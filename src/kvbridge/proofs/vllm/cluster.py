@@ -298,22 +298,23 @@ class Cluster:
         return f"{name}-{self._tag}"
 
     def start(self, name: str, tp: int = 1, block_size: int | None = None, role: str | None = None, *,
-              connector: str = "kvbridge", log_stats: bool = False) -> Instance:
+              connector: str = "kvbridge", log_stats: bool = False, transport: str | None = None) -> Instance:
         """Launch instance `name` without waiting: `role` kv_producer / kv_consumer / kv_both with
-        `connector` "kvbridge" (KVBridgeConnector) or "nixl" (vLLM's NixlConnector); None: plain."""
+        `connector` "kvbridge" (KVBridgeConnector, over `transport`, default the cluster's) or "nixl"
+        (vLLM's NixlConnector); None: plain."""
         if name in self.instances and not self.instances[name].closed:
             raise ConfigError(f"instance {name!r} is already running")
-        self._specs[name] = (tp, block_size, role, connector, log_stats)
+        self._specs[name] = (tp, block_size, role, connector, log_stats, transport or self.transport)
         return self._launch(name, attempt=0)
 
     def _launch(self, name: str, attempt: int) -> Instance:
-        tp, block_size, role, connector, log_stats = self._specs[name]
+        tp, block_size, role, connector, log_stats, transport = self._specs[name]
         kv, env = None, {}
         eid = self.engine_id(name)
         if role is not None and connector == "kvbridge":
             # Ports below the ephemeral range, free now; a bind race with another process is retried (`wait_ready`).
             port = self._ports(tp) if role != "kv_consumer" else 5570
-            kv = kvbridge_transfer_config(role, eid, port, transport=self.transport, mode=self.mode,
+            kv = kvbridge_transfer_config(role, eid, port, transport=transport, mode=self.mode,
                                           stats_path=str(self.stats), secret_file=self._secret_file())
         elif role is not None:
             kv = nixl_transfer_config(role, eid)

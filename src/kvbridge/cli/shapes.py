@@ -1,0 +1,80 @@
+"""One engine side's shape from the command line: the `--prefill-*` / `--decode-*` options as an `EngineLayout`.
+
+`demo` and `plan` take the same shape options on both sides (TP, PP and its layer split, PCP,
+DCP and its interleave, block and kernel block sizes, per-group block sizes, layout, KV dtype);
+this module turns one side's values into a checked layout, with one-line errors naming the
+option, so the two commands cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvbridge.cli.app import BOUNDS
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.spec import ModelSpec, normalize_dtype
+from kvbridge.errors import ConfigError, KVBridgeError
+
+
+class SideShape(msgspec.Struct, frozen=True, kw_only=True):
+    """What the command line says about one engine (`side` is 'prefill' or 'decode')."""
+
+    side: str
+    tp: int = 1
+    pp: int = 1
+    layer_split: str | None = None
+    pcp: int = 1
+    dcp: int = 1
+    cp_interleave: int = 1
+    block_size: int = 16
+    kernel_block_size: int | None = None
+    group_block_sizes: str | None = None
+    layout: str = "HND"
+    kv_dtype: str | None = None
+
+    def ints(self, text: str | None, option: str) -> tuple[int, ...]:
+        if not text:
+            return ()
+        try:
+            values = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+        except ValueError:
+            raise ConfigError(f"--{self.side}-{option} takes comma-separated integers, got {text!r}") from None
+        if not values or min(values) < 1 or max(values) > BOUNDS["block_size"]:
+            raise ConfigError(f"--{self.side}-{option} needs integers in [1, {BOUNDS['block_size']:,}], got {text!r}")
+        return values
+
+    def layout_for(self, spec: ModelSpec, num_tokens: int, requests: int = 1, **extra: Any) -> EngineLayout:
+        """The side's layout with room for `requests` requests of `num_tokens` tokens, checked against `spec`."""
+        for name, value in (("pp", self.pp), ("pcp", self.pcp), ("dcp", self.dcp)):
+            if value > BOUNDS["tp"]:
+                raise ConfigError(f"--{self.side}-{name} {value} is above kvbridge's bound of {BOUNDS['tp']}")
+        if self.cp_interleave > BOUNDS["block_size"]:
+            raise ConfigError(f"--{self.side}-cp-interleave {self.cp_interleave} is above kvbridge's bound of "
+                              f"{BOUNDS['block_size']:,}")
+        split = self.ints(self.layer_split, "layer-split")
+        if split and len(split) != self.pp:
+            raise ConfigError(f"--{self.side}-layer-split {self.layer_split} names {len(split)} stages, "
+                              f"--{self.side}-pp is {self.pp}")
+        groups = self.ints(self.group_block_sizes, "group-block-sizes")
+        if groups and len(groups) != len(spec.groups):
+            raise ConfigError(f"--{self.side}-group-block-sizes gives {len(groups)} sizes; {spec.name} has "
+                              f"{len(spec.groups)} KV-cache group(s)")
+        dtype = normalize_dtype(self.kv_dtype) if self.kv_dtype else None
+        block = groups[0] if groups else self.block_size
+        cp = self.pcp * self.dcp
+        per_request = sum(-(-num_tokens // ((groups[g] if groups else block) * cp)) for g in range(len(spec.groups)))
+        try:
+            layout = EngineLayout(
+                tp_size=self.tp, pp_size=self.pp, layer_split=split, pcp_size=self.pcp, dcp_size=self.dcp,
+                cp_interleave=self.cp_interleave, block_size=block, kernel_block_size=self.kernel_block_size,
+                group_block_sizes=groups if len(set(groups)) > 1 else (), kv_order=self.layout.upper(),
+                kv_dtype=dtype, num_blocks=max(2, (per_request + 8) * requests), **extra)
+        except KVBridgeError as e:
+            raise type(e)(f"{self.side} engine: {e}") from None
+        layout.check_model(spec, f"{self.side} engine")
+        return layout
+
+
+__all__ = ["SideShape"]
