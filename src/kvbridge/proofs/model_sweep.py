@@ -50,7 +50,7 @@ _TINY: dict[str, Any] = {
     # Mamba2: heads * head_dim = expand (2) * hidden; 6 groups split over 3 and 2 ranks
     "mamba_n_heads": 12, "mamba_num_heads": 12, "mamba_d_head": 16, "mamba_head_dim": 16, "mamba_n_groups": 6,
     "n_groups": 6, "mamba_d_state": 8, "ssm_state_size": 8, "state_size": 8, "mamba_dt_rank": 8,
-    "time_step_rank": 8, "n_mamba_heads": 12, "mamba_headdim": 16, "mamba_ngroups": 6, "mamba_d_ssm": 192,
+    "time_step_rank": 8, "n_mamba_heads": 12, "mamba_headdim": 16, "mamba_ngroups": 6,
     "rotary_dim": 8, "dim_head": 8, "initializer_range": 0.2, "tie_word_embeddings": False, "is_decoder": True,
 }
 # Fields whose tiny value depends on the layer count and that no general rule derives.
