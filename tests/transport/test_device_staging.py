@@ -157,3 +157,13 @@ def test_empty_plan_moves_nothing():
     caches = RankCache.allocate_engine(spec, lay)
     report = StagedExecutor(caches, RankCache.allocate_engine(spec, lay)).execute(plan)
     assert len(plan) == 0 and report.pairs == []
+
+
+def test_bench_runs_side_by_side_on_a_small_request():
+    """The bench runs and reports consistent figures (no timing is asserted)."""
+    from kvbridge.bench.staging import bench_staging
+    results = bench_staging(num_tokens=32, repeats=1)
+    assert [r.prefill.split()[0] for r in results] and len(results) == 2
+    for r in results:
+        assert r.bytes > 0 and r.num_runs > 0 and r.staged_seconds > 0 and r.contiguous_seconds > 0
+        assert r.default_choice.endswith("direct")

@@ -216,6 +216,7 @@ class StagedExecutor:
         self.threshold_bytes = threshold_bytes
         self._src = [c.byte_regions() for c in self.direct.src]
         self._dst = [c.byte_regions() for c in self.direct.dst]
+        self._buffers: dict[tuple[str, int, int], torch.Tensor] = {}
 
     def execute(self, plan: Plan) -> StagingReport:
         self.direct.global_regions(plan)  # every run bounds-checked before the first byte moves
@@ -234,8 +235,17 @@ class StagedExecutor:
 
     def move_staged(self, pair_plan: Plan, src_rank: int, dst_rank: int) -> None:
         layout = staging_layout(pair_plan)
-        sent = gather(pair_plan, self._src[src_rank], layout)
-        dst_regions = self._dst[dst_rank]
-        arrived = torch.empty(layout[1], dtype=torch.uint8, device=dst_regions[0].device)
+        src_regions, dst_regions = self._src[src_rank], self._dst[dst_rank]
+        sent = gather(pair_plan, src_regions, layout, self._buffer(("send", src_rank, dst_rank), layout[1], src_regions))
+        arrived = self._buffer(("recv", src_rank, dst_rank), layout[1], dst_regions)
         arrived.copy_(sent)  # the one transfer
         scatter(arrived, pair_plan, dst_regions, layout)
+
+    def _buffer(self, key: tuple[str, int, int], size: int, regions: list[torch.Tensor]) -> torch.Tensor:
+        """A staging buffer kept per pair and side and reused while the size fits (as a transport
+        keeps its registered buffers): no allocation or page faults on the hot path."""
+        have = self._buffers.get(key)
+        if have is None or have.numel() < size:
+            device = regions[0].device if regions else torch.device("cpu")
+            have = self._buffers[key] = torch.empty(size, dtype=torch.uint8, device=device)
+        return have[:size]
