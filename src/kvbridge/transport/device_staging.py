@@ -65,12 +65,14 @@ class StagingReport(msgspec.Struct):
         return next(p.path for p in self.pairs if (p.src_rank, p.dst_rank) == (src_rank, dst_rank))
 
 
+def _pair_keys(plan: Plan) -> np.ndarray:
+    return plan.src_rank.astype(np.int64) * plan.dst.world_size + plan.dst_rank
+
+
 def rank_pairs(plan: Plan) -> list[tuple[int, int]]:
     """The (source rank, destination rank) pairs that have runs, in sorted order."""
-    if len(plan) == 0:
-        return []
-    keys = np.unique(np.stack([plan.src_rank, plan.dst_rank], axis=1), axis=0)
-    return [(int(s), int(d)) for s, d in keys]
+    counts = np.bincount(_pair_keys(plan), minlength=plan.src.world_size * plan.dst.world_size)
+    return [divmod(int(k), plan.dst.world_size) for k in np.flatnonzero(counts)]
 
 
 def pair_mask(plan: Plan, src_rank: int, dst_rank: int) -> np.ndarray:
@@ -81,17 +83,21 @@ def choose_path(plan: Plan, threshold_bytes: int = DEFAULT_THRESHOLD_BYTES) -> l
     """Per rank pair: staged when its mean run is below `threshold_bytes`, else direct.
 
     A pair with converting runs (KV dtype conversion) always goes direct: staging moves bytes.
+    Linear in the runs (one bincount per figure), no sort.
     """
     if threshold_bytes < 0:
         raise InvalidRequest(f"staging threshold must be >= 0 bytes, got {threshold_bytes}")
+    keys, size = _pair_keys(plan), plan.src.world_size * plan.dst.world_size
+    runs = np.bincount(keys, minlength=size)
+    nbytes = np.bincount(keys, weights=plan.length, minlength=size)
+    converts = (np.bincount(keys, weights=plan.convert >= 0, minlength=size) > 0 if plan.needs_conversion
+                else np.zeros(size, dtype=bool))
     out = []
-    for s, d in rank_pairs(plan):
-        m = pair_mask(plan, s, d)
-        n, nbytes = int(m.sum()), int(plan.length[m].sum())
-        mean = nbytes / n
-        converts = plan.needs_conversion and bool((plan.convert[m] >= 0).any())
-        path = "direct" if converts or mean >= threshold_bytes else "staged"
-        out.append(PairPath(s, d, path, n, nbytes, mean, "converts KV dtype" if converts else ""))
+    for k in np.flatnonzero(runs):
+        s, d = divmod(int(k), plan.dst.world_size)
+        n, b = int(runs[k]), int(nbytes[k])
+        path = "direct" if converts[k] or b / n >= threshold_bytes else "staged"
+        out.append(PairPath(s, d, path, n, b, b / n, "converts KV dtype" if converts[k] else ""))
     return out
 
 
@@ -114,14 +120,18 @@ def staging_layout(plan: Plan) -> tuple[list[_Group], int]:
         raise InvalidRequest("staging moves bytes; runs that convert KV dtype must go direct")
     if len(plan) == 0:
         return [], 0
-    keys = np.stack([plan.src_region, plan.dst_region, plan.length], axis=1)
-    uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    order = np.argsort(inverse, kind="stable")
-    bounds = np.searchsorted(inverse[order], np.arange(len(uniq) + 1))
+    # One int64 key per run, (source region, destination region, length) in lexicographic order;
+    # a stable sort (timsort: plans come in long already-sorted stretches) finds the groups.
+    regions_d = int(plan.dst_region.max()) + 1
+    lengths, length_code = np.unique(plan.length, return_inverse=True)
+    key = (plan.src_region.astype(np.int64) * regions_d + plan.dst_region) * len(lengths) + length_code.reshape(-1)
+    order = np.argsort(key, kind="stable")
+    bounds = np.concatenate([[0], np.flatnonzero(np.diff(key[order])) + 1, [len(key)]])
     groups = []
-    for gi, (sr, dr, ln) in enumerate(uniq):
-        runs = order[bounds[gi]:bounds[gi + 1]]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        runs = order[lo:hi]
+        first = runs[0]
+        sr, dr, ln = plan.src_region[first], plan.dst_region[first], plan.length[first]
         g = math.gcd(int(ln), int(np.gcd.reduce(plan.src_offset[runs])), int(np.gcd.reduce(plan.dst_offset[runs])), 8)
         groups.append((g & -g, int(sr), int(dr), int(ln), runs))
     groups.sort(key=lambda t: -t[0])  # stable: ties keep (region, region, length) order
