@@ -14,8 +14,16 @@ from kvbridge import EngineLayout, ModelSpec, RankCache
 from kvbridge.core.plan import Request, plan_request
 from kvbridge.errors import InvalidRequest
 from kvbridge.proofs.verify import clone_caches, converted_components, fill_source, random_bytes, random_case
-from kvbridge.transport.device_staging import (DEFAULT_THRESHOLD_BYTES, StagedExecutor, choose_path, gather,
-                                               pair_mask, rank_pairs, scatter, staging_layout)
+from kvbridge.transport.device_staging import (
+    DEFAULT_THRESHOLD_BYTES,
+    StagedExecutor,
+    choose_path,
+    gather,
+    pair_mask,
+    rank_pairs,
+    scatter,
+    staging_layout,
+)
 from kvbridge.transport.local import LocalExecutor
 
 CASES = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -117,9 +125,10 @@ def test_choice_follows_the_mean_run_size():
     means = {(p.src_rank, p.dst_rank): p.mean_run_bytes for p in choose_path(plan, 0)}
     assert all(p.path == "direct" for p in choose_path(plan, 0))
     assert all(p.path == "staged" for p in choose_path(plan, 2**40))
-    for (s, d), mean in means.items():
-        assert choose_path(plan, int(mean))[0].path == "direct"  # at the threshold: direct
-        assert choose_path(plan, int(mean) + 1)[0].path == "staged"
+    for pair, mean in means.items():
+        at = {(p.src_rank, p.dst_rank): p.path for p in choose_path(plan, int(mean))}
+        above = {(p.src_rank, p.dst_rank): p.path for p in choose_path(plan, int(mean) + 1)}
+        assert at[pair] == "direct" and above[pair] == "staged"  # at the threshold: direct
     with pytest.raises(InvalidRequest, match="threshold"):
         choose_path(plan, -1)
 

@@ -19,6 +19,7 @@ the receiving side compute it alike and nothing but the bytes travels.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -128,7 +129,7 @@ def staging_layout(plan: Plan) -> tuple[list[_Group], int]:
     order = np.argsort(key, kind="stable")
     bounds = np.concatenate([[0], np.flatnonzero(np.diff(key[order])) + 1, [len(key)]])
     groups = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
+    for lo, hi in itertools.pairwise(bounds):
         runs = order[lo:hi]
         first = runs[0]
         sr, dr, ln = plan.src_region[first], plan.dst_region[first], plan.length[first]
