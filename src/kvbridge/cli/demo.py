@@ -18,6 +18,7 @@ from kvbridge.cli.app import (BOUNDS, Engine, Mode, Order, Role, Transport, app,
                               friendly_errors, load_spec, nullcontext, parse_ids, print_json)
 from kvbridge.cli.demo_configs import (DEFAULT_MODEL, RUNNER_FLAGS, RUNNERS, DecodeClient, LocalDemo, OffloadDemo,
                                        TransportDemo, VllmDemo)
+from kvbridge.cli import shapes as sh
 from kvbridge.cli.shapes import SideShape
 from kvbridge.errors import ConfigError, InvalidRequest
 
@@ -107,24 +108,22 @@ def demo(
         None, min=1, help="Kernel block size [default: the block size].", rich_help_panel=SHAPES),
     prefill_layout: Order = typer.Option(Order.HND, case_sensitive=False, rich_help_panel=SHAPES),
     decode_layout: Order = typer.Option(Order.HND, case_sensitive=False, rich_help_panel=SHAPES),
-    prefill_pp: int = typer.Option(1, min=1, help="Pipeline stages.", rich_help_panel=SHAPES),
-    decode_pp: int = typer.Option(1, min=1, rich_help_panel=SHAPES),
-    prefill_layer_split: Optional[str] = typer.Option(
-        None, help="Layers per PP stage, e.g. 3,1 [default: even].", rich_help_panel=SHAPES),
-    decode_layer_split: Optional[str] = typer.Option(None, rich_help_panel=SHAPES),
-    prefill_pcp: int = typer.Option(1, min=1, help="Context parallel ranks (PCP).", rich_help_panel=SHAPES),
-    decode_pcp: int = typer.Option(1, min=1, rich_help_panel=SHAPES),
-    prefill_dcp: int = typer.Option(1, min=1, help="Decode context parallel (inside TP).", rich_help_panel=SHAPES),
-    decode_dcp: int = typer.Option(1, min=1, rich_help_panel=SHAPES),
-    prefill_cp_interleave: int = typer.Option(1, min=1, help="Tokens per CP rank in turn.", rich_help_panel=SHAPES),
-    decode_cp_interleave: int = typer.Option(1, min=1, rich_help_panel=SHAPES),
-    prefill_group_block_sizes: Optional[str] = typer.Option(
-        None, help="One block size per KV-cache group, e.g. 16,8.", rich_help_panel=SHAPES),
-    decode_group_block_sizes: Optional[str] = typer.Option(None, rich_help_panel=SHAPES),
+    prefill_pp: sh.PrefillPP = 1,
+    decode_pp: sh.DecodePP = 1,
+    prefill_layer_split: sh.PrefillLayerSplit = None,
+    decode_layer_split: sh.DecodeLayerSplit = None,
+    prefill_pcp: sh.PrefillPCP = 1,
+    decode_pcp: sh.DecodePCP = 1,
+    prefill_dcp: sh.PrefillDCP = 1,
+    decode_dcp: sh.DecodeDCP = 1,
+    prefill_cp_interleave: sh.PrefillInterleave = 1,
+    decode_cp_interleave: sh.DecodeInterleave = 1,
+    prefill_group_block_sizes: sh.PrefillGroupBlocks = None,
+    decode_group_block_sizes: sh.DecodeGroupBlocks = None,
     prefill_kv_dtype: Optional[str] = typer.Option(
         None, help="KV cache dtype, e.g. fp8 (e4m3), fp8_e5m2, bfloat16 [default: the model's]; another dtype "
         "than the model's is proven element by element (lossy by nature). Local runner.", rich_help_panel=SHAPES),
-    decode_kv_dtype: Optional[str] = typer.Option(None, rich_help_panel=SHAPES),
+    decode_kv_dtype: sh.DecodeKvDtype = None,
     num_cached_tokens: int = typer.Option(
         0, min=0, help="Prefix the decode side already holds (a multiple of its block size); only the rest "
         "moves. Local runner.", rich_help_panel=SHAPES),

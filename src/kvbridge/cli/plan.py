@@ -16,12 +16,11 @@ import typer
 from rich.table import Table
 
 from kvbridge.cli.app import Order, app, check_bounds, console, friendly_errors, load_spec, print_json
-from kvbridge.cli.shapes import SideShape
+from kvbridge.cli import shapes as sh
+from kvbridge.cli.shapes import SHAPES, SideShape
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.spec import ModelSpec
 from kvbridge.errors import InvalidRequest, KVBridgeError
-
-SHAPES = "Engine shapes (each --prefill-X has a --decode-X)"
 
 LINK_ASSUMPTION = ("every decode rank has its own link at --link-gbps, all ranks move in parallel, "
                    "no protocol overhead: a request takes as long as its busiest decode rank")
@@ -78,32 +77,29 @@ def plan(
     model: str = typer.Argument(..., help="config.json or model DIR (an existing path wins), preset NAME (e.g. llama-3-8b) or built-in tiny model."),
     prefill_tp: int = typer.Option(1, min=1, rich_help_panel=SHAPES),
     decode_tp: int = typer.Option(2, min=1, rich_help_panel=SHAPES),
-    prefill_pp: int = typer.Option(1, min=1, help="Pipeline stages.", rich_help_panel=SHAPES),
-    decode_pp: int = typer.Option(1, min=1, rich_help_panel=SHAPES),
-    prefill_layer_split: Optional[str] = typer.Option(
-        None, help="Layers per PP stage, e.g. 10,6 (VLLM_PP_LAYER_PARTITION) [default: even].", rich_help_panel=SHAPES),
-    decode_layer_split: Optional[str] = typer.Option(None, rich_help_panel=SHAPES),
-    prefill_pcp: int = typer.Option(1, min=1, help="Prefill context parallel ranks.", rich_help_panel=SHAPES),
-    decode_pcp: int = typer.Option(1, min=1, rich_help_panel=SHAPES),
-    prefill_dcp: int = typer.Option(1, min=1, help="Decode context parallel ranks (inside TP).", rich_help_panel=SHAPES),
-    decode_dcp: int = typer.Option(1, min=1, rich_help_panel=SHAPES),
-    prefill_cp_interleave: int = typer.Option(1, min=1, help="Tokens per CP rank in turn "
-                                              "(cp_kv_cache_interleave_size).", rich_help_panel=SHAPES),
-    decode_cp_interleave: int = typer.Option(1, min=1, rich_help_panel=SHAPES),
+    prefill_pp: sh.PrefillPP = 1,
+    decode_pp: sh.DecodePP = 1,
+    prefill_layer_split: sh.PrefillLayerSplit = None,
+    decode_layer_split: sh.DecodeLayerSplit = None,
+    prefill_pcp: sh.PrefillPCP = 1,
+    decode_pcp: sh.DecodePCP = 1,
+    prefill_dcp: sh.PrefillDCP = 1,
+    decode_dcp: sh.DecodeDCP = 1,
+    prefill_cp_interleave: sh.PrefillInterleave = 1,
+    decode_cp_interleave: sh.DecodeInterleave = 1,
     prefill_block_size: int = typer.Option(16, min=1, rich_help_panel=SHAPES),
     decode_block_size: int = typer.Option(16, min=1, rich_help_panel=SHAPES),
     prefill_kernel_block_size: Optional[int] = typer.Option(
         None, min=1, help="Kernel block size [default: the block size].", rich_help_panel=SHAPES),
     decode_kernel_block_size: Optional[int] = typer.Option(None, min=1, rich_help_panel=SHAPES),
-    prefill_group_block_sizes: Optional[str] = typer.Option(
-        None, help="One block size per KV-cache group, e.g. 16,64.", rich_help_panel=SHAPES),
-    decode_group_block_sizes: Optional[str] = typer.Option(None, rich_help_panel=SHAPES),
+    prefill_group_block_sizes: sh.PrefillGroupBlocks = None,
+    decode_group_block_sizes: sh.DecodeGroupBlocks = None,
     prefill_layout: Order = typer.Option(Order.HND, case_sensitive=False, rich_help_panel=SHAPES),
     decode_layout: Order = typer.Option(Order.HND, case_sensitive=False, rich_help_panel=SHAPES),
     prefill_kv_dtype: Optional[str] = typer.Option(
         None, help="KV cache dtype, e.g. bfloat16, fp8 (e4m3), fp8_e5m2 [default: the model's].",
         rich_help_panel=SHAPES),
-    decode_kv_dtype: Optional[str] = typer.Option(None, rich_help_panel=SHAPES),
+    decode_kv_dtype: sh.DecodeKvDtype = None,
     tokens: int = typer.Option(1024, min=1, help="Request length."),
     num_cached_tokens: int = typer.Option(0, min=0, help="Prefix the decode side already holds (not moved)."),
     link_gbps: float = typer.Option(100.0, min=0.001, help="Link speed for the time estimate (Gbit/s)."),

@@ -8,14 +8,39 @@ option, so the two commands cannot drift apart.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Optional
 
 import msgspec
+import typer
 
 from kvbridge.cli.app import BOUNDS
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.spec import ModelSpec, normalize_dtype
 from kvbridge.errors import ConfigError, KVBridgeError
+
+
+SHAPES = "Engine shapes (each --prefill-X has a --decode-X)"
+
+
+def _opt(help: str | None = None, **kw: Any) -> Any:
+    return typer.Option(help=help, rich_help_panel=SHAPES, **kw)
+
+
+# The axes beyond TP and blocks, declared once for `demo` and `plan` (help on the prefill side).
+PrefillPP = Annotated[int, _opt("Pipeline stages.", min=1)]
+DecodePP = Annotated[int, _opt(min=1)]
+PrefillLayerSplit = Annotated[Optional[str], _opt("Layers per PP stage, e.g. 10,6 (VLLM_PP_LAYER_PARTITION) "
+                                                  "[default: even].")]
+DecodeLayerSplit = Annotated[Optional[str], _opt()]
+PrefillPCP = Annotated[int, _opt("Context parallel ranks (PCP).", min=1)]
+DecodePCP = Annotated[int, _opt(min=1)]
+PrefillDCP = Annotated[int, _opt("Decode context parallel ranks (inside TP).", min=1)]
+DecodeDCP = Annotated[int, _opt(min=1)]
+PrefillInterleave = Annotated[int, _opt("Tokens per CP rank in turn (cp_kv_cache_interleave_size).", min=1)]
+DecodeInterleave = Annotated[int, _opt(min=1)]
+PrefillGroupBlocks = Annotated[Optional[str], _opt("One block size per KV-cache group, e.g. 16,64.")]
+DecodeGroupBlocks = Annotated[Optional[str], _opt()]
+DecodeKvDtype = Annotated[Optional[str], _opt()]
 
 
 class SideShape(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,4 +102,4 @@ class SideShape(msgspec.Struct, frozen=True, kw_only=True):
         return layout
 
 
-__all__ = ["SideShape"]
+__all__ = ["SHAPES", "SideShape"]
