@@ -184,3 +184,11 @@ def test_decode_half_defaults_to_the_prefill_servers_transport():
 def test_both_halves_of_the_two_host_demo_say_how_to_authenticate():
     assert "--secret-file" in _one_error_line(run("demo", "--role", "decode", "--prefill", "127.0.0.1:1"))
     assert "--secret-file" in _one_error_line(run("prefill-server", "--listen", "127.0.0.1:1"))
+
+
+def test_bench_staged_reports_each_pairs_path_and_refuses_other_runners():
+    r = run("bench", "--staged", "--tokens", "32", "--repeats", "1", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["default_choice"] == "2 staged / 0 direct" and out["staged_over_contiguous"] > 0
+    assert "--staged" in _one_error_line(run("bench", "--staged", "--transport", "shm"))

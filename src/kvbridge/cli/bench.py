@@ -26,6 +26,8 @@ def bench(
     op: Mode = typer.Option(Mode.pull, help="pull (READ) or push (WRITE), for --transport shm/nixl/mooncake."),
     offload: bool = typer.Option(False, help="GPU<->CPU offload store and load instead of a P/D transfer."),
     engine: Engine = typer.Option(Engine.kvbridge, help="vllm: KVBridgeConnector vs vLLM's NixlConnector per request."),
+    staged: bool = typer.Option(False, help="Device staging (gather / one copy / scatter per rank pair) beside "
+                                "the direct executor and one contiguous copy, with the path each pair took."),
     link_gbps: float = typer.Option(400.0, min=0.001, help="Link speed in Gbit/s that planning time is set "
                                     "against (400 Gbit/s = 50 GB/s), as for `kvbridge plan`."),
     as_json: bool = typer.Option(False, "--json"),
@@ -33,6 +35,9 @@ def bench(
     """Our copies vs a plain contiguous copy of the same bytes, side by side in one run."""
     check_bounds(tokens=tokens, prefill_tp=prefill_tp, decode_tp=decode_tp, prefill_block_size=prefill_block_size,
                  decode_block_size=decode_block_size, repeats=repeats, link_gbps=link_gbps)
+    if staged and (offload or transport != Transport.local or engine == Engine.vllm):
+        from kvbridge.errors import ConfigError
+        raise ConfigError("--staged compares paths of the local executor: drop --offload, --transport and --engine")
     if engine == Engine.vllm:
         from kvbridge.bench.vllm import bench_vllm
         out = bench_vllm(None, prefill_tp, decode_tp)
@@ -49,7 +54,10 @@ def bench(
     with progress:
         task = progress.add_task("repeats", total=repeats)
         tick = lambda done, total: progress.update(task, completed=done)  # noqa: E731
-        if offload:
+        if staged:
+            from kvbridge.bench.staging import bench_staging_pair
+            result = bench_staging_pair(model, tokens, prefill, decode, repeats)
+        elif offload:
             from kvbridge.bench.offload import bench_offload
             result: Any = bench_offload(model, tokens, prefill_block_size, tp_size=prefill_tp, repeats=repeats,
                                         progress=tick)
@@ -64,8 +72,9 @@ def bench(
     if as_json:
         print_json(out)
         return
-    if offload or transport != Transport.local:
-        table = Table(title=f"{model}, {tokens} tokens ({'offload' if offload else transport.value})", show_header=False)
+    if staged or offload or transport != Transport.local:
+        what = "device staging" if staged else "offload" if offload else transport.value
+        table = Table(title=f"{model}, {tokens} tokens ({what})", show_header=False)
         for key, value in out.items():
             table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
         console.print(table)
