@@ -26,7 +26,7 @@ from kvbridge.transport.device_staging import (
 )
 from kvbridge.transport.local import LocalExecutor
 
-CASES = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CASES = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 THRESHOLDS = st.sampled_from([0, 1, 16, 64, 256, 4096, DEFAULT_THRESHOLD_BYTES, 2**62])
 
 

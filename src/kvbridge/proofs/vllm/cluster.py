@@ -88,6 +88,10 @@ class Instance:
         r, w = os.pipe()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # One inductor cache per instance: instances started together compiled into the shared
+        # /tmp/torchinductor_<user> at once and one died of a half-written header (seen once:
+        # "'at::vec' has not been declared", EngineDeadError).
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(workdir / f"inductor-{name}"))
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [python, "-m", "kvbridge.proofs.vllm.server", json.dumps(config), str(w)],
@@ -314,8 +318,11 @@ class Cluster:
         if role is not None and connector == "kvbridge":
             # Ports below the ephemeral range, free now; a bind race with another process is retried (`wait_ready`).
             port = self._ports(tp) if role != "kv_consumer" else 5570
+            # Heartbeats every 30 s (a peer is lost after 90 s of silence): with seven instances on two
+            # cores a sidecar went unheard for over 30 s (the default's limit) and a request failed.
             kv = kvbridge_transfer_config(role, eid, port, transport=transport, mode=self.mode,
-                                          stats_path=str(self.stats), secret_file=self._secret_file())
+                                          stats_path=str(self.stats), secret_file=self._secret_file(),
+                                          heartbeat_seconds=30.0)
         elif role is not None:
             kv = nixl_transfer_config(role, eid)
             if role != "kv_consumer":
