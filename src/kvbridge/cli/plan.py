@@ -19,6 +19,7 @@ from kvbridge.cli.app import Order, app, check_bounds, console, friendly_errors,
 from kvbridge.cli import shapes as sh
 from kvbridge.cli.shapes import SHAPES, SideShape
 from kvbridge.core.layout import EngineLayout
+from kvbridge.core.topology import layer_spans
 from kvbridge.core.spec import ModelSpec
 from kvbridge.errors import InvalidRequest, KVBridgeError
 
@@ -58,17 +59,6 @@ def _request(spec: ModelSpec, prefill: EngineLayout, decode: EngineLayout, token
             free = free[need:]
         return tuple(out)
     return Request(ids(prefill), ids(decode), tokens, cached)
-
-
-def _spans(layers: list[int]) -> str:
-    if not layers:
-        return "-"
-    out, start = [], layers[0]
-    for a, b in zip(layers, layers[1:] + [None]):
-        if b != a + 1:
-            out.append(f"{start}" if start == a else f"{start}-{a}")
-            start = b
-    return ",".join(out)
 
 
 @app.command()
@@ -172,10 +162,10 @@ def _rank(spec: ModelSpec, prefill: EngineLayout, decode: EngineLayout, d: int, 
     seconds = mine.nbytes / (link_gbps * 1e9 / 8)
     return {
         "decode_rank": d, "tp": coords.tp, "pp": coords.pp, "cp": coords.cp, "tp_ratio": ratio,
-        "layers": _spans([int(x) for x in np.flatnonzero(held)]),
+        "layers": layer_spans([int(x) for x in np.flatnonzero(held)]) or "-",
         "tokens": mine_tokens,
         "source_ranks": list(topo.source_ranks("prefill")),
-        "reads": [{"rank": r.rank, "tp": r.tp_rank, "pp": r.pp_rank, "cp": r.cp_rank, "layers": _spans(list(r.layers))}
+        "reads": [{"rank": r.rank, "tp": r.tp_rank, "pp": r.pp_rank, "cp": r.cp_rank, "layers": layer_spans(r.layers) or "-"}
                   for r in topo.read_sources("prefill")],
         "handshake_ranks": list(topo.handshake_target_ranks("prefill")),
         "head_slices": [{"src_rank": s.src_rank, "heads": [s.start, s.stop]} for s in topo.head_slices("prefill")]

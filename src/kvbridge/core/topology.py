@@ -29,6 +29,7 @@ from __future__ import annotations
 import msgspec
 
 from math import lcm
+from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -334,11 +335,11 @@ class TransferTopology:
             if info.layout.world_size > info.tp_size or info.layout.cp_size > 1 or self.local.layout.world_size > \
                     self.tp_size or self.local.layout.cp_size > 1:
                 lines += [f"  reads rank {r.rank} (tp {r.tp_rank}, pp {r.pp_rank}, cp {r.cp_rank}) layers "
-                          f"{_spans(r.layers)}" for r in self.read_sources(eid)]
+                          f"{layer_spans(r.layers)}" for r in self.read_sources(eid)]
         return "\n".join(lines)
 
 
-def _spans(layers: tuple[int, ...]) -> str:
+def layer_spans(layers: Sequence[int]) -> str:
     """'0-3, 6' for (0, 1, 2, 3, 6)."""
     out, start = [], None
     for i, x in enumerate(layers):

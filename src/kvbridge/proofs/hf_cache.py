@@ -436,7 +436,7 @@ def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: i
     return cache
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def as_bits(t: torch.Tensor) -> torch.Tensor:
     """Integer view of the same bytes, so that equality is bitwise (NaN == NaN, -0.0 != 0.0)."""
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     return t.contiguous().view(ints[t.element_size()])
@@ -480,8 +480,8 @@ def cache_differences(a: DynamicCache, b: DynamicCache) -> list[str]:
                                f"{'missing' if t is None else 'present'}")
             elif s.shape != t.shape or s.dtype != t.dtype:
                 out.append(f"layer {li} {name}: {tuple(s.shape)} {s.dtype} != {tuple(t.shape)} {t.dtype}")
-            elif not torch.equal(_bits(s), _bits(t)):
-                n = int((_bits(s) != _bits(t)).sum())
+            elif not torch.equal(as_bits(s), as_bits(t)):
+                n = int((as_bits(s) != as_bits(t)).sum())
                 out.append(f"layer {li} {name}: {n} of {s.numel()} elements differ")
     return out
 
@@ -502,5 +502,5 @@ def save_cache(cache: DynamicCache, path: str | Path) -> None:
     save_file(tensors, str(path))
 
 
-__all__ = ["BlockIds", "cache_differences", "export_cache", "export_states", "export_tokens", "gather_kv",
+__all__ = ["BlockIds", "as_bits", "cache_differences", "export_cache", "export_states", "export_tokens", "gather_kv",
            "gather_states", "import_cache", "layer_map", "replica_mismatches", "save_cache"]

@@ -57,16 +57,11 @@ def to_model(full: torch.Tensor, layout: EngineLayout, li: int, ci: int, engine_
                         for h in range(full.shape[0])])
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return t.contiguous().view(ints[t.element_size()])
-
-
 def conversion_mismatches(spec: ModelSpec, src: Sequence[RankCache], dst: Sequence[RankCache],
                           request: Request) -> tuple[list[str], int]:
     """Decode elements that are not the reference conversion of their prefill element; and how many
     elements were checked (every attention element the decode ranks hold for the moved positions)."""
-    from kvbridge.proofs.hf_cache import gather_kv  # the prefill side's elements, each from a rank holding it
+    from kvbridge.proofs.hf_cache import as_bits, gather_kv  # (hf_cache imports this module: import here)
     n, cached = request.num_tokens, request.num_cached_tokens
     source = gather_kv(src, request.src_block_ids, n)
     s_layout, s_spec = src[0].layout, src[0].spec
@@ -94,7 +89,7 @@ def conversion_mismatches(spec: ModelSpec, src: Sequence[RankCache], dst: Sequen
                     elements = source[li][ci][h, torch.from_numpy(positions)]
                     conv = Conversion(sd, dd, _scale(s_layout, li, ci, h), _scale(rc.layout, li, ci, h))
                     want = elements if (sd, conv.src_scale) == (dd, conv.dst_scale) else convert_elements(elements, conv)
-                    bad = int((_bits(want) != _bits(got[:, j])).sum())
+                    bad = int((as_bits(want) != as_bits(got[:, j])).sum())
                     checked += want.numel()
                     if bad:
                         out.append(f"rank {rc.rank} layer {li} {comp.name} head {h}: {bad} of {want.numel()} elements "
