@@ -63,9 +63,21 @@ def test_the_segment_maps_in_another_process():
     assert out.stdout.strip() == "2.0" and float(layers[1].flatten()[1]) == 9.0
 
 
+def test_padded_pages_are_shared_from_first_block_to_last_state():
+    """vLLM's hybrid allocator views a Mamba layer as `[blocks, ...]` with a block stride of the
+    unified page, larger than the state: the region runs from the first page to the last state's end."""
+    raw = torch.zeros(8 * 4096, dtype=torch.int8)
+    state = raw.as_strided((8, 1, 1, 1000), (4096, 1000, 1000, 1), storage_offset=0)
+    attention = raw.view(8, 4096)[:, :3072].view(8, 3, 1024)  # smaller blocks padded to the page
+    handles, regions = share_tensors([state, attention], "test-handles")
+    assert [(r.offset, r.nbytes) for r in regions] == [(0, 7 * 4096 + 1000), (0, 7 * 4096 + 3072)]
+    state[7].fill_(5)
+    assert int(open_regions(handles, regions)[0][7 * 4096 + 999]) == 5
+
+
 def test_bad_inputs_are_refused():
     _, layers, _ = _vllm_like_cache()
-    with pytest.raises(IncompatibleEngines, match="not contiguous"):
+    with pytest.raises(IncompatibleEngines, match="neither contiguous"):
         share_tensors([layers[0].transpose(0, 1)], "t")
     handles, regions = share_tensors(layers, "test-handles")
     with pytest.raises(IncompatibleEngines, match="outside"):

@@ -11,6 +11,7 @@ every element where the decode engine's kernel will read it.
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -130,7 +131,7 @@ def test_peer_layout_round_trip_and_refusals():
     with pytest.raises(IncompatibleEngines, match="HND, blocks_first, per_layer"):
         VllmCpuLayout(tp_size=1, kv_order="NHD", kv_placement="blocks_first")
     mla = ModelSpec.uniform(2, 1, 64, "float32", kinds=("mla",))
-    with pytest.raises(IncompatibleEngines, match="K/V attention layers only"):
+    with pytest.raises(IncompatibleEngines, match="attention and recurrent"):
         vllm_cpu_spec(mla)
     with pytest.raises(IncompatibleEngines, match="describe the model with vllm_cpu_spec"):
         layout.addressing(PLAIN, 0)
@@ -142,3 +143,89 @@ def test_spec_keeps_geometry_and_fingerprint():
     SPEC.check_compatible(PLAIN)
     assert [c.name for c in SPEC.layers[0].components][:2] == ["k0", "k1"]
     assert len(SPEC.layers[0].components) == DIM + 1
+
+
+# --- hybrid (Mamba2 + attention) as vLLM CPU's hybrid allocator keeps it ---------------------------------------------
+# Nemotron-H "M*M*": per block id one unified page per layer (vLLM pads the smaller kind to the
+# larger); an attention block is [H_local, N, 2*D] (K^T | V per head), a Mamba page is the conv
+# state [kernel-1, conv_local] (SD: row r holds every local channel's r-th value, channels
+# x_local | B_local | C_local) then the SSM state [heads_local, head_dim, state], unpadded.
+M_HEADS, M_DIM, GROUPS, STATE, KERNEL, H_KV, H_DIM = 4, 32, 2, 16, 4, 2, 32
+
+
+def hybrid_spec() -> ModelSpec:
+    import transformers
+
+    from kvbridge.integrations.vllm.layout import vllm_conv_rows
+    from kvbridge.models.config import spec_from_hf_config
+
+    config = transformers.NemotronHConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4, hybrid_override_pattern="M*M*",
+        num_attention_heads=4, num_key_value_heads=H_KV, head_dim=H_DIM, mamba_num_heads=M_HEADS,
+        mamba_head_dim=M_DIM, n_groups=GROUPS, ssm_state_size=STATE, conv_kernel=KERNEL)
+    return vllm_cpu_spec(vllm_conv_rows(spec_from_hf_config(config.to_dict(), dtype="float32", warn=False)))
+
+
+def hybrid_engine(layout: VllmCpuLayout, spec: ModelSpec, state: dict, kv: torch.Tensor, ids: dict) -> list:
+    """Per rank, per layer, the flat float32 pages vLLM would hold after the prefill: `state[li]`
+    (conv [KERNEL-1, x|B|C channels], ssm [heads, dim, state]) in request block `ids["m"]`, and
+    `kv[li, k/v, token, head, :]` in the attention blocks `ids["a"]`."""
+    tp, page = layout.tp_size, layout.addressing(spec, 0).block_stride.max() // 4
+    out = []
+    for r in range(tp):
+        tensors = []
+        for li, layer in enumerate(spec.layers):
+            buf = torch.zeros(layout.num_blocks * page)
+            pages = buf.view(layout.num_blocks, page)
+            if layer.is_recurrent:
+                conv, ssm = state[li]
+                x, b, c = conv.split([M_HEADS * M_DIM, GROUPS * STATE, GROUPS * STATE], dim=1)
+                local = torch.cat([t.chunk(tp, dim=1)[r] for t in (x, b, c)], dim=1)  # vLLM's x|B|C split per TP
+                s = ssm.chunk(tp)[r].reshape(-1)
+                pages[ids["m"], : local.numel()] = local.reshape(-1)
+                pages[ids["m"], local.numel(): local.numel() + s.numel()] = s
+            else:
+                hl, n = H_KV // tp, layout.group_block_size(spec.layer_group[li])
+                blocks = pages[:, : hl * n * 2 * H_DIM].view(layout.num_blocks, hl, n, 2 * H_DIM)
+                for t in range(kv.shape[2]):
+                    blk, off = ids["a"][t // n], t % n
+                    for h in range(hl):
+                        chunk = blocks[blk, h].view(2, n * H_DIM)
+                        chunk[0].view(H_DIM, n)[:, off] = kv[li, 0, t, r * hl + h]  # K transposed
+                        chunk[1].view(n, H_DIM)[off] = kv[li, 1, t, r * hl + h]
+            tensors.append(buf)
+        out.append(tensors)
+    return out
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 2), (2, 1), (2, 2)])
+def test_hybrid_plans_land_state_and_kv_where_vllm_reads_them(p_tp, d_tp):
+    spec = hybrid_spec()
+    assert [layer.kind for layer in spec.layers] == ["recurrent", "full", "recurrent", "full"]
+    src = VllmCpuLayout(tp_size=p_tp, block_size=64, num_blocks=6, group_block_sizes=(512, 64), kv_order="HND",
+                        kv_placement="blocks_first", layer_placement="per_layer")
+    dst = msgspec.structs.replace(src, tp_size=d_tp)
+    n = 70
+    g = torch.Generator().manual_seed(p_tp * 10 + d_tp)
+    state = {li: (torch.randn(KERNEL - 1, M_HEADS * M_DIM + 2 * GROUPS * STATE, generator=g),
+                  torch.randn(M_HEADS, M_DIM, STATE, generator=g)) for li in (0, 2)}
+    kv = torch.randn(4, 2, n, H_KV, H_DIM, generator=g)
+    src_ids, dst_ids = {"m": 4, "a": [1, 3]}, {"m": 0, "a": [5, 2]}
+    src_engine = hybrid_engine(src, spec, state, kv, src_ids)
+    want = hybrid_engine(dst, spec, state, kv, dst_ids)
+    got = [[torch.zeros_like(t) for t in ts] for ts in want]
+    # kvbridge's groups: (recurrent layers), (attention layers); per group its block ids
+    request = Request(((src_ids["m"],), tuple(src_ids["a"])), ((dst_ids["m"],), tuple(dst_ids["a"])), n)
+    plan = plan_request(spec, src, dst, request)
+
+    def cache(layout, r, tensors):  # each layer's region runs from its first page to its last state's end
+        sizes = layout.addressing(spec, r).region_nbytes
+        return RankCache(spec, layout, r, [t.view(torch.uint8)[:size] for t, size in zip(tensors, sizes)])
+
+    LocalExecutor([cache(src, r, t) for r, t in enumerate(src_engine)],
+                  [cache(dst, r, t) for r, t in enumerate(got)]).execute(plan)
+    for r in range(d_tp):
+        for li in range(4):
+            assert torch.equal(got[r][li], want[r][li]), (r, li)  # every byte, and nothing else written
+    state_bytes = 4 * ((KERNEL - 1) * (M_HEADS * M_DIM + 2 * GROUPS * STATE) + M_HEADS * M_DIM * STATE)
+    assert plan.nbytes == 2 * state_bytes + 2 * 2 * n * H_KV * H_DIM * 4

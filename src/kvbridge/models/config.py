@@ -42,6 +42,10 @@ from kvbridge.models.untrusted import _NESTED, load_config, safe_text
 _ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # attention K/V and recurrent state in one cache layer: described as the attention part, then the recurrent part
 _HYBRID_TYPES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
+# Layer types that older transformers (5.19, which vLLM 0.32 pins) mapped to an empty
+# LinearAttentionLayer and newer ones to DummyLayer: an MLP / MoE block of a hybrid stack stores
+# nothing whichever class holds its place.
+_STATELESS_TYPES = ("dummy", "mlp", "moe")
 _REFUSED_TYPES = {
     "heavily_compressed_attention": "compressed attention cache",
     "compressed_sparse_attention": "compressed sparse attention cache",
@@ -246,7 +250,7 @@ def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], 
             return previous
         from kvbridge.models.recurrent import recurrent_layer
         return recurrent_layer(text.to_dict(), -1 if view == "engine" else 0, state_dtype, i, shown or lt)
-    if lt == "dummy":  # transformers' DummyLayer stores no cache for this layer
+    if lt in _STATELESS_TYPES:  # transformers' DummyLayer (or an old name for it) stores no cache for this layer
         return LayerSpec("stateless")
     what = _REFUSED_TYPES.get(lt, "a cache layer kvbridge does not know")
     raise ConfigError(f"layer {i} has type {lt!r} ({what}); kvbridge cannot move it yet")

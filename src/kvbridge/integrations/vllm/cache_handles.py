@@ -62,6 +62,19 @@ class Region(msgspec.Struct, frozen=True, array_like=True):
     nbytes: int
 
 
+def _blocks_apart(t: torch.Tensor) -> bool:
+    """Contiguous blocks along dim 0 at a stride of at least a block (vLLM's padded pages:
+    a Mamba state page, or an attention block of the hybrid allocator's unified page)."""
+    return t.dim() > 0 and t[0].is_contiguous() and t.stride(0) >= t[0].numel()
+
+
+def _footprint(t: torch.Tensor) -> int:
+    """Bytes from the tensor's first byte to its last (its blocks and the pages between them)."""
+    if t.numel() == 0:
+        return 0
+    return ((t.shape[0] - 1) * t.stride(0) + t[0].numel()) * t.element_size() if t.dim() else t.element_size()
+
+
 def share_tensors(tensors: Sequence[torch.Tensor], prefix: str) -> tuple[list[StorageHandle], list[Region]]:
     """Handles of the storages behind `tensors` (contiguous, all on one device) and where each tensor lies.
 
@@ -72,8 +85,9 @@ def share_tensors(tensors: Sequence[torch.Tensor], prefix: str) -> tuple[list[St
     if len(devices) != 1:
         raise IncompatibleEngines(f"KV cache tensors on several devices: {sorted(map(str, devices))}")
     for t in tensors:
-        if not t.is_contiguous():
-            raise IncompatibleEngines(f"a KV cache tensor {tuple(t.shape)} is not contiguous")
+        if not (t.is_contiguous() or _blocks_apart(t)):
+            raise IncompatibleEngines(f"a KV cache tensor {tuple(t.shape)} with strides {t.stride()} is neither "
+                                      f"contiguous nor contiguous blocks a fixed stride apart")
     index: dict[int, int] = {}  # storage address -> its handle's index
     storages: list[torch.UntypedStorage] = []
     regions: list[Region] = []
@@ -82,7 +96,7 @@ def share_tensors(tensors: Sequence[torch.Tensor], prefix: str) -> tuple[list[St
         if s.data_ptr() not in index:
             index[s.data_ptr()] = len(storages)
             storages.append(s)
-        regions.append(Region(index[s.data_ptr()], t.data_ptr() - s.data_ptr(), t.numel() * t.element_size()))
+        regions.append(Region(index[s.data_ptr()], t.data_ptr() - s.data_ptr(), _footprint(t)))
     device = next(iter(devices))
     if device.type == "cuda":
         return [_cuda_handle(s, device.index or 0) for s in storages], regions

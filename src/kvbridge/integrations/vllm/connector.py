@@ -36,10 +36,22 @@ VRAM as they are). The worker only forwards commands and collects events over a 
 blocking an engine step; the sidecar is not starved by the engine thread's GIL (measured: a
 thread in the worker was, for 10 s).
 
-Limits (each refused with a message, none silently wrong): K/V attention models only (no MLA
-or Mamba state: vLLM CPU's layouts for those are not described yet), no hybrid allocator
-(vLLM CPU has none), one decode engine per prefill request (the proxy can name it with
-`"remote_decode_engine_id"` in the prefill params when several decode engines are connected).
+Hybrid models (attention + Mamba-style state, e.g. Nemotron-H): the connector declares
+`SupportsHMA`, so vLLM keeps its hybrid allocator (without it vLLM turns the allocator off and
+cannot lay out a hybrid cache at all). Each vLLM KV-cache group is one kvbridge group with its own
+block ids and block size; the geometry comes from the model's config through transformers
+(`spec_from_hf_config`, the engine view), the conv state in vLLM's row order (`vllm_conv_rows`),
+every layer on one unified, padded page, and each tensor vLLM registers is checked against it.
+The prefill side holds back the last prompt token of a hybrid request (as vLLM's NixlConnector
+does), so the decode side receives the state after N-1 tokens and computes the last one once.
+
+Limits (each refused with a message, none silently wrong): no MLA (vLLM CPU runs MLA only at
+head sizes that no tiny test model has, so it is not described or tested), no gated delta net
+(vLLM CPU runs it in bfloat16 only), a hybrid grouping other than one vLLM group per layer kind
+is refused (start vLLM with `--disable-hybrid-kv-cache-manager`), no prefix caching of
+recurrent state (`mamba_cache_mode` other than "none"), one decode engine per prefill request
+(the proxy can name it with `"remote_decode_engine_id"` in the prefill params when several
+decode engines are connected).
 """
 
 from __future__ import annotations
@@ -53,12 +65,12 @@ import msgspec
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults)
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults, SupportsHMA)
 from vllm.logger import init_logger
 
 from kvbridge.errors import ConfigError, IncompatibleEngines
 from kvbridge.integrations.vllm.cache_handles import share_tensors
-from kvbridge.integrations.vllm.layout import VllmCpuLayout, vllm_cpu_layout, vllm_cpu_spec
+from kvbridge.integrations.vllm.layout import VllmCpuLayout, vllm_conv_rows, vllm_cpu_layout, vllm_cpu_spec
 from kvbridge.integrations.vllm.sidecar import (Abandon, Expect, Fatal, Init, Received, Recv, Released, Send, Settings,
                                                 SidecarClient)
 from kvbridge.core.layout import EngineLayout
@@ -130,8 +142,11 @@ def _cdiv(a: int, b: int) -> int:
 # The connector
 # ------------------------------------------------------------------------------------------------
 
-class KVBridgeConnector(KVConnectorBase_V1):
-    """kvbridge topology + planner + transport behind vLLM's KVConnectorBase_V1 (see module doc)."""
+class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvbridge topology + planner + transport behind vLLM's KVConnectorBase_V1 (see module doc).
+
+    `SupportsHMA`: the request's blocks come per KV-cache group (`request_finished_all_groups`),
+    so hybrid models (attention + Mamba state) keep vLLM's hybrid allocator."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -163,6 +178,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, (tuple(block_ids),))
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, tuple(tuple(g) for g in block_ids))
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return tuple(self._kv_cache_config.transfer_group_ids)
@@ -208,6 +227,11 @@ class _Scheduler:
         self.conn = conn
         self.block_size = cfg.cache_config.block_size
         self.tp_size = cfg.parallel_config.tensor_parallel_size
+        kvc = conn._kv_cache_config
+        # vLLM's groups in kvbridge's order (by first layer) and their block sizes; recurrent state
+        # (Mamba) needs h(N-1) on the decode side, which derives h(N) from the last prompt token.
+        self.group_order, self.group_block_sizes = _group_order(kvc, self.block_size)
+        self.has_state = bool(getattr(kvc, "has_mamba_layers", False))
         s = conn.settings
         self.address = (s.side_channel_host, s.side_channel_port)
         self._meta = KVBridgeMetadata()
@@ -225,6 +249,8 @@ class _Scheduler:
 
     def on_new_request(self, request: Request) -> None:
         p = request.kv_transfer_params
+        if self.has_state and self.conn.produces and p and p.get("do_remote_decode"):
+            _hold_back_last_token(request)
         if self.conn.consumes and p and p.get("do_remote_prefill") and self._complete(p):
             # Heartbeat the prefill lease while the request waits in our queue.
             self._meta.expect.append((p["remote_engine_id"], _address(p), p["remote_request_id"]))
@@ -247,10 +273,17 @@ class _Scheduler:
                            "locally", request.request_id, p)
             return
         n = self._remote_tokens(request, p)
-        ids = tuple(tuple(int(b) for b in group[: _cdiv(n, self.block_size)]) for group in blocks.get_block_ids())
+        ids = self._ids(blocks.get_block_ids(), n)
         self._meta.recv.append(RecvReq(
             request.request_id, str(p["remote_request_id"]), str(p["remote_engine_id"]), _address(p), ids, n,
             num_cached_tokens=n - num_external_tokens, report=num_external_tokens > 0))
+
+    def _ids(self, groups, n: int) -> BlockIds:
+        """vLLM's per-group block ids of a request of `n` tokens, in kvbridge's group order."""
+        groups = tuple(groups)
+        if len(groups) != len(self.group_order):
+            raise IncompatibleEngines(f"{len(groups)} block-id groups where the KV cache has {len(self.group_order)}")
+        return tuple(tuple(int(b) for b in groups[g][: _cdiv(n, self.group_block_sizes[g])]) for g in self.group_order)
 
     def build_connector_meta(self) -> KVBridgeMetadata:
         meta, self._meta = self._meta, KVBridgeMetadata()
@@ -273,7 +306,7 @@ class _Scheduler:
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted: nothing was announced, vLLM frees the blocks now
         n = int(request.num_computed_tokens)
-        ids = tuple(tuple(int(b) for b in g[: _cdiv(n, self.block_size)]) for g in block_ids)
+        ids = self._ids(block_ids, n)
         if n <= 0 or not any(ids):
             return False, None
         self._meta.send.append(SendReq(request.request_id, ids, n, p.get("remote_decode_engine_id")))
@@ -283,6 +316,33 @@ class _Scheduler:
             remote_engine_id=self.conn.engine_id, remote_request_id=request.request_id, remote_host=host,
             remote_port=port, remote_num_tokens=n, tp_size=self.tp_size, transfer_mode=self.conn.settings.mode,
             kv_connector="KVBridgeConnector")
+
+
+def _group_order(kv_cache_config: KVCacheConfig, default_block: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """vLLM's KV-cache group indices ordered by their first layer (kvbridge's group order), and
+    each vLLM group's block size."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if not groups:
+        return (0,), (default_block,)
+    first = [min((extract_layer_index(n) for n in g.layer_names), default=0) for g in groups]
+    sizes = tuple(int(getattr(g.kv_cache_spec, "block_size", default_block)) for g in groups)
+    return tuple(sorted(range(len(groups)), key=first.__getitem__)), sizes
+
+
+def _hold_back_last_token(request: Request) -> None:
+    """Prefill side of a model with recurrent state: compute all prompt tokens but the last, so
+    that the state handed over is h(N-1) and the decode engine, which always computes the last
+    prompt token itself, derives h(N) once (vLLM's NixlConnector does the same)."""
+    p = request.kv_transfer_params
+    if p.get("_kvbridge_held_back") or request.num_prompt_tokens < 2 or request.prompt_token_ids is None:
+        return
+    del request.prompt_token_ids[-1:]
+    del request._all_token_ids[-1:]
+    request.num_prompt_tokens -= 1
+    request.max_tokens = 1
+    p["_kvbridge_held_back"] = True
 
 
 def _address(params: dict[str, Any]) -> str:
@@ -303,6 +363,8 @@ def spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_
     layout_name = str(getattr(vllm_config.cache_config.get_resolved_kv_cache_layout(), "name", ""))
     if layout_name and layout_name != "LBHNC":
         raise IncompatibleEngines(f"KVBridgeConnector describes vLLM CPU's LBHNC cache; this engine uses {layout_name}")
+    if len(kv_cache_config.kv_cache_groups) > 1 or kv_cache_config.has_mamba_layers:
+        return _hybrid_spec_and_layout(vllm_config, kv_cache_config, kv_caches, tp_size)
     names = sorted(kv_caches, key=extract_layer_index)
     if [extract_layer_index(n) for n in names] != list(range(len(names))):
         raise IncompatibleEngines(f"KV cache layers are not 0..n-1: {names}")
@@ -328,6 +390,75 @@ def spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_
         raise IncompatibleEngines(f"cache has {local_heads} KV heads per rank; {total_heads} over TP {tp_size} "
                                   f"gives {max(1, total_heads // tp_size)}")
     return spec, vllm_cpu_layout(tp_size, block_size, num_blocks, kbs), names
+
+
+def _hybrid_spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                            kv_caches: dict[str, torch.Tensor], tp_size: int) -> tuple[ModelSpec, VllmCpuLayout, list[str]]:
+    """Several KV-cache groups (vLLM's hybrid allocator): the geometry comes from the model's
+    config through transformers (`spec_from_hf_config`, vLLM's view: conv states of kernel - 1
+    values), each layer's state as vLLM keeps it (`vllm_conv_rows`), one block size per group;
+    then every layer's tensor is checked against it (shape, bytes per block, unified page),
+    so a vLLM whose layout differs is refused instead of misread."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    from kvbridge.models.config import spec_from_hf_config
+
+    mc = vllm_config.model_config
+    by_index: dict[int, str] = {}
+    for name in kv_caches:
+        i = extract_layer_index(name)
+        if i in by_index:
+            raise IncompatibleEngines(f"layers {by_index[i]} and {name} share index {i}")
+        by_index[i] = name
+    attn = [kv_caches[n] for n in kv_caches if kv_caches[n].dtype != torch.int8]
+    dtype = normalize_dtype(str(attn[0].dtype if attn else mc.dtype))
+    states = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups if hasattr(g.kv_cache_spec, "shapes")]
+    modes = {str(getattr(s, "mamba_cache_mode", "none")) for s in states}
+    if modes - {"none"}:
+        raise IncompatibleEngines(f"vLLM caches recurrent state per prefix (mamba_cache_mode {sorted(modes)}); "
+                                  f"KVBridgeConnector moves one state per request: start vLLM without prefix caching")
+    state_dtype = normalize_dtype(str(states[0].dtypes[-1])) if states else None
+    spec = spec_from_hf_config(mc.hf_config.to_dict(), dtype=dtype, view="engine", state_dtype=state_dtype, warn=False)
+    if str(get_conv_state_layout()) == "SD":
+        spec = vllm_conv_rows(spec)
+    spec = vllm_cpu_spec(ModelSpec(spec.layers, spec.dtype, str(mc.model)))
+    held = [i for i, layer in enumerate(spec.layers) if not layer.is_stateless]
+    if sorted(by_index) != held:
+        raise IncompatibleEngines(f"vLLM caches layers {sorted(by_index)}; the model's config gives state to {held}")
+    names = [by_index[i] for i in held]
+    # Each kvbridge group (layers of one kind) must be exactly one vLLM group.
+    group_of = {n: g for g, grp in enumerate(kv_cache_config.kv_cache_groups) for n in grp.layer_names}
+    block_sizes = []
+    for layers in spec.groups:
+        vgroups = {group_of.get(by_index[i]) for i in layers}
+        if len(vgroups) != 1 or None in vgroups or len(kv_cache_config.kv_cache_groups[vgroups.pop()].layer_names) \
+                != len(layers):
+            raise IncompatibleEngines(
+                f"vLLM groups layers {layers} ({spec.layers[layers[0]].kind}) differently from kvbridge (one group per "
+                f"layer kind); start vLLM with --disable-hybrid-kv-cache-manager")
+        block_sizes.append(int(kv_cache_config.kv_cache_groups[group_of[by_index[layers[0]]]].kv_cache_spec.block_size))
+    num_blocks = int(kv_cache_config.num_blocks)
+    layout = VllmCpuLayout(tp_size=tp_size, block_size=int(vllm_config.cache_config.block_size), num_blocks=num_blocks,
+                           group_block_sizes=tuple(block_sizes), kv_order="HND", kv_placement="blocks_first",
+                           layer_placement="per_layer")
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    addr = layout.addressing(spec, get_tensor_model_parallel_rank())
+    for li, name in zip(held, names):
+        t, layer = kv_caches[name], spec.layers[li]
+        g = spec.layer_group[li]
+        nbytes = int(addr.heads[li, : addr.num_components[li]] @ addr.row_bytes[li, : addr.num_components[li]])
+        want_blocks = num_blocks * (1 if layer.is_recurrent else layout.group_block_size(g) // layout.group_kernel_size(g))
+        per_block = nbytes if layer.is_recurrent else nbytes * layout.group_kernel_size(g)
+        stride = t.stride(0) * t.element_size()
+        got = t[0].numel() * t.element_size() if t.dim() else 0
+        if t.dim() != 4 or t.shape[0] != want_blocks or got != per_block or stride != int(addr.block_stride[li, 0]):
+            raise IncompatibleEngines(
+                f"layer {name} ({layer.kind}): vLLM's cache is {tuple(t.shape)} {t.dtype} with a block stride of "
+                f"{stride} B; kvbridge expects {want_blocks} blocks of {per_block} B every "
+                f"{int(addr.block_stride[li, 0])} B")
+    return spec, layout, names
 
 
 def check_cpu_kv_layout(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto") -> str:
@@ -375,9 +506,11 @@ class _Worker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         spec, layout, names = spec_and_layout(self.conn._vllm_config, self.conn._kv_cache_config, kv_caches,
                                               self.tp_size)
-        first = kv_caches[names[0]]
-        isa = check_cpu_kv_layout(first.dtype, layout.kernel_size, spec.layers[0].key_dim,
-                                  self.conn._vllm_config.cache_config.cache_dtype)
+        name_of = dict(zip((i for i, layer in enumerate(spec.layers) if not layer.is_stateless), names))
+        li = next((i for i in name_of if spec.layers[i].is_attention), None)
+        isa = "none (no attention layers)" if li is None else check_cpu_kv_layout(
+            kv_caches[name_of[li]].dtype, layout.group_kernel_size(spec.layer_group[li]), spec.layers[li].key_dim,
+            self.conn._vllm_config.cache_config.cache_dtype)
         self._keep = [kv_caches[n] for n in names]
         t0 = time.perf_counter()
         storages, regions = share_tensors(self._keep, f"vllm-{self.conn.engine_id[:24]}-r{self.rank}")

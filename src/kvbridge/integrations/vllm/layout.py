@@ -58,13 +58,38 @@ def _cpu_components(heads: int, key_dim: int, value_dim: int) -> tuple[Component
 
 def vllm_cpu_spec(spec: ModelSpec) -> ModelSpec:
     """`spec` with every full/sliding attention layer as a `VllmCpuLayerSpec` (same geometry,
-    same fingerprint: the subclass only changes how components are addressed)."""
+    same fingerprint: the subclass only changes how components are addressed). Recurrent and
+    stateless layers stay as they are (see `vllm_conv_rows` for the conv state's row order)."""
     layers = []
     for i, layer in enumerate(spec.layers):
-        if layer.kind not in ("full", "sliding"):
+        if layer.kind not in ("full", "sliding", "recurrent", "stateless"):
             raise IncompatibleEngines(f"layer {i} is {layer.kind!r}: the vLLM CPU connector moves K/V attention "
-                                      f"layers only")
-        layers.append(layer if isinstance(layer, VllmCpuLayerSpec) else VllmCpuLayerSpec(**msgspec.structs.asdict(layer)))
+                                      f"and recurrent (Mamba-style) layers only")
+        if layer.kind in ("full", "sliding") and not isinstance(layer, VllmCpuLayerSpec):
+            layer = VllmCpuLayerSpec(**msgspec.structs.asdict(layer))
+        layers.append(layer)
+    return ModelSpec(tuple(layers), spec.dtype, spec.name)
+
+
+def vllm_conv_rows(spec: ModelSpec) -> ModelSpec:
+    """Recurrent layers with their conv state as vLLM keeps it by default ("SD": `[kernel - 1,
+    conv_dim]`, `mamba_utils.get_conv_state_layout`): row r holds every local channel's r-th
+    value, segments x|B|C (or q|k|v) one after the other. kvbridge's components keep a channel's
+    values together (the "DS" order), so each conv component `c` becomes one component per row,
+    `c@r`, of the same units with `dim / rows` elements: back to back they are exactly vLLM's
+    rows, and every TP rule of `c` still holds."""
+    layers = []
+    for layer in spec.layers:
+        if layer.is_recurrent and layer.conv_rows > 0 and not any("@" in c.name for c in layer.state):
+            rows = layer.conv_rows
+            conv = [c for c in layer.state if c.name.startswith("conv")]
+            rest = [c for c in layer.state if not c.name.startswith("conv")]
+            if any(c.dim % rows for c in conv):
+                raise IncompatibleEngines(f"a conv component of {layer.recurrent_type or 'a recurrent layer'} does not "
+                                          f"hold {rows} values per channel")
+            split = [msgspec.structs.replace(c, name=f"{c.name}@{r}", dim=c.dim // rows) for r in range(rows) for c in conv]
+            layer = msgspec.structs.replace(layer, state=tuple(split + rest))
+        layers.append(layer)
     return ModelSpec(tuple(layers), spec.dtype, spec.name)
 
 
@@ -125,34 +150,77 @@ class VllmTopology(TransferTopology):
 
 @lru_cache(maxsize=256)
 def _cpu_addressing(spec: ModelSpec, layout: VllmCpuLayout, rank: int) -> Addressing:
+    """Attention layers as in the module doc. Recurrent layers (vLLM's `MambaSpec`): one state
+    page per block id, its components back to back with no padding (vLLM's `shapes` in order).
+    With both kinds (the hybrid allocator) every layer's block stride is one unified page: the
+    larger of an attention block and a state (vLLM pads the smaller to it: `page_size_padded`),
+    and a layer's region spans its pages up to the last state's end (groups overlay the same
+    allocation; a block id belongs to one group at a time)."""
     if not 0 <= rank < layout.tp_size:
         raise InvalidRequest(f"rank {rank} outside TP size {layout.tp_size}")
     layout.check_model(spec)
-    L, C, kbs, nkb = spec.num_layers, spec.max_components, layout.kernel_size, layout.num_kernel_blocks
+    L, C = spec.num_layers, spec.max_components
     arrays = {k: np.zeros((L, C), dtype=np.int64) for k in
               ("region", "base", "block_stride", "token_stride", "head_stride", "row_bytes", "heads", "first_head")}
     ncomp = np.zeros(L, dtype=np.int64)
     region_nbytes: list[int] = []
+    page = _unified_page(spec, layout, rank)
     for li, layer in enumerate(spec.layers):
-        if not isinstance(layer, VllmCpuLayerSpec):
-            raise IncompatibleEngines(
-                f"layer {li} ({layer.kind}) is not a VllmCpuLayerSpec: describe the model with vllm_cpu_spec()")
         comps = layer.components
         ncomp[li] = len(comps)
-        h0, h1 = head_range(comps[0].heads, layout.tp_size, rank)
+        if layer.is_stateless:
+            continue
+        if not isinstance(layer, VllmCpuLayerSpec) and not layer.is_recurrent:
+            raise IncompatibleEngines(
+                f"layer {li} ({layer.kind}) is not a VllmCpuLayerSpec: describe the model with vllm_cpu_spec()")
+        g = spec.layer_group[li]
         rows = [c.dim * spec.component_itemsize(c) for c in comps]
+        if layer.is_recurrent:
+            base = 0
+            for ci, (c, row) in enumerate(zip(comps, rows)):
+                h0, h1 = head_range(c.heads, layout.tp_size, rank, layer.replicated)
+                _put(arrays, li, ci, region=len(region_nbytes), base=base, block_stride=page, token_stride=0,
+                     head_stride=row, row_bytes=row, heads=h1 - h0, first_head=h0)
+                base += (h1 - h0) * row
+            region_nbytes.append((layout.num_blocks - 1) * page + base)
+            continue
+        kbs, nkb = layout.group_kernel_size(g), layout.group_num_kernel_blocks(g)
+        h0, h1 = head_range(comps[0].heads, layout.tp_size, rank)
         head_chunk = kbs * sum(rows)  # one head of one kernel block: K^T, then V rows
+        bstride = page or (h1 - h0) * head_chunk
         base = 0
         for ci, row in enumerate(rows):
-            for key, value in (("region", li), ("base", base), ("block_stride", (h1 - h0) * head_chunk),
-                               ("token_stride", row), ("head_stride", head_chunk), ("row_bytes", row),
-                               ("heads", h1 - h0), ("first_head", h0)):
-                arrays[key][li, ci] = value
+            _put(arrays, li, ci, region=len(region_nbytes), base=base, block_stride=bstride, token_stride=row,
+                 head_stride=head_chunk, row_bytes=row, heads=h1 - h0, first_head=h0)
             base += kbs * row
-        region_nbytes.append(nkb * (h1 - h0) * head_chunk)
+        region_nbytes.append((nkb - 1) * bstride + (h1 - h0) * head_chunk)
     for a in arrays.values():
         a.setflags(write=False)
     return Addressing(num_components=ncomp, region_nbytes=tuple(region_nbytes), **arrays)
 
 
-__all__ = ["VllmCpuLayerSpec", "VllmCpuLayout", "VllmTopology", "as_vllm_cpu", "vllm_cpu_layout", "vllm_cpu_spec"]
+def _put(arrays: dict[str, np.ndarray], li: int, ci: int, **values: int) -> None:
+    for key, value in values.items():
+        arrays[key][li, ci] = value
+
+
+def _unified_page(spec: ModelSpec, layout: VllmCpuLayout, rank: int) -> int:
+    """The hybrid allocator's page (bytes per block id, every layer) for `rank`; 0 without
+    recurrent layers (attention blocks are then dense: kernel block after kernel block)."""
+    if not spec.has_recurrent:
+        return 0
+    page = 0
+    for li, layer in enumerate(spec.layers):
+        if layer.is_recurrent:
+            page = max(page, sum((lambda r: r[1] - r[0])(head_range(c.heads, layout.tp_size, rank, layer.replicated))
+                                 * c.dim * spec.component_itemsize(c) for c in layer.components))
+        elif layer.is_attention:
+            g = spec.layer_group[li]
+            h0, h1 = head_range(layer.components[0].heads, layout.tp_size, rank)
+            page = max(page, (h1 - h0) * layout.group_block_size(g)
+                       * sum(c.dim * spec.component_itemsize(c) for c in layer.components))
+    return page
+
+
+__all__ = ["VllmCpuLayerSpec", "VllmCpuLayout", "VllmTopology", "as_vllm_cpu", "vllm_conv_rows", "vllm_cpu_layout",
+           "vllm_cpu_spec"]

@@ -64,6 +64,27 @@ def make_tiny_llama(path: str | Path, *, num_kv_heads: int = 2, num_heads: int =
     return path
 
 
+def make_tiny_hybrid(path: str | Path, *, pattern: str = "M-*M*", seed: int = 0) -> Path:
+    """A tiny random Nemotron-H (Mamba2 + attention + MLP-only layers; `pattern` is its
+    `hybrid_override_pattern`) that vLLM CPU runs with its hybrid allocator: 4 Mamba heads of 32
+    in 2 groups (TP 1 and 2 split both), 4 query and 2 KV heads of 32, float32. Built with
+    transformers' own classes (this costs an import of transformers; the geometry comes from
+    transformers' config class, as kvbridge reads it)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.NemotronHConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=len(pattern),
+        hybrid_override_pattern=pattern, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        mamba_num_heads=4, mamba_head_dim=32, n_groups=2, ssm_state_size=16, conv_kernel=4,
+        max_position_embeddings=1024, initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = transformers.NemotronHForCausalLM(config)
+    path = Path(path)
+    model.save_pretrained(path)
+    return path
+
+
 if __name__ == "__main__":
     import sys
 
