@@ -318,6 +318,9 @@ def test_wrong_state_geometry_is_refused() -> None:
 
 
 def test_a_model_without_attention_layers_is_refused_up_front(tmp_path) -> None:
+    """Granite-hybrid with every layer linear attention: transformers' own generate cannot continue
+    its cache (Cache.get_seq_length needs an attention layer), so the proof refuses it at once;
+    Mamba and Mamba2, which generate without attention, move (tests/models/test_recurrent_only.py)."""
     model, config = load_model("tiny-granite-hybrid", 0)
     config.layer_types = ["linear_attention"] * 3
     type(model)(config).save_pretrained(tmp_path)

@@ -102,6 +102,23 @@ def vllm_block_size(spec: ModelSpec, tp_size: int, kernel_block_size: int = 16) 
     return compute_physical_blocks_per_logical((state,), page) * kernel_block_size
 
 
+def _check_generates_without_attention(model: PreTrainedModel, name: str) -> None:
+    """A model whose every layer is recurrent: some transformers models continue generating it
+    (Mamba, Mamba2), others keep a cache whose length only an attention layer knows
+    (`Cache.get_seq_length` raises), so their own `generate` fails. Two greedy tokens from a
+    two-token prompt tell which, before any real work."""
+    probe = torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device)
+    try:
+        with torch.no_grad():
+            model.generate(probe, max_new_tokens=2, do_sample=False)
+    except ValueError as e:
+        if "get_seq_length" not in str(e):
+            raise
+        raise ConfigError(
+            f"{name}: every layer is recurrent and {type(model).__name__} keeps a cache whose length only an "
+            "attention layer knows, so transformers' own generate cannot continue it (Cache.get_seq_length)") from None
+
+
 @torch.inference_mode()
 def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int | None = None, new_tokens: int = 8,
              seed: int = 0, prefill: EngineLayout | None = None, decode: EngineLayout | None = None,
@@ -134,12 +151,8 @@ def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int
     model.to(device)
     model.generation_config = greedy_config()
     spec = spec_for(config, next(model.parameters()).dtype)
-    if not any(x.is_attention for x in spec.layers) and "cache_params" not in inspect.signature(model.forward).parameters:
-        # Mamba-style models (`cache_params`) generate without attention; the others need an attention
-        # layer for Cache.get_seq_length, so transformers' own generate fails before any move
-        raise ConfigError(
-            f"{model_name_or_dir}: every layer is recurrent and {type(model).__name__} keeps a past_key_values cache, "
-            "which transformers' generate cannot continue without an attention layer (Cache.get_seq_length)")
+    if not any(x.is_attention for x in spec.layers):
+        _check_generates_without_attention(model, model_name_or_dir)
     vocab = int(config.get_text_config(decoder=True).vocab_size)
     ids = make_prompt_ids(prompt, vocab, seed)
     n = len(ids)
