@@ -42,6 +42,8 @@ _TINY: dict[str, Any] = {
     "sliding_window": 8, "attention_chunk_size": 8,
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "qk_head_dim": 24, "index_head_dim": 16, "index_n_heads": 2,
+    # Qwen4-Exp's sparse-attention indexer (off in its class defaults; one key head, budget a multiple of the ratio)
+    "indexer_head_dim": 16, "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_budget": 16, "indexer_compress_ratio": 4,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
     "num_experts_per_token": 2, "num_expert_group": 1,
     "moe_intermediate_size": 64, "n_shared_experts": 1, "shared_expert_intermediate_size": 64,
