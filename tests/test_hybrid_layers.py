@@ -161,3 +161,20 @@ def test_qwen4_exp_indexer_width_is_the_one_its_module_builds():
     assert (spec.layers[4].num_kv_heads, spec.layers[4].key_dim, spec.layers[4].value_dim) == (1, 16, 0)
     assert layer_map(DynamicCache(config=config), spec) == (0, 1, 2, 3, 3)
 
+
+def test_indexer_position_history_is_rebuilt_from_the_text_positions():
+    """Qwen4-Exp keeps its M-RoPE positions beside the first layer's indexer keys; the decode side
+    derives them from the prompt (0..N-1 on every row for text), and the proof compares them."""
+    from kvbridge.proofs.hf_cache import cache_differences, restore_position_history
+    from kvbridge.proofs.model_sweep import tiny_config
+
+    config = tiny_config("qwen4_exp_text")
+    reference, imported = DynamicCache(config=config), DynamicCache(config=config)
+    reference.layers[3].indexer_position_ids = torch.arange(5).expand(3, 1, -1)
+    assert cache_differences(reference, imported) == ["layer 3 indexer_position_ids: present != missing"]
+    restore_position_history(imported, reference, 5)
+    assert torch.equal(imported.layers[3].indexer_position_ids, reference.layers[3].indexer_position_ids)
+    assert cache_differences(reference, imported) == []
+    reference.layers[3].indexer_position_ids = torch.tensor([[[0, 1, 1, 1, 2]]] * 3)  # an image's positions
+    with pytest.raises(ConfigError, match="not the text positions"):
+        restore_position_history(DynamicCache(config=config), reference, 5)

@@ -462,6 +462,27 @@ def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: i
     return cache
 
 
+def restore_position_history(cache: DynamicCache, reference: DynamicCache, num_tokens: int) -> None:
+    """Give an imported cache the position history a prefill leaves beside the indexer keys
+    (`DynamicIndexedLayer.indexer_position_ids`, `[rows, batch 1, tokens]`: Qwen4-Exp keeps its
+    M-RoPE positions there for the indexer to rotate pooled keys). It is no cache content a serving
+    engine moves: the decode engine derives a request's positions from its prompt, which for a text
+    prompt are 0..N-1 on every row. They are rebuilt so, in the layout the model keeps (`reference`:
+    a prefill of the same prompt); a history that is not the text positions is refused."""
+    for i, (layer, ref) in enumerate(zip(cache.layers, reference.layers)):
+        held = getattr(ref, "indexer_position_ids", None) if _is_indexed(ref) else None
+        if held is None:
+            continue
+        if held.dim() != 3 or held.shape[1] != 1:
+            raise ConfigError(f"cache layer {i}: indexer position history {tuple(held.shape)}, expected "
+                              f"[rows, 1, {num_tokens}]")
+        positions = torch.arange(num_tokens, device=held.device, dtype=held.dtype).expand(held.shape[0], 1, -1)
+        if held.shape[2] != num_tokens or not torch.equal(held, positions):
+            raise ConfigError(f"cache layer {i}: the indexer position history is not the text positions 0..{num_tokens - 1} "
+                              f"(a multimodal prompt's M-RoPE positions); kvbridge does not derive those")
+        layer.indexer_position_ids = positions.clone()
+
+
 def as_bits(t: torch.Tensor) -> torch.Tensor:
     """Integer view of the same bytes, so that equality is bitwise (NaN == NaN, -0.0 != 0.0)."""
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -475,6 +496,8 @@ def _layer_tensors(layer: Any) -> dict[str, torch.Tensor | None]:
         out["keys"], out["values"] = layer.keys, layer.values
     if _is_indexed(layer):
         out["indexer_keys"] = layer.indexer_keys
+        if getattr(layer, "indexer_position_ids", None) is not None:
+            out["indexer_position_ids"] = layer.indexer_position_ids
     if _is_linear(layer):
         for name in ("conv_states", "recurrent_states"):
             for i, t in getattr(layer, name).items():
@@ -529,4 +552,4 @@ def save_cache(cache: DynamicCache, path: str | Path) -> None:
 
 
 __all__ = ["BlockIds", "as_bits", "cache_differences", "export_cache", "export_states", "export_tokens", "gather_kv",
-           "gather_states", "import_cache", "layer_map", "replica_mismatches", "save_cache"]
+           "gather_states", "import_cache", "layer_map", "replica_mismatches", "restore_position_history", "save_cache"]
