@@ -120,6 +120,19 @@ def _shrink_list(values: list[Any], n: int) -> list[Any]:
     return out
 
 
+def _shrink_kv_sharing(types: list[Any], shared: int, n: int) -> tuple[int, list[Any]]:
+    """KV sharing (Gemma-3n: the last `shared` layers read the K/V of the last earlier layer of their
+    type) cut to `n` layers: the shared part scaled, at least one layer, and each part shrunk on its
+    own, so that every type a shared layer reads still has a layer producing it (transformers
+    refuses the config otherwise; cutting the whole pattern to `n` would leave the producers one type)."""
+    kinds = len(dict.fromkeys(types))
+    tiny = min(max(1, round(shared * n / len(types))), n - kinds)
+    if tiny < 1:
+        return 0, _shrink_list(types, n)
+    producers, consumers = types[:len(types) - shared], types[len(types) - shared:]
+    return tiny, _shrink_list(producers, n - tiny) + _shrink_list(consumers, tiny)
+
+
 def tiny_config(arch: str) -> Any:
     """The architecture's config class with tiny sizes (only fields it has), float32, no special tokens."""
     from transformers import CONFIG_MAPPING
@@ -148,6 +161,9 @@ def tiny_config(arch: str) -> Any:
     for key in ("layer_types", "layers_block_type"):
         if isinstance(base.get(key), list) and base[key]:
             kw[key] = _shrink_list(base[key], NUM_LAYERS)
+    shared = base.get("num_kv_shared_layers")
+    if isinstance(shared, int) and 0 < shared < base.get("num_hidden_layers", 0) and isinstance(kw.get("layer_types"), list):
+        kw["num_kv_shared_layers"], kw["layer_types"] = _shrink_kv_sharing(base["layer_types"], shared, NUM_LAYERS)
     for key in ("attn_layer_indices", "full_attn_idxs"):
         if key in base:  # attention on the last layer only, the other kind before it (as derived by the class)
             kw[key] = [NUM_LAYERS - 1]
