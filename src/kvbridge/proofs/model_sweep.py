@@ -55,6 +55,8 @@ _TINY: dict[str, Any] = {
     "time_step_rank": 8, "n_mamba_heads": 12, "mamba_headdim": 16, "mamba_ngroups": 6,
     "rotary_dim": 8, "dim_head": 8, "initializer_range": 0.2, "tie_word_embeddings": False, "is_decoder": True,
 }
+# Attention sizes an architecture may also keep per layer kind, under a prefix of its own.
+_PER_KIND = ("num_attention_heads", "num_key_value_heads", "num_kv_heads", "head_dim")
 # Fields whose tiny value depends on the layer count and that no general rule derives.
 # Class defaults with no attention layer among the first few get one, so that generate can run.
 _TINY_EXTRA: dict[str, dict[str, Any]] = {
@@ -155,6 +157,13 @@ def tiny_config(arch: str) -> Any:
         kw.pop("head_dim", None)
         if "num_key_value_heads" in kw:  # MLA expands the latent to one K/V per query head
             kw["num_key_value_heads"] = kw["num_attention_heads"]
+    # a size kept per layer kind under a prefix (Inkling's sliding layers: swa_num_attention_heads,
+    # swa_num_key_value_heads, swa_head_dim) shrinks with the size it varies: left at its default,
+    # its layers would have more KV heads than the tiny query heads
+    for key, value in base.items():
+        own = next((k for k in _PER_KIND if key.endswith("_" + k) and k in kw), None)
+        if own and key not in _TINY and value is not None:
+            kw[key] = kw[own]
     layers_key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if k in base), None)
     if layers_key:
         kw[layers_key] = NUM_LAYERS
