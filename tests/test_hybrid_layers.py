@@ -109,3 +109,72 @@ def test_deepseek_v32_indexer_is_a_replicated_layer_after_its_attention():
     assert cache_differences(a, b) == []
     b.layers[1].indexer_keys[0, 2, 0] = 1.0
     assert cache_differences(a, b) == [f"layer 1 indexer_keys: 1 of {3 * config.index_head_dim} elements differ"]
+
+
+def test_hy_v4_shared_indexer_layers_keep_no_indexer_keys():
+    """HY-V4's "shared" layers reuse an earlier layer's top-k selection: transformers builds them no
+    indexer, so they never write indexer keys and are their attention layer alone."""
+    from kvbridge.models.modules import module_indexer_dims
+    from kvbridge.proofs.model_sweep import tiny_config
+
+    config = tiny_config("hy_v4")
+    assert config.indexer_types == ["full", "full", "shared", "shared"]
+    assert module_indexer_dims(config, tuple(config.layer_types)) == {0: config.index_head_dim,
+                                                                      1: config.index_head_dim, 2: 0, 3: 0}
+    spec = spec_from_hf_config(config.to_dict(), view="transformers", warn=False)
+    indexer = ("mla", config.index_head_dim, 0)
+    attention = ("mla", config.kv_lora_rank, config.qk_rope_head_dim)
+    assert [(x.kind, x.key_dim, x.value_dim) for x in spec.layers] == [attention, indexer, attention, indexer,
+                                                                      attention, attention]
+    assert layer_map(DynamicCache(config=config), spec) == (0, 0, 1, 1, 2, 3)
+    with pytest.raises(ConfigError, match="engine view"):  # the latent row is not taken for an indexer
+        layer_map(DynamicCache(config=config), spec_from_hf_config(config.to_dict(), warn=False))
+
+
+def test_shared_layer_holding_indexer_keys_is_refused_on_export():
+    from kvbridge.proofs.hf_cache import _check_no_indexer
+    from kvbridge.proofs.model_sweep import tiny_config
+
+    config = tiny_config("hy_v4")
+    spec = spec_from_hf_config(config.to_dict(), view="transformers", warn=False)
+    cache = DynamicCache(config=config)
+    hf = layer_map(cache, spec)
+    _check_no_indexer(cache, hf, 4)  # layer 2 (spec layer 4): no indexer keys, none expected
+    cache.layers[2].update_indexer(torch.zeros(1, 3, config.index_head_dim))
+    with pytest.raises(ConfigError, match="no indexer layer after it"):
+        _check_no_indexer(cache, hf, 4)
+
+
+def test_qwen4_exp_indexer_width_is_the_one_its_module_builds():
+    """Qwen4-Exp names the indexer's key width `indexer_head_dim` (no `index_head_dim`); the width is
+    read from the indexer module transformers builds (its causal-LM class names no decoder layer,
+    its text model does)."""
+    from kvbridge.models.modules import _decoder_layer_class, module_indexer_dims
+    from kvbridge.proofs.model_sweep import tiny_config
+
+    config = tiny_config("qwen4_exp_text")
+    assert not hasattr(config, "index_head_dim") and config.indexer_head_dim == 16
+    assert _decoder_layer_class(config).__name__ == "Qwen4ExpTextDecoderLayer"
+    assert module_indexer_dims(config, tuple(config.layer_types)) == {3: 16}
+    spec = spec_from_hf_config(config.to_dict(), view="transformers", warn=False)
+    assert [x.kind for x in spec.layers] == ["recurrent"] * 3 + ["full", "mla"]
+    assert (spec.layers[4].num_kv_heads, spec.layers[4].key_dim, spec.layers[4].value_dim) == (1, 16, 0)
+    assert layer_map(DynamicCache(config=config), spec) == (0, 1, 2, 3, 3)
+
+
+def test_indexer_position_history_is_rebuilt_from_the_text_positions():
+    """Qwen4-Exp keeps its M-RoPE positions beside the first layer's indexer keys; the decode side
+    derives them from the prompt (0..N-1 on every row for text), and the proof compares them."""
+    from kvbridge.proofs.hf_cache import cache_differences, restore_position_history
+    from kvbridge.proofs.model_sweep import tiny_config
+
+    config = tiny_config("qwen4_exp_text")
+    reference, imported = DynamicCache(config=config), DynamicCache(config=config)
+    reference.layers[3].indexer_position_ids = torch.arange(5).expand(3, 1, -1)
+    assert cache_differences(reference, imported) == ["layer 3 indexer_position_ids: present != missing"]
+    restore_position_history(imported, reference, 5)
+    assert torch.equal(imported.layers[3].indexer_position_ids, reference.layers[3].indexer_position_ids)
+    assert cache_differences(reference, imported) == []
+    reference.layers[3].indexer_position_ids = torch.tensor([[[0, 1, 1, 1, 2]]] * 3)  # an image's positions
+    with pytest.raises(ConfigError, match="not the text positions"):
+        restore_position_history(DynamicCache(config=config), reference, 5)

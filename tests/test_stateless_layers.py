@@ -89,3 +89,20 @@ def test_nemotron_h_config_maps_mlp_and_moe_layers_to_stateless():
     assert [layer.kind for layer in spec.layers] == ["recurrent", "stateless", "recurrent", "full", "stateless",
                                                      "stateless"]
     assert spec.groups == ((0, 2), (3,)) and spec.layers[0].recurrent_type == "mamba2"
+
+
+def test_kv_sharing_shrinks_to_a_tiny_config_transformers_accepts():
+    """Gemma-3n's last layers read the K/V of the last earlier layer of their type. Cutting its
+    35-layer pattern to 4 layers as a whole left only sliding layers before 15 shared ones, which
+    transformers refuses; each part is shrunk on its own, the shared part scaled."""
+    from kvbridge.proofs.model_sweep import _shrink_kv_sharing, tiny_config
+
+    pattern = (["sliding_attention"] * 4 + ["full_attention"]) * 7
+    shared, types = _shrink_kv_sharing(pattern, 15, 4)
+    assert shared == 2 and sorted(set(types[:2])) == sorted(set(types[2:])) == ["full_attention", "sliding_attention"]
+    assert _shrink_kv_sharing(["full_attention"] * 4, 3, 1) == (0, ["full_attention"])  # no room for a producer
+    config = tiny_config("gemma3n_text")
+    assert config.num_kv_shared_layers == 2 and config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    spec = spec_from_hf_config(config.to_dict(), view="transformers", warn=False)
+    assert [x.kind for x in spec.layers] == [{"full_attention": "full", "sliding_attention": "sliding"}[t]
+                                             for t in config.layer_types[:2]] + ["stateless", "stateless"]

@@ -17,7 +17,9 @@ from kvbridge.proofs.local_demo import run_demo
 from kvbridge.proofs.model_sweep import tiny_config
 
 KINDS = {"nemotron_h": "stateless", "zamba2": "hybrid", "falcon_h1": "hybrid", "zamba": "mamba1_heads",
-         "kimi_linear": "kda", "bailing_hybrid": "kda", "deepseek_v32": "indexer"}
+         "kimi_linear": "kda", "bailing_hybrid": "kda", "deepseek_v32": "indexer",
+         "hy_v4": "indexer", "gemma3n_text": "stateless"}  # HY-V4: "shared" indexed layers keep K/V only;
+# Gemma-3n: its last layers read earlier layers' K/V (DummyLayer)
 PAIRS = [
     (EngineLayout(tp_size=2, block_size=16, num_blocks=8, kv_order="HND"),
      EngineLayout(tp_size=3, block_size=8, num_blocks=16, kv_order="NHD", kv_placement="blocks_first"), 16),

@@ -26,3 +26,20 @@ def test_fused_qkv_modules_keep_the_config_numbers():
     from transformers import GPT2Config
     assert module_kv_geometry(GPT2Config(n_layer=1, n_head=4, n_embd=64), ("full_attention",)) == {}
     assert spec_from_hf_config({"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64}).layers[0].num_kv_heads == 4
+
+
+def test_sizes_kept_per_layer_kind_shrink_with_the_tiny_config():
+    """Inkling keeps its sliding layers' heads under swa_*; the sweep's tiny config left them at
+    their defaults (16 KV heads against 12 tiny query heads: 'more KV heads than query heads')."""
+    import pytest
+
+    from kvbridge import ConfigError
+    from kvbridge.proofs.model_sweep import tiny_config
+
+    config = tiny_config("inkling_text")
+    assert (config.swa_num_attention_heads, config.swa_num_key_value_heads, config.swa_head_dim) == (
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+    assert tiny_config("zamba").attention_head_dim == 16  # no head_dim beside it: not a per-kind copy, derived
+    # what remains is the state its attention keeps beside K/V (short convolutions of K and V)
+    with pytest.raises(ConfigError, match="hybrid_sliding.*state layout kvbridge does not know"):
+        spec_from_hf_config(config.to_dict(), view="transformers", warn=False)

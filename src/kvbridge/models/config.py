@@ -20,7 +20,10 @@ list of model types, so a new plain-attention architecture needs nothing here:
 * `DynamicIndexedLayer` ("indexed_attention": DeepSeek-V3.2, GLM-MoE-DSA) -> the attention layer,
   then its sparse-attention indexer key cache as a layer of its own: one `index_head_dim` row per
   token that every TP rank holds whole, which is what vLLM allocates for it (`DeepseekV32IndexerCache`:
-  an `MLAAttentionSpec` with one KV head), so it is an "mla" layer;
+  an `MLAAttentionSpec` with one KV head), so it is an "mla" layer. Whether a layer has an indexer
+  and its key width come from the decoder layer transformers builds (`modules.module_indexer_dims`):
+  a layer that reuses another layer's selection (HY-V4's "shared" `indexer_types`) never writes
+  indexer keys and is its attention layer alone;
 * anything else (compressed caches): refused with one line naming the layer and its kind.
 
 The config is untrusted (`untrusted.py` checks it first). A cache-sizing field that config.json
@@ -203,6 +206,10 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
     if any(t in _ATTENTION_TYPES or t in _HYBRID_TYPES for t in types) and not _global(text, "kv_lora_rank", True):
         from kvbridge.models.modules import module_kv_geometry
         modules = module_kv_geometry(text, tuple(types))
+    indexers: dict[int, int] = {}
+    if "indexed_attention" in types:
+        from kvbridge.models.modules import module_indexer_dims
+        indexers = module_indexer_dims(text, tuple(types))
     out: list[LayerSpec] = []
     recurrent: LayerSpec | None = None  # one recurrent geometry per model, derived once
     for i, (lt, kw) in enumerate(zip(types, kwargs)):
@@ -212,7 +219,10 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
                 out.append(_layer(text, reader, per_layer[i], "full_attention", kw, i, mla_view, view, state_dtype,
                                   recurrent, modules.get(i)))
                 parts = ()
-                out.append(LayerSpec("mla", 1, reader.int(per_layer[i], "index_head_dim")))
+                # the indexer transformers builds (none: the layer reuses another's selection, no keys of its own)
+                dim = indexers[i] if i in indexers else reader.int(per_layer[i], "index_head_dim")
+                if dim:
+                    out.append(LayerSpec("mla", 1, dim))
             for part in parts:
                 out.append(_layer(text, reader, per_layer[i], part, kw, i, mla_view, view, state_dtype, recurrent,
                                   modules.get(i), lt))

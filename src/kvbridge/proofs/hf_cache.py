@@ -13,7 +13,8 @@ A transformers cache layer that holds attention K/V and recurrent state together
 shared-attention layers, Falcon-H1: `LinearAttentionAnd...AttentionLayer`) is two layers of the
 spec, the attention part then the recurrent part (`layer_map`); so is a layer with a sparse-attention
 indexer key cache (`DynamicIndexedLayer`: DeepSeek-V3.2), the attention then the indexer keys
-`[1, tokens, index_head_dim]`, one replicated row per token.
+`[1, tokens, index_head_dim]`, one replicated row per token. An indexed layer without an indexer of
+its own (HY-V4's "shared" layers reuse an earlier layer's selection) holds K/V only and is one.
 
 Attention K/V go by token position; recurrent state (`hf_states` maps it to spec components)
 goes to the request's recurrent slot, the last block id of the recurrent group. Export writes
@@ -79,12 +80,27 @@ def _indexer_keys(layer: Any, li: int, num_tokens: int, spec: ModelSpec) -> torc
     return keys
 
 
+def _is_indexer_spec(lspec: LayerSpec) -> bool:
+    """An indexer key layer as the spec describes it: one replicated row per token, no values (the
+    transformers view of an MLA attention layer always has its rope part as values)."""
+    return lspec.kind == "mla" and not lspec.value_dim
+
+
 def layer_map(cache: DynamicCache, spec: ModelSpec, what: str = "cache has") -> tuple[int, ...]:
     """The transformers cache layer of each spec layer: one each, except that a layer holding K/V
-    and recurrent state together stands for two spec layers (attention, then recurrent)."""
+    and recurrent state together stands for two spec layers (attention, then recurrent), and so does
+    an indexed layer with an indexer of its own (attention, then indexer keys). An indexed layer that
+    reuses another layer's selection (HY-V4's "shared" layers) writes no indexer keys: the spec has
+    its attention alone, and that is how the two are told apart."""
     out: list[int] = []
     for i, layer in enumerate(cache.layers):
-        out += [i, i] if _is_hybrid(layer) or _is_indexed(layer) else [i]
+        li = len(out)
+        if _is_indexed(layer) and li < spec.num_layers and _is_indexer_spec(spec.layers[li]):
+            raise ConfigError(f"layer {li} describes MLA as one latent row (the engine view); transformers keeps "
+                              f"the latent and the rope part apart: build the spec with view='transformers'")
+        two = _is_hybrid(layer) or (_is_indexed(layer) and li + 1 < spec.num_layers
+                                    and _is_indexer_spec(spec.layers[li + 1]))
+        out += [i, i] if two else [i]
     if len(out) != spec.num_layers:
         twice = (f" ({len(out)} once attention+state and indexed layers count twice)"
                  if len(out) != len(cache.layers) else "")
@@ -97,6 +113,15 @@ def layer_map(cache: DynamicCache, spec: ModelSpec, what: str = "cache has") -> 
             raise ConfigError(f"layer {li}: transformers cache layer {i} holds K/V and indexer keys; the spec says "
                               f"{spec.layers[li].kind!r}")
     return tuple(out)
+
+
+def _check_no_indexer(cache: DynamicCache, hf: tuple[int, ...], li: int) -> None:
+    """A cache layer the spec gives no indexer layer must hold no indexer keys."""
+    layer = cache.layers[hf[li]]
+    has_part = li + 1 < len(hf) and hf[li + 1] == hf[li]
+    if _is_indexed(layer) and not has_part and getattr(layer, "is_indexer_initialized", False):
+        raise ConfigError(f"layer {li}: transformers cache layer {hf[li]} holds indexer keys, but the spec has no "
+                          f"indexer layer after it")
 
 
 def _check_layer_kind(layer: Any, lspec: LayerSpec, li: int) -> None:
@@ -217,6 +242,7 @@ def export_tokens(cache: DynamicCache, spec: ModelSpec, caches: Sequence[RankCac
             kv: tuple[torch.Tensor, ...] = (_indexer_keys(cache.layers[hf[li]], li, num_tokens, spec),)
         else:
             kv = _check_layer(cache.layers[hf[li]], spec, li, num_tokens)
+            _check_no_indexer(cache, hf, li)
         first = spec.layers[li].tokens_kept(num_tokens)
         lo = max(first, start)
         if lo >= stop:
@@ -436,6 +462,27 @@ def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: i
     return cache
 
 
+def restore_position_history(cache: DynamicCache, reference: DynamicCache, num_tokens: int) -> None:
+    """Give an imported cache the position history a prefill leaves beside the indexer keys
+    (`DynamicIndexedLayer.indexer_position_ids`, `[rows, batch 1, tokens]`: Qwen4-Exp keeps its
+    M-RoPE positions there for the indexer to rotate pooled keys). It is no cache content a serving
+    engine moves: the decode engine derives a request's positions from its prompt, which for a text
+    prompt are 0..N-1 on every row. They are rebuilt so, in the layout the model keeps (`reference`:
+    a prefill of the same prompt); a history that is not the text positions is refused."""
+    for i, (layer, ref) in enumerate(zip(cache.layers, reference.layers)):
+        held = getattr(ref, "indexer_position_ids", None) if _is_indexed(ref) else None
+        if held is None:
+            continue
+        if held.dim() != 3 or held.shape[1] != 1:
+            raise ConfigError(f"cache layer {i}: indexer position history {tuple(held.shape)}, expected "
+                              f"[rows, 1, {num_tokens}]")
+        positions = torch.arange(num_tokens, device=held.device, dtype=held.dtype).expand(held.shape[0], 1, -1)
+        if held.shape[2] != num_tokens or not torch.equal(held, positions):
+            raise ConfigError(f"cache layer {i}: the indexer position history is not the text positions 0..{num_tokens - 1} "
+                              f"(a multimodal prompt's M-RoPE positions); kvbridge does not derive those")
+        layer.indexer_position_ids = positions.clone()
+
+
 def as_bits(t: torch.Tensor) -> torch.Tensor:
     """Integer view of the same bytes, so that equality is bitwise (NaN == NaN, -0.0 != 0.0)."""
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -449,6 +496,8 @@ def _layer_tensors(layer: Any) -> dict[str, torch.Tensor | None]:
         out["keys"], out["values"] = layer.keys, layer.values
     if _is_indexed(layer):
         out["indexer_keys"] = layer.indexer_keys
+        if getattr(layer, "indexer_position_ids", None) is not None:
+            out["indexer_position_ids"] = layer.indexer_position_ids
     if _is_linear(layer):
         for name in ("conv_states", "recurrent_states"):
             for i, t in getattr(layer, name).items():
@@ -503,4 +552,4 @@ def save_cache(cache: DynamicCache, path: str | Path) -> None:
 
 
 __all__ = ["BlockIds", "as_bits", "cache_differences", "export_cache", "export_states", "export_tokens", "gather_kv",
-           "gather_states", "import_cache", "layer_map", "replica_mismatches", "save_cache"]
+           "gather_states", "import_cache", "layer_map", "replica_mismatches", "restore_position_history", "save_cache"]

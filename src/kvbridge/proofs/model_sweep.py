@@ -42,6 +42,8 @@ _TINY: dict[str, Any] = {
     "sliding_window": 8, "attention_chunk_size": 8,
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "qk_head_dim": 24, "index_head_dim": 16, "index_n_heads": 2,
+    # Qwen4-Exp's sparse-attention indexer (off in its class defaults; one key head, budget a multiple of the ratio)
+    "indexer_head_dim": 16, "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_budget": 16, "indexer_compress_ratio": 4,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
     "num_experts_per_token": 2, "num_expert_group": 1,
     "moe_intermediate_size": 64, "n_shared_experts": 1, "shared_expert_intermediate_size": 64,
@@ -53,6 +55,8 @@ _TINY: dict[str, Any] = {
     "time_step_rank": 8, "n_mamba_heads": 12, "mamba_headdim": 16, "mamba_ngroups": 6,
     "rotary_dim": 8, "dim_head": 8, "initializer_range": 0.2, "tie_word_embeddings": False, "is_decoder": True,
 }
+# Attention sizes an architecture may also keep per layer kind, under a prefix of its own.
+_PER_KIND = ("num_attention_heads", "num_key_value_heads", "num_kv_heads", "head_dim")
 # Fields whose tiny value depends on the layer count and that no general rule derives.
 # Class defaults with no attention layer among the first few get one, so that generate can run.
 _TINY_EXTRA: dict[str, dict[str, Any]] = {
@@ -118,6 +122,19 @@ def _shrink_list(values: list[Any], n: int) -> list[Any]:
     return out
 
 
+def _shrink_kv_sharing(types: list[Any], shared: int, n: int) -> tuple[int, list[Any]]:
+    """KV sharing (Gemma-3n: the last `shared` layers read the K/V of the last earlier layer of their
+    type) cut to `n` layers: the shared part scaled, at least one layer, and each part shrunk on its
+    own, so that every type a shared layer reads still has a layer producing it (transformers
+    refuses the config otherwise; cutting the whole pattern to `n` would leave the producers one type)."""
+    kinds = len(dict.fromkeys(types))
+    tiny = min(max(1, round(shared * n / len(types))), n - kinds)
+    if tiny < 1:
+        return 0, _shrink_list(types, n)
+    producers, consumers = types[:len(types) - shared], types[len(types) - shared:]
+    return tiny, _shrink_list(producers, n - tiny) + _shrink_list(consumers, tiny)
+
+
 def tiny_config(arch: str) -> Any:
     """The architecture's config class with tiny sizes (only fields it has), float32, no special tokens."""
     from transformers import CONFIG_MAPPING
@@ -140,12 +157,22 @@ def tiny_config(arch: str) -> Any:
         kw.pop("head_dim", None)
         if "num_key_value_heads" in kw:  # MLA expands the latent to one K/V per query head
             kw["num_key_value_heads"] = kw["num_attention_heads"]
+    # a size kept per layer kind under a prefix (Inkling's sliding layers: swa_num_attention_heads,
+    # swa_num_key_value_heads, swa_head_dim) shrinks with the size it varies: left at its default,
+    # its layers would have more KV heads than the tiny query heads
+    for key, value in base.items():
+        own = next((k for k in _PER_KIND if key.endswith("_" + k) and k in kw), None)
+        if own and key not in _TINY and value is not None:
+            kw[key] = kw[own]
     layers_key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if k in base), None)
     if layers_key:
         kw[layers_key] = NUM_LAYERS
     for key in ("layer_types", "layers_block_type"):
         if isinstance(base.get(key), list) and base[key]:
             kw[key] = _shrink_list(base[key], NUM_LAYERS)
+    shared = base.get("num_kv_shared_layers")
+    if isinstance(shared, int) and 0 < shared < base.get("num_hidden_layers", 0) and isinstance(kw.get("layer_types"), list):
+        kw["num_kv_shared_layers"], kw["layer_types"] = _shrink_kv_sharing(base["layer_types"], shared, NUM_LAYERS)
     for key in ("attn_layer_indices", "full_attn_idxs"):
         if key in base:  # attention on the last layer only, the other kind before it (as derived by the class)
             kw[key] = [NUM_LAYERS - 1]
@@ -294,7 +321,7 @@ beyond the units hold replicas):
 | gdn | conv `[Q \\| K \\| V, kernel]`, state `[v_heads, k_dim, v_dim]` | Q, K by key heads; V and state by value heads (vLLM `qwen3_next`) |
 | short_conv | conv `[hidden, L_cache]` | hidden channels (vLLM `short_conv`) |
 | attention+state (Zamba2, Falcon-H1) | `LinearAttentionAnd{Full,SlidingWindow}AttentionLayer`: K/V and a recurrent state in one layer | two logical layers, each by its own rule (vLLM registers an attention and a Mamba cache per such decoder layer) |
-| mla indexer (DeepSeek-V3.2, GLM-MoE-DSA) | `DynamicIndexedLayer`: the MLA latent, plus indexer keys `[tokens, index_head_dim]` | the indexer is a layer of its own after its attention, one row per token held whole by every rank (vLLM `DeepseekV32IndexerCache`, an `MLAAttentionSpec` of one KV head) |
+| mla indexer (DeepSeek-V3.2, GLM-MoE-DSA, HY-V4, Qwen4-Exp) | `DynamicIndexedLayer`: the attention K/V (MLA latent or heads), plus indexer keys `[tokens, index_head_dim]` | the indexer is a layer of its own after its attention, one row per token held whole by every rank (vLLM `DeepseekV32IndexerCache`, an `MLAAttentionSpec` of one KV head); a layer reusing another's selection (HY-V4 "shared") keeps none |
 | kda (Kimi-Linear, Bailing hybrid) | conv `[Q \\| K \\| V, kernel]`, state `[heads, head_dim, head_dim]` | heads, Q, K, V and state alike (vLLM `kda_state_shape`) |
 | mamba1_heads (Zamba) | conv `[intermediate, kernel]`, SSM `[heads, head_dim, d_state]` | Mamba heads, conv channels with their head (no vLLM model; derived: the mixer's x_proj / dt_proj are per head) |
 | stateless | `DummyLayer` (MLP / MoE blocks of Nemotron-H, layers reading another layer's K/V): nothing | nothing to shard: no components, no group, no region (vLLM allocates no cache for it) |

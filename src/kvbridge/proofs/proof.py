@@ -25,7 +25,8 @@ from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 
 from kvbridge.core.spec import normalize_dtype
 from kvbridge.errors import ConfigError, InvalidRequest
-from kvbridge.proofs.hf_cache import BlockIds, cache_differences, import_cache, replica_mismatches, save_cache
+from kvbridge.proofs.hf_cache import (BlockIds, cache_differences, import_cache, replica_mismatches,
+                                      restore_position_history, save_cache)
 from kvbridge.transport.cache import RankCache
 
 
@@ -170,6 +171,7 @@ def prove_cache(model: PreTrainedModel, prompt_ids: Sequence[int], caches: Seque
         reference_cache, _ = prefill(model, prompt_ids[:num_cached])
     dtype = normalize_dtype(str(next(model.parameters()).dtype))
     imported = import_cache(caches, block_ids, num_cached, model.config, model_dtype=dtype)
+    restore_position_history(imported, reference_cache, num_cached)  # derived from the prompt, as an engine does
     differences = cache_differences(reference_cache, imported)
     replicas = replica_mismatches(caches, block_ids, num_cached)
     if dump is not None:
