@@ -7,13 +7,13 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test verify bench plan models gpu-check clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	@if [ "$$(id -u)" = 0 ] && ! { ldconfig -p | grep -q librdmacm.so.1 && ldconfig -p | grep -q libibverbs.so.1; }; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1 >/dev/null; fi
-	$(BIN)/python -m pip install -q -e '.[test,nixl,mooncake]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,nixl,mooncake]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from kvbridge import EngineLayout, LocalExecutor, ModelSpec, RankCache, Request, plan_request
+from kvbridge import EngineLayout, LocalExecutor, RankCache, Request, plan_request
 from kvbridge.models.presets import PRESETS
 from kvbridge.models import spec_from_hf_config
 

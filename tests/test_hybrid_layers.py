@@ -88,7 +88,7 @@ def test_kimi_linear_kda_state_is_sharded_by_head():
 
 
 def test_deepseek_v32_indexer_is_a_replicated_layer_after_its_attention():
-    from kvbridge.proofs.hf_cache import cache_differences
+    from kvbridge.proofs.cache_compare import cache_differences
     from kvbridge.proofs.model_sweep import tiny_config
 
     config = tiny_config("deepseek_v32")
@@ -165,7 +165,7 @@ def test_qwen4_exp_indexer_width_is_the_one_its_module_builds():
 def test_indexer_position_history_is_rebuilt_from_the_text_positions():
     """Qwen4-Exp keeps its M-RoPE positions beside the first layer's indexer keys; the decode side
     derives them from the prompt (0..N-1 on every row for text), and the proof compares them."""
-    from kvbridge.proofs.hf_cache import cache_differences, restore_position_history
+    from kvbridge.proofs.cache_compare import cache_differences, restore_position_history
     from kvbridge.proofs.model_sweep import tiny_config
 
     config = tiny_config("qwen4_exp_text")

@@ -205,7 +205,7 @@ def test_logical_view_of_regions_sliced_from_one_buffer():
     start where each region starts, not at the start of the underlying storage."""
     import random as _random
 
-    from kvbridge.proofs.verify import expected_destination, fill_source, mismatch_report, random_request
+    from kvbridge.proofs.verify import fill_source, mismatch_report, random_request
 
     spec = ModelSpec.uniform(3, 4, 8, "bfloat16")
     layout = EngineLayout(tp_size=2, block_size=4, num_blocks=6)

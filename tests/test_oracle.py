@@ -19,7 +19,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from kvbridge.errors import ConfigError, InvalidRequest
-from kvbridge.proofs.hf_cache import cache_differences, export_cache, import_cache, replica_mismatches
+from kvbridge.proofs.cache_compare import cache_differences
+from kvbridge.proofs.hf_cache import export_cache, import_cache, replica_mismatches
 from kvbridge.proofs.local_demo import run_demo
 from kvbridge.proofs.proof import make_prompt_ids
 from kvbridge.proofs.tiny_models import BUILTIN_MODELS, load_model, spec_for

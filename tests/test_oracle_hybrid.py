@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 from kvbridge.errors import ConfigError, InvalidRequest
-from kvbridge.proofs.hf_cache import cache_differences, export_cache, import_cache, replica_mismatches
+from kvbridge.proofs.cache_compare import cache_differences
+from kvbridge.proofs.hf_cache import export_cache, import_cache, replica_mismatches
 from kvbridge.proofs.hf_states import hf_state_shapes
 from kvbridge.proofs.local_demo import run_demo, vllm_block_size
 from kvbridge.proofs.proof import greedy_config, make_prompt_ids

@@ -19,7 +19,7 @@ import re
 import time
 
 import pytest
-from connector_harness import SPEC, Cluster, Workload, pumping
+from connector_harness import Cluster, Workload, pumping
 from test_connector_faults import CFG, _adds, _receives, _releases, _requests, _shards, engines  # noqa: F401
 
 from kvbridge.connector import messages as m

@@ -95,7 +95,7 @@ def test_conversion_check_catches_one_wrong_element() -> None:
 
 def test_import_catches_a_wrong_position_on_one_cp_rank() -> None:
     model, config, spec, cache, src, dst, request = _moved("tiny-deepseek-v3", L(1), L(2, dcp_size=2))
-    from kvbridge.proofs.hf_cache import cache_differences
+    from kvbridge.proofs.cache_compare import cache_differences
     assert cache_differences(cache, import_cache(dst, request.dst_block_ids, 24, config)) == []
     # position 17 lives on CP rank 1 (blocks of 16 interleaved token by token: odd positions)
     rc = dst[1]

@@ -6,8 +6,8 @@ writes a batch-1 prefill `DynamicCache` into the prefill engine's paged rank cac
 its head shard of the layers of its PP stage and the token positions of its CP rank, through the
 layout's addressing, as a serving engine's attention kernel would), `import_cache` rebuilds a
 `DynamicCache` from the decode engine's ranks (each head and position from the first rank that
-holds it), `cache_differences` and `replica_mismatches` compare bit for bit. Block-id lists may
-be clipped to a sliding window, as vLLM sends them.
+holds it), `replica_mismatches` compares the replicas bit for bit (`cache_compare` the caches).
+Block-id lists may be clipped to a sliding window, as vLLM sends them.
 
 A transformers cache layer that holds attention K/V and recurrent state together (Zamba2's
 shared-attention layers, Falcon-H1: `LinearAttentionAnd...AttentionLayer`) is two layers of the
@@ -26,7 +26,6 @@ that holds it and rebuilds the transformers cache as a prefill would have left i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -462,94 +461,5 @@ def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: i
     return cache
 
 
-def restore_position_history(cache: DynamicCache, reference: DynamicCache, num_tokens: int) -> None:
-    """Give an imported cache the position history a prefill leaves beside the indexer keys
-    (`DynamicIndexedLayer.indexer_position_ids`, `[rows, batch 1, tokens]`: Qwen4-Exp keeps its
-    M-RoPE positions there for the indexer to rotate pooled keys). It is no cache content a serving
-    engine moves: the decode engine derives a request's positions from its prompt, which for a text
-    prompt are 0..N-1 on every row. They are rebuilt so, in the layout the model keeps (`reference`:
-    a prefill of the same prompt); a history that is not the text positions is refused."""
-    for i, (layer, ref) in enumerate(zip(cache.layers, reference.layers)):
-        held = getattr(ref, "indexer_position_ids", None) if _is_indexed(ref) else None
-        if held is None:
-            continue
-        if held.dim() != 3 or held.shape[1] != 1:
-            raise ConfigError(f"cache layer {i}: indexer position history {tuple(held.shape)}, expected "
-                              f"[rows, 1, {num_tokens}]")
-        positions = torch.arange(num_tokens, device=held.device, dtype=held.dtype).expand(held.shape[0], 1, -1)
-        if held.shape[2] != num_tokens or not torch.equal(held, positions):
-            raise ConfigError(f"cache layer {i}: the indexer position history is not the text positions 0..{num_tokens - 1} "
-                              f"(a multimodal prompt's M-RoPE positions); kvbridge does not derive those")
-        layer.indexer_position_ids = positions.clone()
-
-
-def as_bits(t: torch.Tensor) -> torch.Tensor:
-    """Integer view of the same bytes, so that equality is bitwise (NaN == NaN, -0.0 != 0.0)."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return t.contiguous().view(ints[t.element_size()])
-
-
-def _layer_tensors(layer: Any) -> dict[str, torch.Tensor | None]:
-    """What a cache layer holds, by the names `save_cache` writes."""
-    out: dict[str, torch.Tensor | None] = {}
-    if _is_attention(layer):
-        out["keys"], out["values"] = layer.keys, layer.values
-    if _is_indexed(layer):
-        out["indexer_keys"] = layer.indexer_keys
-        if getattr(layer, "indexer_position_ids", None) is not None:
-            out["indexer_position_ids"] = layer.indexer_position_ids
-    if _is_linear(layer):
-        for name in ("conv_states", "recurrent_states"):
-            for i, t in getattr(layer, name).items():
-                out[name if i == 0 else f"{name}.{i}"] = t
-    return out
-
-
-def cache_differences(a: DynamicCache, b: DynamicCache) -> list[str]:
-    """Layers where two caches differ in kind, length, shape or any bit of what they hold
-    (keys, values, conv states, recurrent states)."""
-    if len(a.layers) != len(b.layers):
-        return [f"layer count {len(a.layers)} != {len(b.layers)}"]
-    out = []
-    for li, (x, y) in enumerate(zip(a.layers, b.layers)):
-        if (_is_linear(x), _is_attention(x)) != (_is_linear(y), _is_attention(y)):
-            out.append(f"layer {li}: {type(x).__name__} != {type(y).__name__}")
-            continue
-        if _is_attention(x) and _cached_length(x) != _cached_length(y):
-            out.append(f"layer {li}: length {_cached_length(x)} != {_cached_length(y)}")
-            continue
-        if _is_linear(x) and dict(x.has_previous_state) != dict(y.has_previous_state):
-            out.append(f"layer {li}: has_previous_state {x.has_previous_state} != {y.has_previous_state}")
-        tx, ty = _layer_tensors(x), _layer_tensors(y)
-        for name in sorted(set(tx) | set(ty)):
-            s, t = tx.get(name), ty.get(name)
-            if s is None or t is None:
-                if (s is None) != (t is None):
-                    out.append(f"layer {li} {name}: {'missing' if s is None else 'present'} != "
-                               f"{'missing' if t is None else 'present'}")
-            elif s.shape != t.shape or s.dtype != t.dtype:
-                out.append(f"layer {li} {name}: {tuple(s.shape)} {s.dtype} != {tuple(t.shape)} {t.dtype}")
-            elif not torch.equal(as_bits(s), as_bits(t)):
-                n = int((as_bits(s) != as_bits(t)).sum())
-                out.append(f"layer {li} {name}: {n} of {s.numel()} elements differ")
-    return out
-
-
-def save_cache(cache: DynamicCache, path: str | Path) -> None:
-    """safetensors file with what each layer holds, as transformers holds it: attention layers
-    `layers.{i}.keys` / `layers.{i}.values` `[1, H, tokens_held, D]`; recurrent layers
-    `layers.{i}.conv_states` `[1, conv_dim, kernel]` and `layers.{i}.recurrent_states` (Mamba2
-    `[1, heads, head_dim, d_state]`, GDN `[1, v_heads, k_head_dim, v_head_dim]`; none for short conv)."""
-    from safetensors.torch import save_file
-
-    tensors = {}
-    for li, layer in enumerate(cache.layers):
-        for name, t in _layer_tensors(layer).items():
-            if t is not None:
-                tensors[f"layers.{li}.{name}"] = t.detach().contiguous().cpu()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path))
-
-
-__all__ = ["BlockIds", "as_bits", "cache_differences", "export_cache", "export_states", "export_tokens", "gather_kv",
-           "gather_states", "import_cache", "layer_map", "replica_mismatches", "restore_position_history", "save_cache"]
+__all__ = ["BlockIds", "export_cache", "export_states", "export_tokens", "gather_kv", "gather_states", "import_cache",
+           "layer_map", "replica_mismatches"]

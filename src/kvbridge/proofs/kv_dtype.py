@@ -61,7 +61,8 @@ def conversion_mismatches(spec: ModelSpec, src: Sequence[RankCache], dst: Sequen
                           request: Request) -> tuple[list[str], int]:
     """Decode elements that are not the reference conversion of their prefill element; and how many
     elements were checked (every attention element the decode ranks hold for the moved positions)."""
-    from kvbridge.proofs.hf_cache import as_bits, gather_kv  # (hf_cache imports this module: import here)
+    from kvbridge.proofs.cache_compare import as_bits  # (hf_cache imports this module: import here)
+    from kvbridge.proofs.hf_cache import gather_kv
     n, cached = request.num_tokens, request.num_cached_tokens
     source = gather_kv(src, request.src_block_ids, n)
     s_layout, s_spec = src[0].layout, src[0].spec

@@ -8,7 +8,6 @@ decoding, whose tokens must equal plain `generate`.
 
 from __future__ import annotations
 
-import inspect
 import math
 import random
 from collections.abc import Sequence

@@ -25,8 +25,8 @@ from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 
 from kvbridge.core.spec import normalize_dtype
 from kvbridge.errors import ConfigError, InvalidRequest
-from kvbridge.proofs.hf_cache import (BlockIds, cache_differences, import_cache, replica_mismatches,
-                                      restore_position_history, save_cache)
+from kvbridge.proofs.cache_compare import cache_differences, restore_position_history, save_cache
+from kvbridge.proofs.hf_cache import BlockIds, import_cache, replica_mismatches
 from kvbridge.transport.cache import RankCache
 
 

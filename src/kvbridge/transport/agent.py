@@ -349,6 +349,11 @@ class Agent(DirectPath, StagedPath):
             if peer in self._gone:
                 raise PeerUnreachable(f"{self.name}: peer {peer!r} was disconnected: {self._gone[peer]}")
             raise InvalidRequest(f"{self.name}: unknown peer {peer!r}; connect it first")
+        # A peer known to be gone fails now, not when the service thread next drops it: a
+        # notification socket may accept bytes for a dead process (seen under load with shm).
+        why = self._peer_alive(self._peers[peer]) if peer in self._peers else ""
+        if why:
+            raise PeerUnreachable(f"{self.name}: notification to {peer!r} failed: {why}")
         try:
             self._engine_notify(peer, bytes(message))
         except (PeerUnreachable, TransferFailed):

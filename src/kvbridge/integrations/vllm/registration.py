@@ -1,0 +1,174 @@
+"""What vLLM hands a worker (`register_kv_caches`), described as a kvbridge spec and layout and
+checked against it, so that a vLLM whose cache differs is refused instead of misread.
+
+`spec_and_layout`: one KV-cache group of K/V attention layers (vLLM CPU's `[blocks, heads,
+block, 2 * head_dim]` per layer, checked by shape and against vLLM's own CPU cache-write kernel,
+`check_cpu_kv_layout`); several groups or Mamba-style state (vLLM's hybrid allocator): the
+geometry from the model's config through transformers, the conv state in vLLM's row order, one
+unified padded page per block id, every registered tensor's shape and block stride checked.
+`group_order`: vLLM's groups in kvbridge's order (by first layer) with their block sizes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvbridge.core.spec import LayerSpec, ModelSpec, normalize_dtype
+from kvbridge.errors import IncompatibleEngines
+from kvbridge.integrations.vllm.layout import VllmCpuLayout, vllm_conv_rows, vllm_cpu_layout, vllm_cpu_spec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+def group_order(kv_cache_config: KVCacheConfig, default_block: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """vLLM's KV-cache group indices ordered by their first layer (kvbridge's group order), and
+    each vLLM group's block size."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if not groups:
+        return (0,), (default_block,)
+    first = [min((extract_layer_index(n) for n in g.layer_names), default=0) for g in groups]
+    sizes = tuple(int(getattr(g.kv_cache_spec, "block_size", default_block)) for g in groups)
+    return tuple(sorted(range(len(groups)), key=first.__getitem__)), sizes
+
+
+def spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_caches: dict[str, torch.Tensor],
+                    tp_size: int) -> tuple[ModelSpec, VllmCpuLayout, list[str]]:
+    """kvbridge's description of this rank's vLLM CPU cache, and the layer names in layer order."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    mc = vllm_config.model_config
+    layout_name = str(getattr(vllm_config.cache_config.get_resolved_kv_cache_layout(), "name", ""))
+    if layout_name and layout_name != "LBHNC":
+        raise IncompatibleEngines(f"KVBridgeConnector describes vLLM CPU's LBHNC cache; this engine uses {layout_name}")
+    if len(kv_cache_config.kv_cache_groups) > 1 or kv_cache_config.has_mamba_layers:
+        return _hybrid_spec_and_layout(vllm_config, kv_cache_config, kv_caches, tp_size)
+    names = sorted(kv_caches, key=extract_layer_index)
+    if [extract_layer_index(n) for n in names] != list(range(len(names))):
+        raise IncompatibleEngines(f"KV cache layers are not 0..n-1: {names}")
+    total_heads = mc.get_total_num_kv_heads()
+    head = mc.get_head_size()
+    first = kv_caches[names[0]]
+    layers = []
+    for name in names:
+        t = kv_caches[name]
+        if t.dim() != 4 or t.shape[3] != 2 * head or t.dtype != first.dtype or t.shape != first.shape:
+            raise IncompatibleEngines(
+                f"layer {name}: expected vLLM CPU cache [blocks, kv heads, block tokens, 2 x {head}] like the first "
+                f"layer {tuple(first.shape)} {first.dtype}, got {tuple(t.shape)} {t.dtype}")
+        layers.append(LayerSpec("full", total_heads, head, head))
+    spec = vllm_cpu_spec(ModelSpec(tuple(layers), normalize_dtype(str(first.dtype)), str(mc.model)))
+    num_blocks = int(kv_cache_config.num_blocks)
+    block_size = int(vllm_config.cache_config.block_size)
+    nkb, local_heads, kbs, _ = first.shape
+    if nkb * kbs != num_blocks * block_size:
+        raise IncompatibleEngines(f"cache holds {nkb} kernel blocks of {kbs} tokens, the manager {num_blocks} blocks "
+                                  f"of {block_size}")
+    if local_heads != max(1, total_heads // tp_size):
+        raise IncompatibleEngines(f"cache has {local_heads} KV heads per rank; {total_heads} over TP {tp_size} "
+                                  f"gives {max(1, total_heads // tp_size)}")
+    return spec, vllm_cpu_layout(tp_size, block_size, num_blocks, kbs), names
+
+
+def _hybrid_spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                            kv_caches: dict[str, torch.Tensor], tp_size: int) -> tuple[ModelSpec, VllmCpuLayout, list[str]]:
+    """Several KV-cache groups (vLLM's hybrid allocator): the geometry comes from the model's
+    config through transformers (`spec_from_hf_config`, vLLM's view: conv states of kernel - 1
+    values), each layer's state as vLLM keeps it (`vllm_conv_rows`), one block size per group;
+    then every layer's tensor is checked against it (shape, bytes per block, unified page),
+    so a vLLM whose layout differs is refused instead of misread."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    from kvbridge.models.config import spec_from_hf_config
+
+    mc = vllm_config.model_config
+    by_index: dict[int, str] = {}
+    for name in kv_caches:
+        i = extract_layer_index(name)
+        if i in by_index:
+            raise IncompatibleEngines(f"layers {by_index[i]} and {name} share index {i}")
+        by_index[i] = name
+    attn = [kv_caches[n] for n in kv_caches if kv_caches[n].dtype != torch.int8]
+    dtype = normalize_dtype(str(attn[0].dtype if attn else mc.dtype))
+    states = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups if hasattr(g.kv_cache_spec, "shapes")]
+    modes = {str(getattr(s, "mamba_cache_mode", "none")) for s in states}
+    if modes - {"none"}:
+        raise IncompatibleEngines(f"vLLM caches recurrent state per prefix (mamba_cache_mode {sorted(modes)}); "
+                                  f"KVBridgeConnector moves one state per request: start vLLM without prefix caching")
+    state_dtype = normalize_dtype(str(states[0].dtypes[-1])) if states else None
+    spec = spec_from_hf_config(mc.hf_config.to_dict(), dtype=dtype, view="engine", state_dtype=state_dtype, warn=False)
+    if str(get_conv_state_layout()) == "SD":
+        spec = vllm_conv_rows(spec)
+    spec = vllm_cpu_spec(ModelSpec(spec.layers, spec.dtype, str(mc.model)))
+    held = [i for i, layer in enumerate(spec.layers) if not layer.is_stateless]
+    if sorted(by_index) != held:
+        raise IncompatibleEngines(f"vLLM caches layers {sorted(by_index)}; the model's config gives state to {held}")
+    names = [by_index[i] for i in held]
+    # Each kvbridge group (layers of one kind) must be exactly one vLLM group.
+    group_of = {n: g for g, grp in enumerate(kv_cache_config.kv_cache_groups) for n in grp.layer_names}
+    block_sizes = []
+    for layers in spec.groups:
+        vgroups = {group_of.get(by_index[i]) for i in layers}
+        if len(vgroups) != 1 or None in vgroups or len(kv_cache_config.kv_cache_groups[vgroups.pop()].layer_names) \
+                != len(layers):
+            raise IncompatibleEngines(
+                f"vLLM groups layers {layers} ({spec.layers[layers[0]].kind}) differently from kvbridge (one group per "
+                f"layer kind); start vLLM with --disable-hybrid-kv-cache-manager")
+        block_sizes.append(int(kv_cache_config.kv_cache_groups[group_of[by_index[layers[0]]]].kv_cache_spec.block_size))
+    num_blocks = int(kv_cache_config.num_blocks)
+    layout = VllmCpuLayout(tp_size=tp_size, block_size=int(vllm_config.cache_config.block_size), num_blocks=num_blocks,
+                           group_block_sizes=tuple(block_sizes), kv_order="HND", kv_placement="blocks_first",
+                           layer_placement="per_layer")
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    addr = layout.addressing(spec, get_tensor_model_parallel_rank())
+    for li, name in zip(held, names):
+        t, layer = kv_caches[name], spec.layers[li]
+        g = spec.layer_group[li]
+        nbytes = int(addr.heads[li, : addr.num_components[li]] @ addr.row_bytes[li, : addr.num_components[li]])
+        want_blocks = num_blocks * (1 if layer.is_recurrent else layout.group_block_size(g) // layout.group_kernel_size(g))
+        per_block = nbytes if layer.is_recurrent else nbytes * layout.group_kernel_size(g)
+        stride = t.stride(0) * t.element_size()
+        got = t[0].numel() * t.element_size() if t.dim() else 0
+        if t.dim() != 4 or t.shape[0] != want_blocks or got != per_block or stride != int(addr.block_stride[li, 0]):
+            raise IncompatibleEngines(
+                f"layer {name} ({layer.kind}): vLLM's cache is {tuple(t.shape)} {t.dtype} with a block stride of "
+                f"{stride} B; kvbridge expects {want_blocks} blocks of {per_block} B every "
+                f"{int(addr.block_stride[li, 0])} B")
+    return spec, layout, names
+
+
+def check_cpu_kv_layout(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto") -> str:
+    """Run vLLM's own CPU cache-write kernel on a scratch block and check that it stores K
+    transposed and V by rows, as `VllmCpuLayerSpec` describes; returns the ISA name. Refuses
+    (naming the ISA and what it found) a kernel that places the bytes otherwise."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
+    n, d = block_size, head_size
+    kv = torch.zeros(1, 1, n, 2 * d, dtype=dtype)
+    key_cache, value_cache = kv.view(1, 1, 2 * n, d).chunk(2, dim=2)
+    key = (torch.arange(n * d, dtype=torch.float32) % 251 + 1).to(dtype).view(n, 1, d)
+    value = -(torch.arange(n * d, dtype=torch.float32) % 241 + 1).to(dtype).view(n, 1, d)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n, dtype=torch.int64), isa,
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
+    raw = kv.view(2 * n, d)
+    k_ok = torch.equal(raw[:n].reshape(d, n), key[:, 0, :].t())
+    v_ok = torch.equal(raw[n:], value[:, 0, :])
+    if not (k_ok and v_ok):
+        rows = torch.equal(raw[:n], key[:, 0, :])
+        raise IncompatibleEngines(
+            f"vLLM CPU attention ISA {isa!r} ({dtype}, block {block_size}, head {head_size}) stores K "
+            f"{'by rows' if rows else 'in an unknown order'} and V {'by rows' if v_ok else 'in an unknown order'}; "
+            f"kvbridge describes K transposed, V by rows (the 'vec' kernels)")
+    return isa
+
+
+__all__ = ["check_cpu_kv_layout", "group_order", "spec_and_layout"]
