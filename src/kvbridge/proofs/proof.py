@@ -27,6 +27,7 @@ from kvbridge.core.spec import normalize_dtype
 from kvbridge.errors import ConfigError, InvalidRequest
 from kvbridge.proofs.hf_cache import (BlockIds, cache_differences, import_cache, replica_mismatches,
                                       restore_position_history, save_cache)
+from kvbridge.proofs.own_cache import model_cache, standard_cache
 from kvbridge.transport.cache import RankCache
 
 
@@ -97,7 +98,7 @@ def prefill(model: PreTrainedModel, prompt_ids: Sequence[int]) -> tuple[DynamicC
         # the positions `generate` passes; models such as RoBERTa's decoders default to others
         extra["position_ids"] = mask.long().cumsum(-1) - 1
     out = model(input_ids, attention_mask=mask, use_cache=True, **extra)
-    return _self_attention_cache(out, model), int(out.logits[0, -1].argmax())
+    return standard_cache(_self_attention_cache(out, model), model.config), int(out.logits[0, -1].argmax())
 
 
 def _self_attention_cache(out: object, model: PreTrainedModel) -> DynamicCache:
@@ -144,10 +145,11 @@ def continue_greedy(model: PreTrainedModel, prompt_ids: Sequence[int], cache: Dy
 
 
 def _cache_kwarg(model: PreTrainedModel, cache: DynamicCache) -> dict[str, DynamicCache]:
-    """`past_key_values=cache`, or `cache_params=cache` for models whose forward names it so (Mamba)."""
+    """`past_key_values=cache`, or `cache_params=cache` for models whose forward names it so (Mamba);
+    in the model's own cache class when it demands one (MiniMax)."""
     params = inspect.signature(model.forward).parameters
     name = "cache_params" if "cache_params" in params and "past_key_values" not in params else "past_key_values"
-    return {name: cache}
+    return {name: model_cache(cache, model)}
 
 
 @torch.inference_mode()
