@@ -111,6 +111,10 @@ def _self_attention_cache(out: object, model: PreTrainedModel) -> DynamicCache:
     if cache is None and other:  # Reformer's LSH buckets, XLNet's memories: no per-layer K/V
         raise ConfigError(f"layer 0: {type(model).__name__} keeps its cache as {other}, not per-layer K/V "
                           "(transformers exposes no KV cache for it), so there is nothing to move")
+    if cache is None and getattr(model, "_is_stateful", False):  # RecurrentGemma: state in module attributes
+        raise ConfigError(f"layer 0: {type(model).__name__} returns no cache: its forward keeps the recurrent state "
+                          "on its modules between calls (a stateful model) and drops the K/V cache it builds, so no "
+                          "cache object holds what a move would carry")
     if cache is None:
         raise ConfigError(f"layer 0: {type(model).__name__} returns no KV cache (no past_key_values): transformers "
                           f"exposes none for it, so there is nothing to move")
