@@ -21,7 +21,7 @@ import msgspec
 from kvbridge.errors import ConfigError, IncompatibleEngines
 
 LayerKind = Literal["full", "sliding", "mla", "recurrent", "stateless"]
-RecurrentType = Literal["", "mamba1", "mamba1_heads", "mamba2", "gdn", "kda", "short_conv"]
+RecurrentType = Literal["", "mamba1", "mamba1_heads", "mamba2", "gdn", "kda", "short_conv", "lightning", "rglru"]
 
 DTYPE_SIZES: dict[str, int] = {
     "float32": 4,

@@ -1,4 +1,4 @@
-"""Recurrent-state geometry of hybrid models (Mamba1/2, gated delta net, KDA, short conv) from configs.
+"""Recurrent-state geometry of hybrid models (Mamba1/2, gated delta net, KDA, short conv, lightning, RG-LRU).
 
 Each recurrent layer's state is described as components sharded on their own:
 
@@ -19,6 +19,19 @@ Each recurrent layer's state is described as components sharded on their own:
   `head_dim * rows`, SSM `n_heads` units of `head_dim * d_state`. vLLM has no Zamba (v1) model;
   the unit is the head because the mixer's per-head projections put whole heads on a rank.
 * Short conv (LFM2): one conv segment of `hidden_size` channels of `rows` values.
+* Lightning attention (MiniMax-Text-01's linear-attention layers): no conv, one decayed `K^T V`
+  state per head, `num_attention_heads` units of `head_dim * head_dim`; vLLM splits the heads
+  over TP (`linear_attention_state_shape`: `heads / TP` of `head_dim x head_dim`, with each rank's
+  slice of the per-head decay slopes), so the unit is the head.
+* RG-LRU (RecurrentGemma / Griffin): a depthwise conv over `lru_width` channels and a real-gated
+  linear recurrence of one value per channel. vLLM has no RecurrentGemma; the TP rule is derived
+  from the mixer's weights: `linear_x` / `linear_y` split their `lru_width` outputs over ranks and
+  `linear_out` its inputs (column then row parallel, as every gated MLP), the conv is per channel,
+  but the RG-LRU's input and recurrence gates are block-diagonal, `num_attention_heads` blocks of
+  `lru_width / heads` channels (`[heads, block, block]` weights), so a rank must hold whole blocks:
+  conv `heads` units of `block * rows`, state `heads` units of `block` (float32: transformers always
+  accumulates it in full precision). transformers' module keeps `conv1d_width - 1` conv columns in
+  either view.
 
 `rows` is the conv kernel minus one as serving engines keep it, or the kernel as
 `transformers` keeps it. Sharding each segment separately is what makes a TP change exact; a
@@ -94,6 +107,21 @@ def mamba1_heads_state(cfg: dict[str, Any], rows: int, state_dtype: str | None) 
     return (Component("conv_x", n_heads, head_dim * rows), Component("ssm", n_heads, head_dim * d_state, state_dtype))
 
 
+def rglru_state(cfg: dict[str, Any], rows: int, state_dtype: str | None) -> tuple[Component, ...]:
+    blocks, width = _get(cfg, "num_attention_heads"), _get(cfg, "lru_width")
+    if width % blocks:
+        raise ConfigError(f"{blocks} RG-LRU blocks do not split lru_width {width}")
+    block = width // blocks
+    return (Component("conv_x", blocks, block * rows), Component("recurrent", blocks, block, state_dtype or "float32"))
+
+
+def lightning_state(cfg: dict[str, Any], state_dtype: str | None) -> tuple[Component, ...]:
+    heads = _get(cfg, "num_attention_heads")
+    # the mixer's own rule: head_dim when the config sets one, else hidden_size / heads
+    dim = _get(cfg, "head_dim") if _given(cfg, "head_dim") else _get(cfg, "hidden_size") // heads
+    return (Component("recurrent", heads, dim * dim, state_dtype),)
+
+
 def short_conv_state(cfg: dict[str, Any], rows: int) -> tuple[Component, ...]:
     return (Component("conv", _get(cfg, "hidden_size"), rows),)
 
@@ -101,11 +129,14 @@ def short_conv_state(cfg: dict[str, Any], rows: int) -> tuple[Component, ...]:
 # Which recurrent mixer a layer has, from the fields its config class defines. transformers gives
 # every recurrent layer the same cache class (LinearAttentionLayer) and no description of what its
 # conv and recurrent states hold, so this is the one place a table is needed: the first signal
-# field present names the state layout, whose geometry the functions above read.
+# field present names the state layout, whose geometry the functions above read. A kind with no
+# kernel fields keeps no conv state (conv_rows 0).
 _SIGNALS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("gdn", ("linear_num_key_heads",), ("linear_conv_kernel_dim",)),
     ("kda", ("linear_num_heads",), ("linear_conv_kernel_dim",)),
     ("short_conv", ("conv_L_cache",), ("conv_L_cache",)),
+    ("lightning", ("linear_attn_alpha_factor",), ()),  # MiniMax: its linear layers' residual scaling
+    ("rglru", ("lru_width",), ("conv1d_width",)),  # RecurrentGemma
     ("mamba2", ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads"), ("mamba_d_conv", "conv_kernel")),
     ("mamba2", ("n_groups",), ("conv_kernel",)),  # Mamba2's own names: num_heads, head_dim, n_groups, state_size
     ("mamba1", ("mamba_d_state", "state_size"), ("mamba_d_conv", "conv_kernel")),  # no heads, no groups
@@ -120,13 +151,18 @@ def recurrent_layer(cfg: dict[str, Any], conv_rows_extra: int, state_dtype: str 
         if _given(cfg, *signals):
             if kind == "mamba2" and not _given(cfg, "mamba_n_groups", "mamba_ngroups", "n_groups"):
                 kind = "mamba1_heads"  # heads but no B/C groups: Mamba1's scan split by heads (Zamba)
-            rows = _get(cfg, *kernel) + conv_rows_extra
+            if not kernel:  # no conv state
+                return LayerSpec("recurrent", state=lightning_state(cfg, state_dtype), recurrent_type=kind)
+            # RecurrentGemma's module keeps kernel - 1 columns in transformers too
+            rows = _get(cfg, *kernel) + (-1 if kind == "rglru" else conv_rows_extra)
             if rows < 1:
                 raise ConfigError(f"layer {index}: conv kernel {rows - conv_rows_extra} too small")
             if kind == "gdn":
                 state = gdn_state(cfg, rows, state_dtype)
             elif kind == "short_conv":
                 state = short_conv_state(cfg, rows)
+            elif kind == "rglru":
+                state = rglru_state(cfg, rows, state_dtype)
             elif kind == "kda":
                 state = kda_state(cfg, rows, state_dtype)
             elif kind == "mamba1":

@@ -1,10 +1,11 @@
 """transformers' recurrent state tensors <-> kvbridge's state components.
 
-Hybrid models (Mamba2, gated delta net, short conv) keep per-request recurrent state next to
+Hybrid models (Mamba2, gated delta net, short conv, lightning attention) keep per-request recurrent state next to
 their attention layers. transformers holds it per layer as `conv_states[0]` `[1, conv_dim, kernel]`
 (channel-major: Mamba2 `[x | B | C]`, GDN `[Q | K | V]`, LFM2 `[hidden]`, `kernel` values per
 channel) and `recurrent_states[0]` (Mamba2 `[1, heads, head_dim, d_state]`, GDN
-`[1, v_heads, k_head_dim, v_head_dim]`; LFM2 has none). kvbridge's spec describes each conv segment
+`[1, v_heads, k_head_dim, v_head_dim]`, MiniMax `[1, heads, head_dim, head_dim]`; LFM2 has none,
+MiniMax no conv state). kvbridge's spec describes each conv segment
 and the recurrent state as its own component of `units x dim` (`spec_from_hf_config(...,
 view="transformers")`), so a segment of `units * dim / kernel` channels is exactly
 `conv[channels].reshape(units, dim)`: unit u holds its channels' `kernel` values back to back, and a
@@ -14,6 +15,7 @@ recurrent state is `state.reshape(units, a * b)`. This module is that mapping an
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,13 +29,22 @@ def _conv_components(lspec: LayerSpec) -> list[int]:
     return [ci for ci, c in enumerate(lspec.state) if c.name.startswith("conv")]
 
 
-def hf_state_shapes(lspec: LayerSpec) -> tuple[tuple[int, int, int], tuple[int, ...] | None]:
+def hf_state_shapes(lspec: LayerSpec) -> tuple[tuple[int, int, int] | None, tuple[int, ...] | None]:
     """Shapes transformers gives a recurrent layer's `conv_states[0]` and `recurrent_states[0]` (batch 1).
 
     conv: `[1, sum of segment channels, conv_rows]`. Recurrent: Mamba2 and multi-head Mamba1 (Zamba)
     `[1, heads, head_dim, d_state]` (head_dim = conv_x's channels per head), Mamba1 `[1, intermediate, d_state]`, GDN `[1, v_heads, k_head_dim, v_head_dim]` (k_head_dim =
-    conv_q's channels per head); short conv (LFM2) keeps none.
+    conv_q's channels per head); short conv (LFM2) keeps no recurrent state, lightning attention
+    (MiniMax) no conv state and `[1, heads, head_dim, head_dim]` (its per-head `K^T V`).
     """
+    if lspec.recurrent_type == "lightning":
+        if len(lspec.state) != 1 or lspec.conv_rows:
+            raise ConfigError(f"lightning layer: expected one state and no conv, got {[c.name for c in lspec.state]}")
+        s = lspec.state[0]
+        a = math.isqrt(s.dim)
+        if a * a != s.dim:
+            raise ConfigError(f"lightning state {s.name!r}: dim {s.dim} is not head_dim * head_dim")
+        return None, (1, s.heads, a, a)
     rows = lspec.conv_rows
     convs = _conv_components(lspec)
     others = [ci for ci in range(len(lspec.state)) if ci not in convs]
@@ -68,15 +79,17 @@ def state_components(layer: Any, spec: ModelSpec, li: int) -> list[torch.Tensor]
     lspec = spec.layers[li]
     if getattr(layer, "number_of_states", 1) != 1:
         raise ConfigError(f"layer {li} keeps {layer.number_of_states} conv/recurrent states; kvbridge moves one")
-    if not (layer.is_conv_states_initialized.get(0) and layer.has_previous_state.get(0)):
-        raise InvalidRequest(f"layer {li} has no conv state yet; run a prefill with use_cache=True first")
     conv_shape, rec_shape = hf_state_shapes(lspec)
-    conv = layer.conv_states[0]
+    first = layer.is_conv_states_initialized if conv_shape else layer.is_recurrent_states_initialized
+    if not (first.get(0) and layer.has_previous_state.get(0)):
+        raise InvalidRequest(f"layer {li} has no state yet; run a prefill with use_cache=True first")
+    conv = layer.conv_states[0] if layer.is_conv_states_initialized.get(0) else None
     rec = layer.recurrent_states[0] if layer.is_recurrent_states_initialized.get(0) else None
     convs = _conv_components(lspec)
-    if tuple(conv.shape) != conv_shape:
+    if (conv is None) != (conv_shape is None) or (conv is not None and tuple(conv.shape) != conv_shape):
         raise ConfigError(
-            f"layer {li}: transformers caches conv state {tuple(conv.shape)}, kvbridge's spec says {conv_shape} "
+            f"layer {li}: transformers caches conv state {None if conv is None else tuple(conv.shape)}, kvbridge's "
+            f"spec says {conv_shape} "
             f"({' | '.join(f'{lspec.state[ci].name} {lspec.state[ci].heads}x{lspec.state[ci].dim}' for ci in convs)}, "
             f"{lspec.conv_rows} rows)")
     if (rec is None) != (rec_shape is None) or (rec is not None and tuple(rec.shape) != rec_shape):
@@ -99,9 +112,12 @@ def state_components(layer: Any, spec: ModelSpec, li: int) -> list[torch.Tensor]
     return out
 
 
-def hf_state_tensors(lspec: LayerSpec, comps: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def hf_state_tensors(lspec: LayerSpec,
+                     comps: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Inverse of `state_components`: transformers' conv and recurrent state tensors from components."""
     conv_shape, rec_shape = hf_state_shapes(lspec)
+    if conv_shape is None:
+        return None, comps[-1].reshape(rec_shape)
     convs = _conv_components(lspec)
     conv = torch.cat([comps[ci].reshape(-1, lspec.conv_rows) for ci in convs])[None]
     if tuple(conv.shape) != conv_shape:  # pragma: no cover - guarded by hf_state_shapes

@@ -27,6 +27,7 @@ from kvbridge.core.spec import normalize_dtype
 from kvbridge.errors import ConfigError, InvalidRequest
 from kvbridge.proofs.cache_compare import cache_differences, restore_position_history, save_cache
 from kvbridge.proofs.hf_cache import BlockIds, import_cache, replica_mismatches
+from kvbridge.proofs.own_cache import model_cache, standard_cache
 from kvbridge.transport.cache import RankCache
 
 
@@ -97,7 +98,7 @@ def prefill(model: PreTrainedModel, prompt_ids: Sequence[int]) -> tuple[DynamicC
         # the positions `generate` passes; models such as RoBERTa's decoders default to others
         extra["position_ids"] = mask.long().cumsum(-1) - 1
     out = model(input_ids, attention_mask=mask, use_cache=True, **extra)
-    return _self_attention_cache(out, model), int(out.logits[0, -1].argmax())
+    return standard_cache(_self_attention_cache(out, model), model.config), int(out.logits[0, -1].argmax())
 
 
 def _self_attention_cache(out: object, model: PreTrainedModel) -> DynamicCache:
@@ -110,6 +111,10 @@ def _self_attention_cache(out: object, model: PreTrainedModel) -> DynamicCache:
     if cache is None and other:  # Reformer's LSH buckets, XLNet's memories: no per-layer K/V
         raise ConfigError(f"layer 0: {type(model).__name__} keeps its cache as {other}, not per-layer K/V "
                           "(transformers exposes no KV cache for it), so there is nothing to move")
+    if cache is None and getattr(model, "_is_stateful", False):  # RecurrentGemma: state in module attributes
+        raise ConfigError(f"layer 0: {type(model).__name__} returns no cache: its forward keeps the recurrent state "
+                          "on its modules between calls (a stateful model) and drops the K/V cache it builds, so no "
+                          "cache object holds what a move would carry")
     if cache is None:
         raise ConfigError(f"layer 0: {type(model).__name__} returns no KV cache (no past_key_values): transformers "
                           f"exposes none for it, so there is nothing to move")
@@ -144,10 +149,11 @@ def continue_greedy(model: PreTrainedModel, prompt_ids: Sequence[int], cache: Dy
 
 
 def _cache_kwarg(model: PreTrainedModel, cache: DynamicCache) -> dict[str, DynamicCache]:
-    """`past_key_values=cache`, or `cache_params=cache` for models whose forward names it so (Mamba)."""
+    """`past_key_values=cache`, or `cache_params=cache` for models whose forward names it so (Mamba);
+    in the model's own cache class when it demands one (MiniMax)."""
     params = inspect.signature(model.forward).parameters
     name = "cache_params" if "cache_params" in params and "past_key_values" not in params else "past_key_values"
-    return {name: cache}
+    return {name: model_cache(cache, model)}
 
 
 @torch.inference_mode()
