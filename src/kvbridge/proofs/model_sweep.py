@@ -38,8 +38,8 @@ _TINY: dict[str, Any] = {
     # 12 query and 6 KV heads of 8, so that TP 3 and TP 2 both divide them (a non-divisible pair)
     "hidden_size": 96, "n_embd": 96, "d_model": 96, "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128,
     "num_attention_heads": 12, "n_head": 12, "num_heads": 12, "num_key_value_heads": 6, "num_kv_heads": 6,
-    "head_dim": 8, "vocab_size": 256, "max_position_embeddings": 512, "n_positions": 512,
-    "sliding_window": 8, "attention_chunk_size": 8,
+    "head_dim": 8, "vocab_size": 256, "unpadded_vocab_size": 256, "max_position_embeddings": 512, "n_positions": 512,
+    "sliding_window": 8, "sliding_window_size": 8, "attention_chunk_size": 8,  # Inkling: sliding_window_size
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "qk_head_dim": 24, "index_head_dim": 16, "index_n_heads": 2,
     # Qwen4-Exp's sparse-attention indexer (off in its class defaults; one key head, budget a multiple of the ratio)
