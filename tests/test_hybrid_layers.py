@@ -178,3 +178,96 @@ def test_indexer_position_history_is_rebuilt_from_the_text_positions():
     reference.layers[3].indexer_position_ids = torch.tensor([[[0, 1, 1, 1, 2]]] * 3)  # an image's positions
     with pytest.raises(ConfigError, match="not the text positions"):
         restore_position_history(DynamicCache(config=config), reference, 5)
+
+
+def test_zaya_cca_state_is_its_conv_q_k_and_the_delayed_value():
+    """ZAYA's convolutional attention: conv `[Q | K]` by head, `(t0 - 1) + (t1 - 1)` columns in both
+    views (transformers keeps exactly what a step needs), and the last token's delayed value
+    projection, half a value head per KV head."""
+    from kvbridge.proofs.hf_states import hf_state_shapes
+    from kvbridge.proofs.model_sweep import tiny_config
+
+    config = tiny_config("zaya")
+    config.cca_time0, config.cca_time1 = 3, 2
+    specs = [spec_from_hf_config(config.to_dict(), view=v, warn=False) for v in ("engine", "transformers")]
+    assert specs[0] == specs[1]
+    spec = specs[1]
+    assert [x.kind for x in spec.layers] == ["full", "recurrent"] * config.num_hidden_layers
+    rec = spec.layers[1]
+    assert rec.recurrent_type == "cca" and rec.conv_rows == 3
+    assert [(c.name, c.heads, c.dim) for c in rec.state] == [("conv_q", 12, 8 * 3), ("conv_k", 6, 8 * 3),
+                                                             ("v_delayed", 6, 4)]
+    assert hf_state_shapes(rec) == (((1, (12 + 6) * 8, 3),), (1, 6 * 4))
+    EngineLayout(tp_size=6, block_size=4, num_blocks=2).check_model(spec)
+
+
+INKLING = {"model_type": "inkling_text", "num_hidden_layers": 2, "hidden_size": 96, "num_attention_heads": 12,
+           "num_key_value_heads": 3, "head_dim": 16, "swa_num_attention_heads": 12, "swa_num_key_value_heads": 6,
+           "swa_head_dim": 8, "layer_types": ["hybrid_sliding", "hybrid"], "sliding_window_size": 8,
+           "conv_kernel_size": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "torch_dtype": "bfloat16"}
+
+
+def test_inkling_convolves_each_layers_own_k_and_v_and_its_residual_stream():
+    """Inkling keeps four conv states in each attention cache layer: its K and V convs, sized like
+    that layer's K/V (sliding and full layers differ) and sharded by KV head, then two convs over
+    the residual stream that every TP rank holds whole; all float32, as the model runs them."""
+    spec = spec_from_hf_config(INKLING, view="transformers")
+    assert [x.kind for x in spec.layers] == ["sliding", "recurrent", "full", "recurrent"]
+    for attn, rec in (spec.layers[0:2], spec.layers[2:4]):
+        assert rec.recurrent_type == "kv_conv" and rec.conv_rows == 4 and rec.conv_states == (1, 1, 1, 1)
+        assert [(c.name, c.heads, c.dim, c.dtype) for c in rec.state] == [
+            ("conv_k", attn.num_kv_heads, attn.key_dim * 4, "float32"),
+            ("conv_v", attn.num_kv_heads, attn.value_dim * 4, "float32"),
+            ("conv_h2", 1, 96 * 4, "float32"), ("conv_h3", 1, 96 * 4, "float32")]
+    assert (spec.layers[0].num_kv_heads, spec.layers[2].num_kv_heads) == (6, 3)
+    assert spec_from_hf_config(INKLING).layers[1].conv_rows == 3  # the engine view: kernel - 1
+    EngineLayout(tp_size=3, block_size=4, num_blocks=2).check_model(spec)
+
+
+def test_several_conv_states_map_to_components_and_back():
+    """Each conv state of a layer is its own tensor; components come out and go back bit for bit,
+    and a layer keeping another number of states than the spec is refused."""
+    from transformers import AutoConfig
+
+    from kvbridge.proofs.hf_states import hf_state_shapes, hf_state_tensors, state_components
+
+    spec = spec_from_hf_config(INKLING, view="transformers")
+    config = AutoConfig.for_model(**{k: v for k, v in INKLING.items() if k != "torch_dtype"})
+    cache = DynamicCache(config=config)
+    layer = cache.layers[0]
+    assert layer.number_of_states == 4
+    shapes, rec_shape = hf_state_shapes(spec.layers[1])
+    assert shapes == ((1, 6 * 8, 4), (1, 6 * 8, 4), (1, 96, 4), (1, 96, 4)) and rec_shape is None
+    torch.manual_seed(0)
+    held = [torch.randn(shape) for shape in shapes]
+    for si, t in enumerate(held):
+        cache.update_conv_state(t, 0, state_idx=si)
+    comps = state_components(layer, spec, 1)
+    assert [tuple(c.shape) for c in comps] == [(6, 32), (6, 32), (1, 384), (1, 384)]
+    assert torch.equal(comps[0][1], held[0][0, 8:16].reshape(-1))  # KV head 1: its channels' 4 values each
+    convs, rec = hf_state_tensors(spec.layers[1], comps)
+    assert rec is None and all(torch.equal(a, b) for a, b in zip(convs, held))
+    one = spec_from_hf_config(FALCON_H1, view="transformers", dtype="float32")
+    with pytest.raises(ConfigError, match="keeps 4 conv/recurrent states"):
+        state_components(layer, type(one)((one.layers[1],), "float32"), 0)
+
+
+def test_conv_states_must_cover_the_conv_components():
+    from kvbridge.core.spec import Component, LayerSpec
+
+    state = (Component("conv_k", 2, 8), Component("conv_v", 2, 8))
+    assert LayerSpec("recurrent", state=state, conv_rows=4, conv_states=(1, 1)).conv_states == (1, 1)
+    with pytest.raises(ConfigError, match="do not cover"):
+        LayerSpec("recurrent", state=state, conv_rows=4, conv_states=(1,))
+
+
+def test_vllm_row_order_goes_round_within_each_conv_state():
+    """vLLM's conv layout ("SD": row r of every channel, then row r + 1) is per state tensor: with
+    several conv states the rows of one never interleave with another's."""
+    from kvbridge.integrations.vllm.layout import vllm_conv_rows
+
+    spec = spec_from_hf_config(INKLING)  # engine view: 3 rows
+    rec = vllm_conv_rows(spec).layers[1]
+    names = [c.name for c in rec.state]
+    assert names == [f"{n}@{r}" for n in ("conv_k", "conv_v", "conv_h2", "conv_h3") for r in range(3)]
+    assert rec.conv_states == (3, 3, 3, 3)

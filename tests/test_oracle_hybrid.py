@@ -173,8 +173,9 @@ def test_dump_holds_conv_and_recurrent_states_as_transformers_does(tmp_path, mod
         if not layer.is_recurrent:
             want |= {f"layers.{i}.keys", f"layers.{i}.values"}
             continue
-        conv_shape, rec_shape = hf_state_shapes(layer)
-        names = {"conv_states": conv_shape} | ({"recurrent_states": rec_shape} if rec_shape else {})
+        conv_shapes, rec_shape = hf_state_shapes(layer)
+        assert len(conv_shapes) == 1
+        names = {"conv_states": conv_shapes[0]} | ({"recurrent_states": rec_shape} if rec_shape else {})
         for name, shape in names.items():
             t = dumped[f"layers.{i}.{name}"]
             held = getattr(ref.layers[i], name)[0]
@@ -186,7 +187,7 @@ def test_dump_holds_conv_and_recurrent_states_as_transformers_does(tmp_path, mod
     conv_dim = {"tiny-bamba": 128 + 2 * 2 * 8, "tiny-granite-hybrid": 96 + 2 * 8, "tiny-qwen3-next": 2 * 16 + 32,
                 "tiny-lfm2": 48}[model]
     kernel = {"tiny-lfm2": 3}.get(model, 4)
-    assert hf_state_shapes(rec)[0] == (1, conv_dim, kernel)
+    assert hf_state_shapes(rec)[0] == ((1, conv_dim, kernel),)
 
 
 # --- the component mapping matches the models' own tensors ---------------------------------

@@ -28,7 +28,7 @@ def test_lightning_state_is_one_square_state_per_head_and_no_conv(view):
     assert rec.recurrent_type == "lightning" and rec.conv_rows == 0
     assert [(c.name, c.heads, c.dim) for c in rec.state] == [("recurrent", 12, 16 * 16)]
     assert spec.layers[1].kind == "full" and spec.layers[1].num_kv_heads == 6
-    assert hf_state_shapes(rec) == (None, (1, 12, 16, 16))
+    assert hf_state_shapes(rec) == ((), (1, 12, 16, 16))
 
 
 def test_lightning_head_dim_defaults_to_hidden_over_heads():
@@ -67,7 +67,7 @@ def test_prefill_cache_is_viewed_as_the_standard_cache_with_the_same_tensors(min
         if lspec.is_recurrent:
             comps = state_components(std.layers[li], spec, li)
             assert torch.equal(comps[0], own.linear_cache[li][0].reshape(12, 64))
-            assert hf_state_tensors(lspec, comps)[0] is None
+            assert hf_state_tensors(lspec, comps)[0] == []
         else:
             assert torch.equal(std.layers[li].keys, own.layers[li].keys)
     back = model_cache(std, model)

@@ -21,7 +21,8 @@ import msgspec
 from kvbridge.errors import ConfigError, IncompatibleEngines
 
 LayerKind = Literal["full", "sliding", "mla", "recurrent", "stateless"]
-RecurrentType = Literal["", "mamba1", "mamba1_heads", "mamba2", "gdn", "kda", "short_conv", "lightning", "rglru"]
+RecurrentType = Literal["", "mamba1", "mamba1_heads", "mamba2", "gdn", "kda", "short_conv", "lightning", "rglru", "cca",
+                        "kv_conv"]
 
 DTYPE_SIZES: dict[str, int] = {
     "float32": 4,
@@ -79,13 +80,17 @@ class LayerSpec(msgspec.Struct, frozen=True):
     state: tuple[Component, ...] = ()
     recurrent_type: RecurrentType = ""
     conv_rows: int = 0  # values per conv channel kept in the state (kernel - 1, or kernel)
+    # How many conv components each of the layer's conv states holds, in state order, when it keeps
+    # more than one (Inkling: a K conv, a V conv and two residual-stream convs, each its own tensor);
+    # empty: one conv state, the concatenation of all conv components (Mamba2 [x | B | C]).
+    conv_states: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in ("full", "sliding", "mla", "recurrent", "stateless"):
             raise ConfigError(f"unknown layer kind {self.kind!r}")
         if self.kind == "stateless":
             if (self.state or self.num_kv_heads or self.key_dim or self.value_dim or self.window
-                    or self.recurrent_type or self.conv_rows):
+                    or self.recurrent_type or self.conv_rows or self.conv_states):
                 raise ConfigError("a stateless layer has no KV heads, dims, window or state components")
             return
         if self.kind == "recurrent":
@@ -96,8 +101,12 @@ class LayerSpec(msgspec.Struct, frozen=True):
                     raise ConfigError(f"state component {c.name!r} needs units and dim >= 1, got {c.heads}, {c.dim}")
                 if c.dtype is not None:
                     normalize_dtype(c.dtype)
+            convs = sum(c.name.startswith("conv") for c in self.state)
+            if self.conv_states and (min(self.conv_states) < 1 or sum(self.conv_states) != convs):
+                raise ConfigError(f"conv states of {self.conv_states} components do not cover the {convs} conv "
+                                  f"components")
             return
-        if self.state:
+        if self.state or self.conv_states:
             raise ConfigError(f"only recurrent layers have state components (kind {self.kind!r})")
         if self.num_kv_heads < 1 or self.key_dim < 1:
             raise ConfigError(f"layer needs >= 1 KV head and key_dim >= 1, got {self.num_kv_heads}, {self.key_dim}")
@@ -242,7 +251,8 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
         if self.num_layers != other.num_layers:
             raise IncompatibleEngines(f"layer count differs: {mine} {self.num_layers}, {theirs} {other.num_layers}")
         for i, (x, y) in enumerate(zip(self.layers, other.layers)):
-            for f in ("kind", "num_kv_heads", "key_dim", "value_dim", "window", "recurrent_type", "conv_rows"):
+            for f in ("kind", "num_kv_heads", "key_dim", "value_dim", "window", "recurrent_type", "conv_rows",
+                      "conv_states"):
                 if getattr(x, f) != getattr(y, f):
                     raise IncompatibleEngines(
                         f"layer {i} {f} differs: {mine} {getattr(x, f)}, {theirs} {getattr(y, f)}")

@@ -14,9 +14,12 @@ list of model types, so a new plain-attention architecture needs nothing here:
 * `DummyLayer` -> "stateless": the layer stores nothing (an MLP / MoE block of a hybrid stack such
   as Nemotron-H, or a layer reading another layer's K/V); it keeps its index and moves nothing;
 * `LinearAttentionAnd{Full,SlidingWindow}AttentionLayer` ("hybrid", "hybrid_sliding": Zamba2's
-  shared-attention layers, Falcon-H1) -> two logical layers, the attention part then the recurrent
-  part, as vLLM registers them (one attention and one Mamba cache layer per decoder layer). The
-  transformers bridge maps both back to the one cache layer by its class;
+  shared-attention layers, Falcon-H1, ZAYA's convolutional attention, Inkling's K/V convs) -> two
+  logical layers, the attention part then the recurrent part, as vLLM registers them (one attention
+  and one Mamba cache layer per decoder layer). The transformers bridge maps both back to the one
+  cache layer by its class. The recurrent part may depend on the attention part (Inkling convolves
+  each KV head's keys and values) and on the conv states transformers gives the layer
+  (`number_of_states`);
 * `DynamicIndexedLayer` ("indexed_attention": DeepSeek-V3.2, GLM-MoE-DSA) -> the attention layer,
   then its sparse-attention indexer key cache as a layer of its own: one `index_head_dim` row per
   token that every TP rank holds whole, which is what vLLM allocates for it (`DeepseekV32IndexerCache`:
@@ -211,7 +214,9 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
         from kvbridge.models.modules import module_indexer_dims
         indexers = module_indexer_dims(text, tuple(types))
     out: list[LayerSpec] = []
-    recurrent: LayerSpec | None = None  # one recurrent geometry per model, derived once
+    # recurrent geometries derived so far, by what they depend on besides the config: the attention
+    # part of the same cache layer (Inkling's K/V convs) and the number of conv states
+    recurrent: dict[Any, LayerSpec] = {}
     for i, (lt, kw) in enumerate(zip(types, kwargs)):
         try:
             parts = (_HYBRID_TYPES[lt], "linear_attention") if lt in _HYBRID_TYPES else (lt,)
@@ -224,9 +229,9 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
                 if dim:
                     out.append(LayerSpec("mla", 1, dim))
             for part in parts:
+                attention = out[-1] if part == "linear_attention" and len(parts) == 2 else None
                 out.append(_layer(text, reader, per_layer[i], part, kw, i, mla_view, view, state_dtype, recurrent,
-                                  modules.get(i), lt))
-                recurrent = out[-1] if out[-1].is_recurrent else recurrent
+                                  modules.get(i), lt, attention))
         except ConfigError as e:  # every refusal names the layer and its kind
             if str(e).startswith("layer "):
                 raise
@@ -235,10 +240,10 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
 
 
 def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], i: int, mla_view: str, view: str,
-           state_dtype: str | None, previous: LayerSpec | None,
-           built: tuple[int, int, int] | None, shown: str = "") -> LayerSpec:
+           state_dtype: str | None, previous: dict[Any, LayerSpec],
+           built: tuple[int, int, int] | None, shown: str = "", attention: LayerSpec | None = None) -> LayerSpec:
     """One spec layer for transformers layer type `lt` (`shown`: the type to name in a refusal, when
-    `lt` is one part of it)."""
+    `lt` is one part of it; `attention`: the attention part when `lt` is the recurrent part)."""
     if lt in _ATTENTION_TYPES:
         window = None
         if lt != "full_attention":
@@ -256,10 +261,13 @@ def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], 
             spec = LayerSpec(spec.kind, built[0], built[1], built[2], spec.window)
         return spec
     if lt in ("linear_attention", "conv"):
-        if previous is not None:
-            return previous
-        from kvbridge.models.recurrent import recurrent_layer
-        return recurrent_layer(text.to_dict(), -1 if view == "engine" else 0, state_dtype, i, shown or lt)
+        states = kw.get("number_of_states", 1)
+        key = (attention, states)
+        if key not in previous:
+            from kvbridge.models.recurrent import recurrent_layer
+            previous[key] = recurrent_layer(text.to_dict(), -1 if view == "engine" else 0, state_dtype, i, shown or lt,
+                                            attention, states)
+        return previous[key]
     if lt in _STATELESS_TYPES:  # transformers' DummyLayer (or an old name for it) stores no cache for this layer
         return LayerSpec("stateless")
     what = _REFUSED_TYPES.get(lt, "a cache layer kvbridge does not know")

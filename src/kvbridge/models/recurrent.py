@@ -1,4 +1,4 @@
-"""Recurrent-state geometry of hybrid models (Mamba1/2, gated delta net, KDA, short conv, lightning, RG-LRU).
+"""Recurrent-state geometry of hybrid models (Mamba1/2, gated delta net, KDA, short conv, lightning, RG-LRU, CCA, K/V convs).
 
 Each recurrent layer's state is described as components sharded on their own:
 
@@ -32,6 +32,27 @@ Each recurrent layer's state is described as components sharded on their own:
   conv `heads` units of `block * rows`, state `heads` units of `block` (float32: transformers always
   accumulates it in full precision). transformers' module keeps `conv1d_width - 1` conv columns in
   either view.
+* Compressed convolutional attention (ZAYA's CCA, a "hybrid" cache layer: K/V, then this state):
+  one conv state `[Q | K]` over the query and key projections, a depthwise conv of `cca_time0`
+  taps then a conv grouped by head of `cca_time1` taps, so a step needs the last
+  `(cca_time0 - 1) + (cca_time1 - 1)` inputs, which is what transformers keeps too (no extra
+  column in either view). Q has `num_attention_heads` units of `head_dim * rows`, K has
+  `num_key_value_heads` units of `head_dim * rows`: the grouped conv's groups are whole heads, so
+  the conv splits with the Q and K heads of attention TP. The recurrent state is the previous
+  token's delayed value projection (`v_proj_delayed`, half a value head per KV head): `num_kv_heads`
+  units of `head_dim / 2`, the column-parallel split of that projection by KV head like
+  `v_proj_current` (replicated when TP exceeds the KV heads). vLLM 0.32 has no ZAYA model, so this
+  rule is derived from the mixer's weights, not taken from an engine.
+* Short convs over K and V (Inkling, Inkling-2; "hybrid" / "hybrid_sliding" layers): the cache
+  layer keeps `number_of_conv_states` conv states, each its own tensor of `kernel` values per
+  channel: state 0 convolves the layer's keys and state 1 its values (`kv_heads` units of
+  `key_dim * rows` / `value_dim * rows`, the K/V geometry of the attention part of the same layer,
+  which differs between sliding and full layers), sharded by KV head like K/V since the conv is
+  depthwise (Inkling-2's dynamic taps are shared within a KV head); any further state convolves
+  the residual stream (`hidden_size` channels after the attention / MLP output projections), which
+  every TP rank holds whole after the all-reduce: one replicated unit of `hidden_size * rows`.
+  The model runs these convs in float32 whatever its dtype, so their states are float32. vLLM 0.32
+  has no Inkling model; this too follows the weights.
 
 `rows` is the conv kernel minus one as serving engines keep it, or the kernel as
 `transformers` keeps it. Sharding each segment separately is what makes a TP change exact; a
@@ -126,6 +147,29 @@ def short_conv_state(cfg: dict[str, Any], rows: int) -> tuple[Component, ...]:
     return (Component("conv", _get(cfg, "hidden_size"), rows),)
 
 
+def cca_state(cfg: dict[str, Any], rows: int) -> tuple[Component, ...]:
+    q_heads, kv_heads = _get(cfg, "num_attention_heads"), _get(cfg, "num_key_value_heads")
+    head_dim = _get(cfg, "head_dim")
+    if head_dim % 2:
+        raise ConfigError(f"CCA splits each value head in two halves; head_dim {head_dim} is odd")
+    return (Component("conv_q", q_heads, head_dim * rows), Component("conv_k", kv_heads, head_dim * rows),
+            Component("v_delayed", kv_heads, head_dim // 2))
+
+
+def kv_conv_state(cfg: dict[str, Any], rows: int, attention: LayerSpec | None,
+                  states: int) -> tuple[tuple[Component, ...], tuple[int, ...]]:
+    """The K conv, the V conv, then `states - 2` residual-stream convs, one conv state each."""
+    if attention is None or attention.kind not in ("full", "sliding"):
+        raise ConfigError("short convs over K and V need the layer's attention part (a hybrid cache layer)")
+    if states < 2:
+        raise ConfigError(f"short convs over K and V keep two conv states at least, transformers gives {states}")
+    heads, f32 = attention.num_kv_heads, "float32"
+    out = [Component("conv_k", heads, attention.key_dim * rows, f32),
+           Component("conv_v", heads, attention.value_dim * rows, f32)]
+    out += [Component(f"conv_h{s}", 1, _get(cfg, "hidden_size") * rows, f32) for s in range(2, states)]
+    return tuple(out), (1,) * states
+
+
 # Which recurrent mixer a layer has, from the fields its config class defines. transformers gives
 # every recurrent layer the same cache class (LinearAttentionLayer) and no description of what its
 # conv and recurrent states hold, so this is the one place a table is needed: the first signal
@@ -140,24 +184,45 @@ _SIGNALS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("mamba2", ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads"), ("mamba_d_conv", "conv_kernel")),
     ("mamba2", ("n_groups",), ("conv_kernel",)),  # Mamba2's own names: num_heads, head_dim, n_groups, state_size
     ("mamba1", ("mamba_d_state", "state_size"), ("mamba_d_conv", "conv_kernel")),  # no heads, no groups
+    ("cca", ("cca_time0",), ("cca_time0", "cca_time1")),  # ZAYA: two stacked convs, see _kernel
+    ("kv_conv", ("conv_kernel_size",), ("conv_kernel_size",)),  # Inkling: `sconv_kernel_size` is its alias
 )
 
 
+def _kernel(cfg: dict[str, Any], kind: str, keys: tuple[str, ...]) -> int:
+    """The conv's receptive field in tokens: CCA's two stacked convs see `t0 + t1 - 1` tokens."""
+    if kind == "cca":
+        return sum(_get(cfg, k) for k in keys) - 1
+    return _get(cfg, *keys)
+
+
 def recurrent_layer(cfg: dict[str, Any], conv_rows_extra: int, state_dtype: str | None, index: int,
-                    layer_type: str) -> LayerSpec:
+                    layer_type: str, attention: LayerSpec | None = None, states: int = 1) -> LayerSpec:
     """The state of a recurrent layer (`cfg`: the text config with transformers' defaults);
-    `conv_rows_extra` is -1 (engine view: kernel - 1 columns) or 0 (transformers: kernel)."""
+    `conv_rows_extra` is -1 (engine view: kernel - 1 columns) or 0 (transformers: kernel).
+    `attention`: the attention part of the same cache layer (hybrid layers), `states`: the conv
+    states transformers gives the layer (`number_of_states`)."""
     for kind, signals, kernel in _SIGNALS:
         if _given(cfg, *signals):
             if kind == "mamba2" and not _given(cfg, "mamba_n_groups", "mamba_ngroups", "n_groups"):
                 kind = "mamba1_heads"  # heads but no B/C groups: Mamba1's scan split by heads (Zamba)
             if not kernel:  # no conv state
                 return LayerSpec("recurrent", state=lightning_state(cfg, state_dtype), recurrent_type=kind)
-            # RecurrentGemma's module keeps kernel - 1 columns in transformers too
-            rows = _get(cfg, *kernel) + (-1 if kind == "rglru" else conv_rows_extra)
+            if kind in ("cca", "rglru"):  # transformers keeps exactly the inputs a step needs: no extra column
+                conv_rows_extra = -1
+            rows = _kernel(cfg, kind, kernel) + conv_rows_extra
             if rows < 1:
                 raise ConfigError(f"layer {index}: conv kernel {rows - conv_rows_extra} too small")
-            if kind == "gdn":
+            if kind == "kv_conv":
+                state, split = kv_conv_state(cfg, rows, attention, states)
+                return LayerSpec("recurrent", state=state, recurrent_type="kv_conv", conv_rows=rows,
+                                 conv_states=split)
+            if states != 1:
+                raise ConfigError(f"layer {index}: transformers keeps {states} conv/recurrent states; kvbridge knows "
+                                  f"one for a {kind} mixer")
+            if kind == "cca":
+                state = cca_state(cfg, rows)
+            elif kind == "gdn":
                 state = gdn_state(cfg, rows, state_dtype)
             elif kind == "short_conv":
                 state = short_conv_state(cfg, rows)

@@ -437,19 +437,19 @@ def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: i
             continue
         if lspec.is_stateless:  # transformers' DummyLayer: nothing to put back
             continue
-        conv, rec = hf_state_tensors(lspec, states[li])
-        if conv is not None:
-            cache.update_conv_state(conv, hf[li], conv_kernel_size=lspec.conv_rows)
+        convs, rec = hf_state_tensors(lspec, states[li])
+        for si, conv in enumerate(convs):
+            cache.update_conv_state(conv, hf[li], state_idx=si, conv_kernel_size=lspec.conv_rows)
         if rec is not None:
             cache.update_recurrent_state(rec, hf[li])
-        if conv is None:  # no conv update marks it: a state-only layer (lightning) continues from its state
+        if not convs:  # no conv update marks it: a state-only layer (lightning) continues from its state
             cache.layers[hf[li]].has_previous_state[0] = True
     for li, lspec in enumerate(spec.layers):
         layer = cache.layers[hf[li]]
         if spec.layers[li].is_stateless:
             continue
         if spec.layers[li].is_recurrent:
-            if not cache.has_previous_state(hf[li]):
+            if not all(cache.layers[hf[li]].has_previous_state.values()):
                 raise InvalidRequest(f"imported layer {li} did not take its recurrent state")
             continue
         if _is_second_part(cache, hf, li):

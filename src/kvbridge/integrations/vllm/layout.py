@@ -87,8 +87,12 @@ def vllm_conv_rows(spec: ModelSpec) -> ModelSpec:
             if any(c.dim % rows for c in conv):
                 raise IncompatibleEngines(f"a conv component of {layer.recurrent_type or 'a recurrent layer'} does not "
                                           f"hold {rows} values per channel")
-            split = [msgspec.structs.replace(c, name=f"{c.name}@{r}", dim=c.dim // rows) for r in range(rows) for c in conv]
-            layer = msgspec.structs.replace(layer, state=tuple(split + rest))
+            sizes = layer.conv_states or (len(conv),)  # rows go round within each conv state (its own tensor)
+            starts = [sum(sizes[:g]) for g in range(len(sizes))]
+            split = [msgspec.structs.replace(c, name=f"{c.name}@{r}", dim=c.dim // rows)
+                     for g, n in zip(starts, sizes) for r in range(rows) for c in conv[g:g + n]]
+            layer = msgspec.structs.replace(layer, state=tuple(split + rest),
+                                            conv_states=tuple(n * rows for n in layer.conv_states))
         layers.append(layer)
     return ModelSpec(tuple(layers), spec.dtype, spec.name)
 
