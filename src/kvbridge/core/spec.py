@@ -270,7 +270,11 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
 
     def fingerprint(self) -> str:
         """Stable digest of the geometry (not the name), exchanged at handshake."""
-        payload = msgspec.json.encode((self.layers, self.dtype))  # every field, state components included
+        # every field, state components included; `conv_states` only where set, so that a spec
+        # without it keeps the digest it had before the field existed (older peers agree)
+        layers = [{k: v for k, v in msgspec.structs.asdict(layer).items() if k != "conv_states" or v}
+                  for layer in self.layers]
+        payload = msgspec.json.encode((layers, self.dtype))
         return hashlib.sha256(payload).hexdigest()[:16]
 
     def describe(self) -> str:
