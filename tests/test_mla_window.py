@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvbridge import EngineLayout, LayerSpec, ModelSpec
 from kvbridge.core.plan import Request, plan_request
 from kvbridge.errors import ConfigError, IncompatibleEngines, InvalidRequest
+from kvbridge.models import spec_from_hf_config
 from kvbridge.proofs.verify import check_case
 
 
@@ -102,3 +103,21 @@ def test_window_free_layers_encode_as_before():
         b'{"kind":"mla","num_kv_heads":1,"key_dim":576,"value_dim":0,"window":null,"state":[],'
         b'"recurrent_type":"","conv_rows":0}')
 
+
+DOTS3 = {"model_type": "dots3_note_text", "num_hidden_layers": 4, "sliding_window": 8, "kv_lora_rank": 32,
+         "qk_rope_head_dim": 8, "layer_types": ["indexed_attention", "sliding_attention"] * 2,
+         "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("view", ["engine", "transformers"])
+def test_dots3_sliding_layers_are_windowed_mla(view):
+    spec = spec_from_hf_config(DOTS3, view=view, warn=False)
+    sliding = [layer for layer in spec.layers if layer.window is not None]
+    assert len(sliding) == 2 and {layer.kind for layer in sliding} == {"mla"}
+    assert {layer.window for layer in sliding} == {8}
+    # its sliding layers keep their own MLA sizes (per-layer config: kv_lora_rank, qk_rope_head_dim)
+    from transformers import CONFIG_MAPPING
+    per = CONFIG_MAPPING["dots3_note_text"](**{k: v for k, v in DOTS3.items() if k != "model_type"}).per_layer_config[1]
+    lora, rope = per.kv_lora_rank, per.qk_rope_head_dim
+    dims = (lora + rope, 0) if view == "engine" else (lora, rope)
+    assert {(layer.key_dim, layer.value_dim) for layer in sliding} == {dims}
