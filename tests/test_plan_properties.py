@@ -2,8 +2,8 @@
 
 Shapes: heads and TP sizes legal for them (including non-divisible pairs such as P=3/D=2 with 6
 heads and replicated P with P > D), any block / kernel block sizes, NHD/HND, kv_first /
-blocks_first / cross_layer, dtypes, full + several sliding-window groups, MLA (alone or next to
-attention layers), different K and V dims, stateless layers anywhere, any token count and
+blocks_first / cross_layer, dtypes, full + several sliding-window groups, MLA with or without a
+window (alone or next to attention layers), different K and V dims, stateless layers anywhere, any token count and
 prefix-cache hit.
 """
 
@@ -54,7 +54,8 @@ def specs(draw) -> ModelSpec:
     windows = draw(st.lists(st.integers(2, 40), min_size=1, max_size=2))
     for i in range(n_layers):
         if kind == "mla" or (kind == "mla+attn" and i % 2 == 0):
-            layers.append(LayerSpec("mla", 1, draw(dims)))
+            # MLA with a window too: dots3's sliding MLA layers (vLLM's SlidingWindowMLASpec)
+            layers.append(LayerSpec("mla", 1, draw(dims), window=draw(st.sampled_from([None, *windows]))))
             continue
         k_dim, v_dim = draw(dims), draw(dims)  # K and V dims may differ
         if kind == "hybrid" and draw(st.booleans()):

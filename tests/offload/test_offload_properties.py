@@ -18,7 +18,7 @@ from kvbridge.transport.cache import RankCache
 from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.spec import CPULoadStoreSpec, GPULoadStoreSpec, cdiv, split_groups
 from kvbridge.offload.worker import OffloadWorker
-from kvbridge.core.spec import ModelSpec
+from kvbridge.core.spec import LayerSpec, ModelSpec
 from kvbridge.proofs.verify import pattern, random_bytes
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -29,9 +29,14 @@ KINDS = [("full",), ("sliding", "full"), ("full", "mla"), ("sliding", "full", "m
 def models(draw) -> ModelSpec:
     kinds = draw(st.sampled_from(KINDS))
     heads = 1 if kinds == ("mla",) else draw(st.sampled_from([1, 2, 4, 6]))
-    return ModelSpec.uniform(draw(st.integers(len(kinds), 4)), heads, draw(st.sampled_from([4, 8])),
+    window = draw(st.integers(2, 20))
+    spec = ModelSpec.uniform(draw(st.integers(len(kinds), 4)), heads, draw(st.sampled_from([4, 8])),
                              draw(st.sampled_from(["bfloat16", "float32", "float8_e4m3fn"])), kinds=kinds,
-                             window=draw(st.integers(2, 20)))
+                             window=window)
+    if "mla" in kinds and draw(st.booleans()):  # sliding MLA (dots3): its group stores the window's blocks
+        layers = tuple(LayerSpec("mla", 1, x.key_dim, window=window) if x.kind == "mla" else x for x in spec.layers)
+        spec = ModelSpec(layers, spec.dtype, spec.name)
+    return spec
 
 
 @st.composite

@@ -67,7 +67,9 @@ class LayerSpec(msgspec.Struct, frozen=True):
 
     `window` is the sliding window in tokens (query i sees keys j with i - j < window), so a
     sliding layer keeps only its last `window - 1` tokens, as vLLM and transformers do.
-    MLA keeps one latent row per token that every TP rank holds whole. A recurrent layer
+    MLA keeps one latent row per token that every TP rank holds whole; an MLA layer with a
+    `window` (vLLM's `SlidingWindowMLASpec`) keeps those rows for its last `window - 1` tokens
+    only. Which tokens a layer keeps follows `window` alone, its rows follow `kind`. A recurrent layer
     (Mamba, gated delta net, short conv) keeps one state per request: its `state` components.
     A stateless layer keeps nothing (transformers gives it a `DummyLayer`, vLLM no cache at all).
     """
@@ -112,8 +114,10 @@ class LayerSpec(msgspec.Struct, frozen=True):
             raise ConfigError(f"layer needs >= 1 KV head and key_dim >= 1, got {self.num_kv_heads}, {self.key_dim}")
         if self.kind == "sliding" and (self.window is None or self.window < 2):
             raise ConfigError(f"a sliding layer needs window >= 2, got {self.window}")
-        if self.kind != "sliding" and self.window is not None:
-            raise ConfigError(f"only sliding layers have a window (kind {self.kind!r}, window {self.window})")
+        if self.kind not in ("sliding", "mla") and self.window is not None:
+            raise ConfigError(f"only sliding and MLA layers have a window (kind {self.kind!r}, window {self.window})")
+        if self.window is not None and self.window < 2:
+            raise ConfigError(f"a windowed layer needs window >= 2, got {self.window}")
         if self.kind == "mla" and self.num_kv_heads != 1:
             raise ConfigError(f"an MLA layer has one latent row per token (num_kv_heads=1), got {self.num_kv_heads}")
         if self.kind != "mla" and self.value_dim < 1:

@@ -9,7 +9,9 @@ list of model types, so a new plain-attention architecture needs nothing here:
 
 * `DynamicLayer` -> K/V per token ("full"), or an MLA latent when the config has `kv_lora_rank`;
 * `DynamicSlidingWindowLayer` -> "sliding" (sliding and chunked attention: transformers keeps the
-  last `window - 1` tokens for both, with `window` the chunk size for chunked attention);
+  last `window - 1` tokens for both, with `window` the chunk size for chunked attention), or an
+  "mla" layer with that `window` when the config has `kv_lora_rank` (dots3's sliding MLA layers:
+  the latent rows of the last `window - 1` tokens, vLLM's `SlidingWindowMLASpec`);
 * `LinearAttentionLayer` -> "recurrent", geometry from `recurrent.py`;
 * `DummyLayer` -> "stateless": the layer stores nothing (an MLP / MoE block of a hybrid stack such
   as Nemotron-H, or a layer reading another layer's K/V); it keeps its index and moves nothing;
@@ -276,12 +278,12 @@ def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], 
 
 def _attention_layer(layer: Any, reader: _Reader, mla_view: str, window: int | None, i: int) -> LayerSpec:
     kv_lora = getattr(layer, "kv_lora_rank", None)
-    if kv_lora:
-        if window is not None:
-            raise ConfigError(f"layer {i} is MLA with a sliding window; kvbridge cannot move it yet")
+    if kv_lora:  # with a window: the same rows for the last window - 1 tokens (vLLM's SlidingWindowMLASpec)
         lora = reader.int(layer, "kv_lora_rank")
         rope = reader.int(layer, "qk_rope_head_dim")
-        return LayerSpec("mla", 1, lora + rope) if mla_view == "latent" else LayerSpec("mla", 1, lora, rope)
+        if mla_view == "latent":
+            return LayerSpec("mla", 1, lora + rope, window=window)
+        return LayerSpec("mla", 1, lora, rope, window)
     q_heads = reader.int(layer, "num_attention_heads")
     kv_heads = _kv_heads(layer, reader, q_heads)
     if kv_heads > q_heads:

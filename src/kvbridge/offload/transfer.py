@@ -36,8 +36,9 @@ def group_model(spec: ModelSpec, group: int) -> ModelSpec:
     layers = []
     for li in spec.groups[group]:
         layer = spec.layers[li]
-        if layer.kind == "sliding":
-            layer = LayerSpec("full", layer.num_kv_heads, layer.key_dim, layer.value_dim)
+        if layer.window is not None:  # sliding K/V becomes full K/V, sliding MLA plain MLA
+            layer = LayerSpec("full" if layer.kind == "sliding" else layer.kind, layer.num_kv_heads, layer.key_dim,
+                              layer.value_dim)
         layers.append(layer)
     return ModelSpec(tuple(layers), spec.dtype, f"{spec.name}/group{group}")
 

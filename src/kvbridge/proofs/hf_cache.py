@@ -7,7 +7,8 @@ its head shard of the layers of its PP stage and the token positions of its CP r
 layout's addressing, as a serving engine's attention kernel would), `import_cache` rebuilds a
 `DynamicCache` from the decode engine's ranks (each head and position from the first rank that
 holds it), `replica_mismatches` compares the replicas bit for bit (`cache_compare` the caches).
-Block-id lists may be clipped to a sliding window, as vLLM sends them.
+Block-id lists may be clipped to a sliding window, as vLLM sends them. A sliding MLA layer (dots3) is a
+`DynamicSlidingWindowLayer` holding the two MLA tensors for the last `window - 1` tokens.
 
 A transformers cache layer that holds attention K/V and recurrent state together (Zamba2's
 shared-attention layers, Falcon-H1: `LinearAttentionAnd...AttentionLayer`) is two layers of the
@@ -154,9 +155,10 @@ def _check_layer(layer: Any, spec: ModelSpec, li: int, num_tokens: int) -> tuple
         raise ConfigError(f"layer {li} is a {lspec.kind!r} layer; the transformers bridge moves attention "
                           f"K/V (full, sliding, MLA latent) here")
     _check_layer_kind(layer, lspec, li)
-    if bool(getattr(layer, "is_sliding", False)) != (lspec.kind == "sliding"):
+    if bool(getattr(layer, "is_sliding", False)) != (lspec.window is not None):  # sliding K/V or sliding MLA
         raise ConfigError(f"layer {li}: transformers cache layer {type(layer).__name__} "
-                          f"(is_sliding={getattr(layer, 'is_sliding', False)}) but the spec says {lspec.kind!r}")
+                          f"(is_sliding={getattr(layer, 'is_sliding', False)}) but the spec says {lspec.kind!r} "
+                          f"with window {lspec.window}")
     if getattr(layer, "keys", None) is None or not getattr(layer, "is_initialized", True):
         raise InvalidRequest(f"layer {li} of the cache is empty; run a prefill with use_cache=True first")
     keys, values = layer.keys, layer.values
@@ -457,8 +459,9 @@ def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: i
             continue
         if layer.get_seq_length() != num_tokens:
             raise InvalidRequest(f"imported layer {li} reports {layer.get_seq_length()} tokens, expected {num_tokens}")
-        if bool(getattr(layer, "is_sliding", False)) != (spec.layers[li].kind == "sliding"):
-            raise ConfigError(f"layer {li}: config builds {type(layer).__name__}, spec says {spec.layers[li].kind!r}")
+        if bool(getattr(layer, "is_sliding", False)) != (lspec.window is not None):
+            raise ConfigError(f"layer {li}: config builds {type(layer).__name__}, spec says {lspec.kind!r} "
+                              f"with window {lspec.window}")
     if any(x.is_attention for x in spec.layers) and cache.get_seq_length() != num_tokens:
         raise InvalidRequest(f"imported cache reports {cache.get_seq_length()} tokens, expected {num_tokens}")
     return cache

@@ -301,7 +301,7 @@ def representatives() -> dict[str, str]:
             "mamba1": "jamba", "mamba2": "bamba", "gdn": "qwen3_next", "short_conv": "lfm2", "mqa": "gpt_bigcode",
             "stateless": "nemotron_h", "attention+state": "falcon_h1", "mamba1_heads": "zamba",
             "kda": "kimi_linear", "indexer": "deepseek_v32", "lightning": "minimax", "cca": "zaya",
-            "kv_conv": "inkling2_text"}
+            "kv_conv": "inkling2_text", "mla+sliding": "dots3_note_text"}
 
 
 TP_RULES = """\
@@ -317,6 +317,7 @@ beyond the units hold replicas):
 | sliding | `DynamicSlidingWindowLayer`: the last `window - 1` tokens | KV heads |
 | chunked (Llama 4) | `DynamicSlidingWindowLayer` with the chunk size as its window | KV heads |
 | mla | `DynamicLayer` holding the normalized latent and the rope part, one head each | none: every rank holds the whole latent |
+| sliding mla (dots3) | `DynamicSlidingWindowLayer` holding the same two tensors for the last `window - 1` tokens | none, as mla; only the window's tokens move (vLLM `SlidingWindowMLASpec`) |
 | mamba1 | conv `[intermediate, kernel]`, SSM `[intermediate, d_state]` | expanded channels (vLLM `mamba1_state_shape`) |
 | mamba2 | conv `[x \\| B \\| C, kernel]`, SSM `[heads, head_dim, d_state]` | x and SSM by heads, B and C by groups (replicated when TP > groups, vLLM `mamba_mixer2`) |
 | gdn | conv `[Q \\| K \\| V, kernel]`, state `[v_heads, k_dim, v_dim]` | Q, K by key heads; V and state by value heads (vLLM `qwen3_next`) |
