@@ -14,7 +14,9 @@ kvbridge's `kv_placement` (kv_first, blocks_first) cannot place V *inside* the c
 pad pages, so `VllmGpuLayout` keeps the `EngineLayout` fields and overrides `addressing` with the
 strides of the chosen `KVCacheLayout` (same approach as `layout.VllmCpuLayout`). Proposed for
 core: `kv_placement="per_cell"` plus a `page_bytes` field. MLA (FlashMLA, Triton MLA) is the same
-cell with one latent component; Mamba/GDN state layouts are not described here yet (docs/vllm.md).
+cell with one latent component. Recurrent layers are refused here: their page (vLLM's `MambaSpec`, the same on
+GPU as on CPU) is described by `layout.VllmCpuLayout` and checked against vLLM, but not yet wired
+into this layout (docs/vllm.md).
 """
 
 from __future__ import annotations
