@@ -1,19 +1,26 @@
-"""A hybrid model (Mamba2 + attention) through two real vLLM CPU instances, TP 1 -> TP 2 and back.
+"""Hybrid models (attention + recurrent state) through real vLLM CPU instances, TP 1 <-> TP 2.
 
 vLLM keeps a hybrid model's caches with its hybrid allocator: one KV-cache group per layer kind
-(attention blocks; one Mamba state page per request), all groups over the same bytes with a
-unified, padded page. KVBridgeConnector declares `SupportsHMA`, reads the geometry from the
-model's config through transformers, checks it against every tensor vLLM hands it, and moves
-both kinds: the attention K/V heads and the recurrent state (conv rows and SSM state, split by
-Mamba head and group as vLLM shards them). The prefill side holds back the last prompt token, so
-the decode side gets the state after N-1 tokens and computes the last one itself.
+(attention blocks; one state page per request), all groups over the same bytes with a unified,
+padded page. KVBridgeConnector declares `SupportsHMA`, reads the geometry from the model's config
+through transformers, checks it against every tensor vLLM hands it, and moves both kinds: the
+attention K/V heads and the recurrent state (conv rows and SSM state, split as vLLM shards them).
+The prefill side holds back the last prompt token, so the decode side gets the state after N-1
+tokens and computes the last one itself.
 
 The decode instance's greedy tokens must equal a plain TP-1 instance's (a wrong state, a wrong
-head, or a skipped token changes them: the reference's tokens vary), and every decode rank must
-have loaded through kvbridge.
+head, or a token applied twice changes them: the reference's tokens vary), every decode rank must
+have loaded through kvbridge, and together they must move exactly N-1 tokens of K/V and each
+layer's state once. Two tiny random models (`make_tiny_hybrid`), float32, 2 attention layers of
+2 KV heads of 32 each:
 
-Tiny random Nemotron-H, pattern "M-*M*" (Mamba, MLP, attention, Mamba, attention), float32,
-4 Mamba heads of 32 in 2 groups, 2 KV heads of 32 (`make_tiny_hybrid`).
+* Nemotron-H "M-*M*" (Mamba2, MLP, attention, Mamba2, attention): 4 Mamba heads of 32 in 2 groups,
+  state 16, conv kernel 4; P TP1 -> D TP2 and P TP2 -> D TP1;
+* LFM2 (short conv, attention, short conv, attention): conv kernel 3 over 128 channels;
+  P TP1 -> D TP2.
+
+Without the held-back token the Nemotron-H test fails (the decode ranks then move the 70th
+token's K/V too: 92,672 bytes instead of 91,648).
 """
 
 from __future__ import annotations
@@ -30,51 +37,56 @@ pytestmark = pytest.mark.vllm
 
 PROMPT = [random.Random(11).randrange(256) for _ in range(70)]
 NEW_TOKENS = 8
-INSTANCES = {  # name: (TP, role)
-    "p-tp1": (1, "kv_producer"),
-    "d-tp2": (2, "kv_consumer"),
-    "p-tp2": (2, "kv_producer"),
-    "d-tp1": (1, "kv_consumer"),
-}
 MODEL_SEED = 3
-# What the decode ranks must move in all: the attention K/V of the N-1 tokens the prefill side
-# computed, and each Mamba layer's state once (conv: kernel-1 rows of heads*head_dim + 2*groups*
-# state channels; SSM: heads x head_dim x state), float32.
-ATTN_LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32
-MAMBA_LAYERS, M_HEADS, M_HEAD_DIM, M_GROUPS, M_STATE, CONV_KERNEL = 2, 4, 32, 2, 16, 4
-STATE_BYTES = 4 * ((CONV_KERNEL - 1) * (M_HEADS * M_HEAD_DIM + 2 * M_GROUPS * M_STATE) + M_HEADS * M_HEAD_DIM * M_STATE)
-MOVED_BYTES = ATTN_LAYERS * 2 * (len(PROMPT) - 1) * KV_HEADS * HEAD_DIM * 4 + MAMBA_LAYERS * STATE_BYTES
+KV_BYTES = 2 * 2 * (len(PROMPT) - 1) * 2 * 32 * 4  # 2 attention layers x K/V x N-1 tokens x 2 heads x 32, float32
+# Each recurrent layer's state, float32: Nemotron-H's conv (kernel-1 rows of 4 heads x 32 + 2 x 2 groups
+# x 16 channels) and SSM state (4 heads x 32 x 16); LFM2's conv (kernel-1 rows of 128 channels).
+STATE_BYTES = {"nemotron_h": 4 * (3 * (4 * 32 + 2 * 2 * 16) + 4 * 32 * 16), "lfm2": 4 * 2 * 128}
+# Greedy log-probs: how far the decode side's may be from the reference's. LFM2's tiny random
+# weights give large logits on which vLLM CPU itself is not stable to 1e-3: a plain TP-2 instance
+# differs from the TP-1 reference by up to 0.091, and a TP-1 -> TP-1 move by 0.058 at its first
+# token (the last prompt token computed with a loaded conv state instead of inside the prefill),
+# measured 2026-11-25. The tokens and the bytes stay exact.
+LOGPROB_TOLERANCE = {"nemotron_h": 1e-3, "lfm2": 0.15}
+INSTANCES = {  # model: {name: (TP, role)}
+    "nemotron_h": {"p-tp1": (1, "kv_producer"), "d-tp2": (2, "kv_consumer"), "p-tp2": (2, "kv_producer"),
+                   "d-tp1": (1, "kv_consumer")},
+    "lfm2": {"p-tp1": (1, "kv_producer"), "d-tp2": (2, "kv_consumer")},
+}
 
 
-@pytest.fixture(scope="module")
-def cluster(vllm_env, tmp_path_factory):
-    model = str(make_tiny_hybrid(tmp_path_factory.mktemp("vllm-hybrid") / "tiny-nemotron-h", seed=MODEL_SEED))
-    with Cluster(model, str(vllm_env.python), tmp_path_factory.mktemp("vllm-pd-hybrid")) as c:
+@pytest.fixture(scope="module", params=sorted(INSTANCES))
+def cluster(request, vllm_env, tmp_path_factory):
+    kind = request.param
+    model = str(make_tiny_hybrid(tmp_path_factory.mktemp("vllm-hybrid") / kind, kind=kind, seed=MODEL_SEED))
+    with Cluster(model, str(vllm_env.python), tmp_path_factory.mktemp(f"vllm-pd-{kind}")) as c:
         t0 = time.monotonic()
         c.start("reference", 1)  # no connector; block sizes are the hybrid allocator's own
-        for name, (tp, role) in INSTANCES.items():
+        for name, (tp, role) in INSTANCES[kind].items():
             c.start(name, tp, None, role)
         c.wait_ready(["reference"])
         reference = c.instances["reference"].generate(PROMPT, NEW_TOKENS)
         c.close(["reference"])
         assert len(set(reference["token_ids"])) > 2, reference
-        c.wait_ready(list(INSTANCES))
-        print(f"\n[vllm P/D hybrid] reference {reference['token_ids']}; ready in {time.monotonic() - t0:.0f} s")
-        yield c, reference
+        c.wait_ready(list(INSTANCES[kind]))
+        print(f"\n[vllm P/D {kind}] reference {reference['token_ids']}; ready in {time.monotonic() - t0:.0f} s")
+        yield kind, c, reference
 
 
 def run(cluster, prefill: str, decode: str) -> dict:
-    c, reference = cluster
+    kind, c, reference = cluster
+    if prefill not in INSTANCES[kind]:
+        pytest.skip(f"{kind} runs {sorted(INSTANCES[kind])} only (one pair keeps the suite's time)")
     r = c.pd(prefill, decode, PROMPT, NEW_TOKENS)
-    d_tp = INSTANCES[decode][0]
+    d_tp = INSTANCES[kind][decode][0]
     why = {k: r.get(k) for k in ("tokens", "ok", "per_rank", "prefill_released", "bytes_moved")}
     why["reference"] = reference["token_ids"]
     assert r["ok"] and len(r["per_rank"]) == d_tp, why
     assert all(e["nbytes"] for e in r["per_rank"]), why  # every decode rank moved its share
-    assert r["bytes_moved"] == MOVED_BYTES, why  # N-1 tokens of K/V and each state once, nothing more
+    assert r["bytes_moved"] == KV_BYTES + 2 * STATE_BYTES[kind], why  # N-1 tokens of K/V, each state once
     assert r["tokens"] == reference["token_ids"], why
     diff = max(abs(a - b) for a, b in zip(r["logprobs"], reference["logprobs"]))
-    assert diff < 1e-3, (diff, why)
+    assert diff < LOGPROB_TOLERANCE[kind], (diff, why)
     assert r["prefill_released"] == ["done"], why
     return r
 

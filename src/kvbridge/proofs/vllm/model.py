@@ -64,22 +64,35 @@ def make_tiny_llama(path: str | Path, *, num_kv_heads: int = 2, num_heads: int =
     return path
 
 
-def make_tiny_hybrid(path: str | Path, *, pattern: str = "M-*M*", seed: int = 0) -> Path:
-    """A tiny random Nemotron-H (Mamba2 + attention + MLP-only layers; `pattern` is its
-    `hybrid_override_pattern`) that vLLM CPU runs with its hybrid allocator: 4 Mamba heads of 32
-    in 2 groups (TP 1 and 2 split both), 4 query and 2 KV heads of 32, float32. Built with
-    transformers' own classes (this costs an import of transformers; the geometry comes from
-    transformers' config class, as kvbridge reads it)."""
+def make_tiny_hybrid(path: str | Path, *, kind: str = "nemotron_h", seed: int = 0) -> Path:
+    """A tiny random hybrid model that vLLM CPU runs with its hybrid allocator, float32, 4 query
+    and 2 KV heads of 32, built with transformers' own classes (the geometry comes from
+    transformers' config class, as kvbridge reads it):
+
+    * "nemotron_h": Nemotron-H, pattern "M-*M*" (Mamba2, MLP, attention, Mamba2, attention), 4
+      Mamba heads of 32 in 2 groups (TP 1 and 2 split both);
+    * "lfm2": LFM2, short conv / attention twice, conv kernel 3 over 128 channels. Its config
+      also carries the fields vLLM 0.32's LFM2 reads under older names (`conv_dim`, `block_*`).
+    """
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.NemotronHConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=len(pattern),
-        hybrid_override_pattern=pattern, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        mamba_num_heads=4, mamba_head_dim=32, n_groups=2, ssm_state_size=16, conv_kernel=4,
-        max_position_embeddings=1024, initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = transformers.NemotronHForCausalLM(config)
+    common = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2, bos_token_id=None,
+                  eos_token_id=None, pad_token_id=None)
+    if kind == "nemotron_h":
+        pattern = "M-*M*"
+        model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(
+            **common, num_hidden_layers=len(pattern), hybrid_override_pattern=pattern, head_dim=32,
+            mamba_num_heads=4, mamba_head_dim=32, n_groups=2, ssm_state_size=16, conv_kernel=4))
+    elif kind == "lfm2":
+        model = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
+            **common, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"],
+            conv_L_cache=3, conv_dim=128, conv_dim_out=128, block_dim=128, block_auto_adjust_ff_dim=False,
+            block_ffn_dim_multiplier=1.0, block_multiple_of=32))
+    else:
+        raise ValueError(f"unknown tiny hybrid kind {kind!r}: nemotron_h or lfm2")
     path = Path(path)
     model.save_pretrained(path)
     return path
