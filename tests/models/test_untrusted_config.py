@@ -101,6 +101,23 @@ def test_cli_exits_2_with_one_line(tmp_path):
     assert r.exit_code == 2 and len(lines) == 1 and "num_hidden_layers" in lines[0], r.output
 
 
+def test_transformers_tagged_floats_are_read_as_floats(tmp_path):
+    """transformers >= 5.24 writes a float JSON cannot spell as {"__float__": "Infinity"} (Mamba2's
+    time_step_limit): a config it saved plans; the same tag in a size is a non-finite size, refused."""
+    import transformers
+
+    config = transformers.NemotronHConfig(num_hidden_layers=4, hybrid_override_pattern="M-*M", hidden_size=64,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                          mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=8)
+    config.save_pretrained(tmp_path)
+    assert '"__float__"' in (tmp_path / "config.json").read_text()  # what this test is about
+    r = CliRunner().invoke(app, ["plan", str(tmp_path), "--decode-tp", "2"])
+    assert r.exit_code == 0 and "2xrecurrent" in r.output, r.output
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "num_hidden_layers": {"__float__": "Infinity"}}))
+    r = CliRunner().invoke(app, ["plan", str(tmp_path)])
+    assert r.exit_code == 2 and "num_hidden_layers" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
                     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3),
                     max_leaves=6)

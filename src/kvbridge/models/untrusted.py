@@ -68,11 +68,23 @@ def load_config(config: dict[str, Any] | str | Path) -> dict[str, Any]:
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MiB; not a model config")
     try:
-        cfg = json.loads(raw)  # NaN/Infinity parse (transformers writes time_step_limit as Infinity); sizes refuse them
+        # NaN/Infinity parse, bare or as transformers >= 5.24 writes them ({"__float__": "Infinity"},
+        # e.g. Mamba2's time_step_limit); sizes refuse them
+        cfg = json.loads(raw, object_hook=_special_float)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, int digit limit, UTF-8 errors
         raise ConfigError(f"{path} is not valid JSON: {_one_line(str(e))}") from None
     check_config(cfg, str(path))
     return cfg
+
+
+_SPECIAL_FLOATS = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+
+
+def _special_float(obj: dict[str, Any]) -> Any:
+    """transformers' tag for a float JSON cannot spell (`{"__float__": "Infinity"}`), as the float."""
+    if len(obj) == 1 and isinstance(obj.get("__float__"), str) and obj["__float__"] in _SPECIAL_FLOATS:
+        return _SPECIAL_FLOATS[obj["__float__"]]
+    return obj
 
 
 def check_config(cfg: Any, where: str = "config") -> None:
