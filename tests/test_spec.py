@@ -242,6 +242,29 @@ def test_unmovable_layer_refused_by_index_and_kind_not_by_name_list():
         spec_from_hf_config({**LLAMA3_8B, "model_type": "not-a-model"})
 
 
+def test_compressed_cache_refusal_says_what_the_layer_keeps():
+    # issue 11: DeepSeek-V4's compressed layers keep one row per `compress_rate` tokens, which the
+    # per-token planner cannot place; the one-line refusal says what the layer holds, from the cache
+    # layer transformers builds (rates and window below are this config's, not the class defaults).
+    cfg = {**LLAMA3_8B, "model_type": "deepseek_v4", "num_hidden_layers": 2, "sliding_window": 6,
+           "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention"],
+           "compress_rates": {"compressed_sparse_attention": 3, "heavily_compressed_attention": 16}}
+    with pytest.raises(ConfigError) as e:
+        spec_from_hf_config(cfg)
+    msg = str(e.value)
+    assert msg.startswith("layer 0 has type 'compressed_sparse_attention' (") and "\n" not in msg, msg
+    assert "K=V rows of the last 5 tokens" in msg, msg
+    assert "'compressor' and 'indexer': 1 row per 3 tokens each" in msg, msg
+    assert "raw rows of up to 2 uncompressed tokens" in msg and "last full 3-token window" in msg, msg
+    cfg["layer_types"] = cfg["layer_types"][::-1]
+    with pytest.raises(ConfigError) as e:
+        spec_from_hf_config(cfg)
+    msg = str(e.value)
+    assert msg.startswith("layer 0 has type 'heavily_compressed_attention' (") and "\n" not in msg, msg
+    assert "'compressor': 1 row per 16 tokens + raw rows of up to 15 uncompressed tokens)" in msg, msg
+    assert "indexer" not in msg and "window)" not in msg, msg
+
+
 MISSING = [(LLAMA3_8B, "num_hidden_layers"), (LLAMA3_8B, "num_attention_heads"), (LLAMA3_8B, "hidden_size"),
            (DEEPSEEK_V3, "kv_lora_rank"), (DEEPSEEK_V3, "qk_rope_head_dim")]
 

@@ -44,3 +44,5 @@ def test_sampled_architecture_moves_bit_exactly(arch):
 def test_unmovable_kinds_are_refused_in_one_line_naming_the_layer(arch):
     row = sweep_one(arch, timeout=120)
     assert row.status == "refused" and re.match(r"layer \d+ has type '\w+' \(", row.detail), row.detail
+    # a compressed cache's refusal says what it keeps: rows per window, not per token (issue 11)
+    assert re.search(r": 1 row per \d+ tokens", row.detail), row.detail

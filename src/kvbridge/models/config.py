@@ -29,7 +29,8 @@ list of model types, so a new plain-attention architecture needs nothing here:
   and its key width come from the decoder layer transformers builds (`modules.module_indexer_dims`):
   a layer that reuses another layer's selection (HY-V4's "shared" `indexer_types`) never writes
   indexer keys and is its attention layer alone;
-* anything else (compressed caches): refused with one line naming the layer and its kind.
+* anything else: refused with one line naming the layer and its kind; for a compressed cache
+  (DeepSeek-V4) the line also says what it keeps per request (`compressed.py`).
 
 The config is untrusted (`untrusted.py` checks it first). A cache-sizing field that config.json
 omits and transformers fills from its class default is named on stderr.
@@ -273,6 +274,12 @@ def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], 
     if lt in _STATELESS_TYPES:  # transformers' DummyLayer (or an old name for it) stores no cache for this layer
         return LayerSpec("stateless")
     what = _REFUSED_TYPES.get(lt, "a cache layer kvbridge does not know")
+    if lt in _REFUSED_TYPES:  # say what it keeps per request (`compressed.py`), from transformers' cache layer
+        from kvbridge.models.compressed import compressed_holds
+        holds = compressed_holds(text, lt, kw)
+        if holds:
+            raise ConfigError(f"layer {i} has type {lt!r} ({what}: {holds}); "
+                              "kvbridge's planner places rows per token")
     raise ConfigError(f"layer {i} has type {lt!r} ({what}); kvbridge cannot move it yet")
 
 
