@@ -30,7 +30,10 @@ list of model types, so a new plain-attention architecture needs nothing here:
   a layer that reuses another layer's selection (HY-V4's "shared" `indexer_types`) never writes
   indexer keys and is its attention layer alone;
 * anything else: refused with one line naming the layer and its kind; for a compressed cache
-  (DeepSeek-V4) the line also says what it keeps per request (`compressed.py`).
+  (DeepSeek-V4) the line also says what it keeps per request (`compressed.py`);
+* a model whose recurrent state is in no transformers `Cache` at all (RWKV, xLSTM: transformers
+  would lay them out as attention) is refused before any layer is read, naming the state and its
+  per-layer shapes (`own_state.py`).
 
 The config is untrusted (`untrusted.py` checks it first). A cache-sizing field that config.json
 omits and transformers fills from its class default is named on stderr.
@@ -180,8 +183,8 @@ class _Reader:
     def int(self, layer: Any, key: str, derived: Any = None) -> int:
         value = self.get(layer, key, derived)
         if value is None and not self.given(key) and getattr(_class_default(self.text), key, None) is None:
-            # not a malformed config: the architecture has no such size (RWKV, xLSTM have no attention
-            # heads, BLT no single decoder stack), so transformers' cache layout does not describe it
+            # not a malformed config: the architecture has no such size (BLT has no single decoder
+            # stack), so transformers' cache layout does not describe it
             why = ("layer 0: its layers are split over sub-models, not one decoder stack that transformers' cache "
                    "layout describes" if key == "num_hidden_layers" else
                    "transformers lays the layer out as attention, but its mixer keeps a state of its own that "
@@ -199,6 +202,10 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     num_layers = reader.int(text, "num_hidden_layers")
+    from kvbridge.models.own_state import outside_cache_refusal
+    refusal = outside_cache_refusal(text, num_layers)  # RWKV, xLSTM: no attention, no Cache: see own_state
+    if refusal:
+        raise ConfigError(refusal)
     try:
         types, kwargs = get_layer_types_and_kwargs(text)
     except Exception as e:  # noqa: BLE001 - a config transformers cannot lay out

@@ -72,6 +72,9 @@ _TINY_EXTRA: dict[str, dict[str, Any]] = {
     "zaya": {"num_experts_per_tok": 1},  # its config accepts no other
     "longcat_flash": {"head_dim": 8},  # its rotary embedding is sized by head_dim, = qk_rope_head_dim
     "reformer": {"axial_pos_embds": False},  # its axial factors must sum to the hidden size
+    # xLSTMCache sizes the mLSTM state by head dims rounded up to multiples of 64, its layers do not
+    # round: only qk and v widths that are multiples of 64 (hidden * 0.5, hidden * 1) agree
+    "xlstm": {"hidden_size": 128, "embedding_dim": 128, "num_heads": 4},
     "xmod": {"default_language": "en_XX"},  # it refuses to run without a language adapter chosen
     # its forward sizes the cache by the encoder's layer count (2 by default), the decoder has 24
     "blenderbot": {"encoder_layers": NUM_LAYERS, "decoder_layers": NUM_LAYERS, "encoder_attention_heads": 12,
@@ -330,6 +333,7 @@ beyond the units hold replicas):
 | rglru (RecurrentGemma) | nothing in a cache: the module keeps conv `[lru_width, kernel - 1]` and a float32 state `[lru_width]` as attributes (refused by the proof) | RG-LRU gate blocks (`num_attention_heads` of `lru_width / heads`; no vLLM model: derived, the gates are block-diagonal) |
 | cca (ZAYA) | attention+state layer: K/V, then conv `[Q \\| K, (t0-1)+(t1-1)]` (that many columns in both views) and the last token's delayed value projection `[kv_heads * head_dim / 2]` | Q heads, K and the delayed value by KV head (no vLLM model; derived: the grouped conv's groups are whole heads, `v_proj_delayed` splits by KV head like `v_proj_current`) |
 | kv_conv (Inkling, Inkling-2) | attention+state layer: K/V, then `number_of_conv_states` conv states, each its own tensor: K conv `[kv_heads * key_dim, kernel]`, V conv, then residual-stream convs `[hidden, kernel]`, all float32 | K and V convs by the layer's KV heads like K/V; residual-stream convs whole on every rank (no vLLM model; derived: the K/V convs are depthwise per KV head, the others follow the all-reduced output projections) |
+| state in no Cache (RWKV, xLSTM) | nothing in a cache layer: RWKV's forward returns `state`, 5 tensors `[batch, channels, layers]`; xLSTM's an `xLSTMCache` (not a transformers `Cache`) of per-layer mLSTM `C`, `n`, `m` | refused before any layer is read, naming that state and its per-layer shapes (`models/own_state.py`) |
 | stateless | `DummyLayer` (MLP / MoE blocks of Nemotron-H, layers reading another layer's K/V): nothing | nothing to shard: no components, no group, no region (vLLM allocates no cache for it) |
 
 Serving engines keep `kernel - 1` conv columns, transformers `kernel`; `spec_from_hf_config(view=...)`
