@@ -31,15 +31,14 @@ def test_fused_qkv_modules_keep_the_config_numbers():
 def test_sizes_kept_per_layer_kind_shrink_with_the_tiny_config():
     """Inkling keeps its sliding layers' heads under swa_*; the sweep's tiny config left them at
     their defaults (16 KV heads against 12 tiny query heads: 'more KV heads than query heads')."""
-    import pytest
-
-    from kvbridge import ConfigError
     from kvbridge.proofs.model_sweep import tiny_config
 
     config = tiny_config("inkling_text")
     assert (config.swa_num_attention_heads, config.swa_num_key_value_heads, config.swa_head_dim) == (
         config.num_attention_heads, config.num_key_value_heads, config.head_dim)
     assert tiny_config("zamba").attention_head_dim == 16  # no head_dim beside it: not a per-kind copy, derived
-    # what remains is the state its attention keeps beside K/V (short convolutions of K and V)
-    with pytest.raises(ConfigError, match="hybrid_sliding.*state layout kvbridge does not know"):
-        spec_from_hf_config(config.to_dict(), view="transformers", warn=False)
+    # the sliding layers' K/V and the short convolutions over them take those tiny sizes too
+    spec = spec_from_hf_config(config.to_dict(), view="transformers", warn=False)
+    sliding = [layer for layer in spec.layers if layer.kind == "sliding"]
+    assert sliding and all(layer.num_kv_heads == config.swa_num_key_value_heads for layer in sliding)
+    assert any(layer.recurrent_type == "kv_conv" for layer in spec.layers)

@@ -202,10 +202,13 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     num_layers = reader.int(text, "num_hidden_layers")
-    from kvbridge.models.own_state import outside_cache_refusal
-    refusal = outside_cache_refusal(text, num_layers)  # RWKV, xLSTM: no attention, no Cache: see own_state
-    if refusal:
-        raise ConfigError(refusal)
+    if _global(text, "num_attention_heads", True) is None:
+        # no attention heads at all, yet no layer_types: RWKV, xLSTM keep a recurrent state in no Cache
+        # (see own_state); XLNet-style models with heads but no cache are refused by the proof instead
+        from kvbridge.models.own_state import outside_cache_refusal
+        refusal = outside_cache_refusal(text, num_layers)
+        if refusal:
+            raise ConfigError(refusal)
     try:
         types, kwargs = get_layer_types_and_kwargs(text)
     except Exception as e:  # noqa: BLE001 - a config transformers cannot lay out
