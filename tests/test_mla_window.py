@@ -96,12 +96,18 @@ def test_window_is_checked_and_names_the_layer_kind():
     assert _spec(6, 8).fingerprint() != ModelSpec((LayerSpec("mla", 1, 8),) * 3).fingerprint()
 
 
-def test_window_free_layers_encode_as_before():
-    """The wire format and fingerprint of existing layers do not change: window is still null there."""
+def test_window_free_layers_keep_their_wire_format_and_fingerprint():
+    """Existing layers do not change for a peer: the bytes an older kvbridge sent for a window-free
+    MLA layer decode to the same layer, and its spec's fingerprint is the digest of those bytes
+    (fields added since, such as conv_states, enter the digest only where set)."""
+    import hashlib
+
     import msgspec
-    assert msgspec.json.encode(LayerSpec("mla", 1, 576)) == (
-        b'{"kind":"mla","num_kv_heads":1,"key_dim":576,"value_dim":0,"window":null,"state":[],'
-        b'"recurrent_type":"","conv_rows":0}')
+    old = (b'{"kind":"mla","num_kv_heads":1,"key_dim":576,"value_dim":0,"window":null,"state":[],'
+           b'"recurrent_type":"","conv_rows":0}')
+    assert msgspec.json.decode(old, type=LayerSpec) == LayerSpec("mla", 1, 576)
+    spec = ModelSpec((LayerSpec("mla", 1, 576),), "bfloat16")
+    assert spec.fingerprint() == hashlib.sha256(b"[[" + old + b'],"bfloat16"]').hexdigest()[:16]
 
 
 DOTS3 = {"model_type": "dots3_note_text", "num_hidden_layers": 4, "sliding_window": 8, "kv_lora_rank": 32,
