@@ -358,3 +358,14 @@ def test_fingerprint_differs_with_window_and_value_dim():
     c = ModelSpec((LayerSpec("full", 8, 192, 128),))
     d = ModelSpec((LayerSpec("full", 8, 192, 192),))
     assert c.fingerprint() != d.fingerprint()
+
+
+def test_a_layer_count_spelled_as_a_pattern_is_not_a_missing_field(capsys):
+    """Nemotron-H's config.json spells its layers as `layers_block_type` (transformers derives
+    num_hidden_layers from it): nothing was filled in, so nothing is named on stderr."""
+    cfg = {"model_type": "nemotron_h", "layers_block_type": ["mamba", "attention", "mlp", "mamba"],
+           "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 8, "conv_kernel": 4,
+           "torch_dtype": "float32"}
+    spec = spec_from_hf_config(cfg)
+    assert spec.num_layers == 4 and "num_hidden_layers" not in capsys.readouterr().err

@@ -139,6 +139,17 @@ def hf_config(raw: dict[str, Any]) -> Any:
                           f"{safe_text(msg[-1] if msg else type(e).__name__)}") from None
 
 
+def _layer_pattern_length(raw: dict[str, Any]) -> int | None:
+    """The layer count a config.json spells as a per-layer pattern instead (Nemotron-H's
+    `layers_block_type` or `hybrid_override_pattern`, a `layer_types` list): transformers derives
+    `num_hidden_layers` from it, so it is not a default filled in behind the user's back."""
+    for key in ("layer_types", "layers_block_type", "hybrid_override_pattern"):
+        value = raw.get(key)
+        if isinstance(value, (list, str)) and value:
+            return len(value)
+    return None
+
+
 def _global(config: Any, key: str, ambiguous: Any) -> Any:
     """A config attribute, or `ambiguous` where a heterogeneous config keeps it per layer only."""
     try:
@@ -201,7 +212,7 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
             state_dtype: str | None) -> tuple[LayerSpec, ...]:
     from transformers.cache_utils import get_layer_types_and_kwargs
 
-    num_layers = reader.int(text, "num_hidden_layers")
+    num_layers = reader.int(text, "num_hidden_layers", _layer_pattern_length(raw))
     if _global(text, "num_attention_heads", True) is None:
         # no attention heads at all, yet no layer_types: RWKV, xLSTM keep a recurrent state in no Cache
         # (see own_state); XLNet-style models with heads but no cache are refused by the proof instead
