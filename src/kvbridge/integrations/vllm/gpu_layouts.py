@@ -14,9 +14,8 @@ kvbridge's `kv_placement` (kv_first, blocks_first) cannot place V *inside* the c
 pad pages, so `VllmGpuLayout` keeps the `EngineLayout` fields and overrides `addressing` with the
 strides of the chosen `KVCacheLayout` (same approach as `layout.VllmCpuLayout`). Proposed for
 core: `kv_placement="per_cell"` plus a `page_bytes` field. MLA (FlashMLA, Triton MLA) is the same
-cell with one latent component. Recurrent layers are refused here: their page (vLLM's `MambaSpec`, the same on
-GPU as on CPU) is described by `layout.VllmCpuLayout` and checked against vLLM, but not yet wired
-into this layout (docs/vllm.md).
+cell with one latent component. A hybrid model (attention and Mamba/GDN/short-conv state under
+vLLM's hybrid allocator) has one tensor per layer of unified pages: `_hybrid_addressing`.
 """
 
 from __future__ import annotations
@@ -114,7 +113,7 @@ def _gpu_addressing(spec: ModelSpec, layout: VllmGpuLayout, rank: int) -> Addres
     spec = layout.engine_spec(spec)
     layers = spec.layers
     if any(layer.is_recurrent for layer in layers):
-        raise InvalidRequest("VllmGpuLayout describes attention layers only (Mamba/GDN state: see docs/vllm.md)")
+        return _hybrid_addressing(spec, layout, rank)
     itemsize = spec.itemsize
     geo = {(layer.kind == "mla", tuple((c.heads, c.dim) for c in layer.components), layer.replicated)
            for layer in layers}
@@ -141,3 +140,70 @@ def _gpu_addressing(spec: ModelSpec, layout: VllmGpuLayout, rank: int) -> Addres
     if layout.page_size_padded is not None:
         total = max(total, shape[0] * shape[1] * layout.page_size_padded)
     return Addressing(num_components=np.full(L, len(comps), dtype=np.int64), region_nbytes=(total,), **arr)
+
+
+def _hybrid_addressing(spec: ModelSpec, layout: VllmGpuLayout, rank: int) -> Addressing:
+    """A hybrid model under vLLM's hybrid allocator: every layer its own tensor of `num_blocks`
+    unified pages (`page_size_padded`, else the largest page of any layer on this rank, which is
+    what vLLM pads the others to). An attention layer's page is its `[B, H, N, C]` block in the
+    `cache_layout` order without the L axis (a per-layer layout: L outermost); a recurrent layer's
+    page is vLLM's `MambaSpec` state, its components back to back, conv rows first, unpadded
+    (`layout.vllm_conv_rows` gives vLLM's row order). Each layer's region runs from its first page
+    to the end of its last block's bytes."""
+    order = KV_CACHE_LAYOUTS[layout.cache_layout]
+    if order[0] != 0:
+        raise InvalidRequest(f"hybrid pages are per layer: KV cache layout {layout.cache_layout} puts blocks outside "
+                             f"layers; use one with L outermost (LBNHC, LBHNC, LHBNC)")
+    itemsize, L = spec.itemsize, spec.num_layers
+    attention = {tuple((c.heads, c.dim) for c in layer.components) for layer in spec.layers if layer.is_attention}
+    if len(attention) > 1:
+        raise InvalidRequest("one vLLM KV cache tensor holds layers of one geometry; split the model per group")
+
+    def rank_heads(heads: int, replicated: bool) -> tuple[int, int]:
+        return head_range(heads, layout.tp_size, rank, replicated)
+
+    pages = {}
+    for li, layer in enumerate(spec.layers):
+        if layer.is_recurrent:
+            pages[li] = sum((lambda r: r[1] - r[0])(rank_heads(c.heads, layer.replicated)) * c.dim
+                            * spec.component_itemsize(c) for c in layer.components)
+        elif layer.is_attention:
+            h0, h1 = rank_heads(layer.components[0].heads, layer.replicated)
+            pages[li] = (h1 - h0) * layout.group_block_size(spec.layer_group[li]) * sum(
+                c.dim * itemsize for c in layer.components)
+    page = layout.page_size_padded or max(pages.values())
+    if page < max(pages.values()):
+        raise InvalidRequest(f"page_size_padded {page} B is smaller than a layer's page of {max(pages.values())} B")
+    arr = {k: np.zeros((L, spec.max_components), dtype=np.int64) for k in
+           ("region", "base", "block_stride", "token_stride", "head_stride", "row_bytes", "heads", "first_head")}
+    ncomp = np.zeros(L, dtype=np.int64)
+    regions: list[int] = []
+    for li, layer in enumerate(spec.layers):
+        ncomp[li] = len(layer.components)
+        if layer.is_stateless:
+            continue
+        rows = [c.dim * spec.component_itemsize(c) for c in layer.components]
+        if layer.is_recurrent:
+            base = 0
+            for ci, (c, row) in enumerate(zip(layer.components, rows)):
+                h0, h1 = rank_heads(c.heads, layer.replicated)
+                for key, value in (("region", len(regions)), ("base", base), ("block_stride", page),
+                                   ("token_stride", 0), ("head_stride", row), ("row_bytes", row),
+                                   ("heads", h1 - h0), ("first_head", h0)):
+                    arr[key][li, ci] = value
+                base += (h1 - h0) * row
+            regions.append((layout.num_blocks - 1) * page + base)
+            continue
+        h0, h1 = rank_heads(layer.components[0].heads, layer.replicated)
+        offsets = np.cumsum([0] + rows)
+        shape = (1, layout.num_blocks, h1 - h0, layout.group_block_size(spec.layer_group[li]), int(offsets[-1]))
+        _, sB, sH, sN, _ = layout_strides(order, shape, page)
+        for ci, row in enumerate(rows):
+            for key, value in (("region", len(regions)), ("base", offsets[ci]), ("block_stride", sB),
+                               ("token_stride", sN), ("head_stride", sH), ("row_bytes", row), ("heads", h1 - h0),
+                               ("first_head", h0)):
+                arr[key][li, ci] = value
+        regions.append(sum(st * (n - 1) for st, n in zip((sB, sH, sN), shape[1:4])) + shape[4])
+    for a in arr.values():
+        a.setflags(write=False)
+    return Addressing(num_components=ncomp, region_nbytes=tuple(regions), **arr)
