@@ -55,6 +55,7 @@ def hf_state_shapes(lspec: LayerSpec) -> tuple[ConvShapes, tuple[int, ...] | Non
     Mamba1 (Zamba) `[1, heads, head_dim, d_state]` (head_dim = conv_x's channels per head), Mamba1
     `[1, intermediate, d_state]`, GDN `[1, v_heads, k_head_dim, v_head_dim]` (k_head_dim = conv_q's
     channels per head), CCA (ZAYA) `[1, channels]` (the delayed value projection of the last token),
+    RG-LRU (RecurrentGemma, read from its modules by `module_state`) `[1, lru_width]` float32,
     lightning attention (MiniMax, no conv state) `[1, heads, head_dim, head_dim]` (its per-head
     `K^T V`); short convs (LFM2, Inkling's K/V convs) keep none.
     """
@@ -85,7 +86,7 @@ def hf_state_shapes(lspec: LayerSpec) -> tuple[ConvShapes, tuple[int, ...] | Non
     s = lspec.state[others[0]]
     if lspec.recurrent_type == "mamba1":  # [1, intermediate, d_state]: one row per conv channel
         return conv_shapes, (1, s.heads, s.dim)
-    if lspec.recurrent_type == "cca":  # [1, kv_heads * head_dim / 2]: one value per channel
+    if lspec.recurrent_type in ("cca", "rglru"):  # one value per channel: [1, kv_heads * head_dim / 2], [1, lru_width]
         return conv_shapes, (1, s.heads * s.dim)
     if lspec.recurrent_type not in ("mamba2", "mamba1_heads", "gdn", "kda"):
         raise ConfigError(f"transformers recurrent-state layout of {lspec.recurrent_type!r} layers is not known")

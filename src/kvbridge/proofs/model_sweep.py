@@ -40,6 +40,7 @@ _TINY: dict[str, Any] = {
     "num_attention_heads": 12, "n_head": 12, "num_heads": 12, "num_key_value_heads": 6, "num_kv_heads": 6,
     "head_dim": 8, "vocab_size": 256, "unpadded_vocab_size": 256, "max_position_embeddings": 512, "n_positions": 512,
     "sliding_window": 8, "sliding_window_size": 8, "attention_chunk_size": 8,  # Inkling: sliding_window_size
+    "attention_window_size": 8,  # RecurrentGemma: its sliding_window is an alias of this field
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "qk_head_dim": 24, "index_head_dim": 16, "index_n_heads": 2,
     # Qwen4-Exp's sparse-attention indexer (off in its class defaults; one key head, budget a multiple of the ratio)
@@ -330,7 +331,7 @@ beyond the units hold replicas):
 | kda (Kimi-Linear, Bailing hybrid) | conv `[Q \\| K \\| V, kernel]`, state `[heads, head_dim, head_dim]` | heads, Q, K, V and state alike (vLLM `kda_state_shape`) |
 | mamba1_heads (Zamba) | conv `[intermediate, kernel]`, SSM `[heads, head_dim, d_state]` | Mamba heads, conv channels with their head (no vLLM model; derived: the mixer's x_proj / dt_proj are per head) |
 | lightning (MiniMax-Text-01) | `MiniMaxCache.linear_cache`: no conv, state `[heads, head_dim, head_dim]` (its decayed K^T V), beside `DynamicLayer` K/V | heads (vLLM `linear_attention_state_shape`, each rank its heads' decay slopes) |
-| rglru (RecurrentGemma) | nothing in a cache: the module keeps conv `[lru_width, kernel - 1]` and a float32 state `[lru_width]` as attributes (refused by the proof) | RG-LRU gate blocks (`num_attention_heads` of `lru_width / heads`; no vLLM model: derived, the gates are block-diagonal) |
+| rglru (RecurrentGemma) | nothing in a cache: the module keeps conv `[lru_width, kernel - 1]` and a float32 state `[lru_width]` as attributes; the proof copies them into the layer's `LinearAttentionLayer` after the prefill and back onto a model's modules before decoding (`module_state.py`) | RG-LRU gate blocks (`num_attention_heads` of `lru_width / heads`; no vLLM model: derived, the gates are block-diagonal) |
 | cca (ZAYA) | attention+state layer: K/V, then conv `[Q \\| K, (t0-1)+(t1-1)]` (that many columns in both views) and the last token's delayed value projection `[kv_heads * head_dim / 2]` | Q heads, K and the delayed value by KV head (no vLLM model; derived: the grouped conv's groups are whole heads, `v_proj_delayed` splits by KV head like `v_proj_current`) |
 | kv_conv (Inkling, Inkling-2) | attention+state layer: K/V, then `number_of_conv_states` conv states, each its own tensor: K conv `[kv_heads * key_dim, kernel]`, V conv, then residual-stream convs `[hidden, kernel]`, all float32 | K and V convs by the layer's KV heads like K/V; residual-stream convs whole on every rank (no vLLM model; derived: the K/V convs are depthwise per KV head, the others follow the all-reduced output projections) |
 | state in no Cache (RWKV, xLSTM) | nothing in a cache layer: RWKV's forward returns `state`, 5 tensors `[batch, channels, layers]`; xLSTM's an `xLSTMCache` (not a transformers `Cache`) of per-layer mLSTM `C`, `n`, `m` | refused before any layer is read, naming that state and its per-layer shapes (`models/own_state.py`) |

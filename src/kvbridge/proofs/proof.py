@@ -27,6 +27,7 @@ from kvbridge.core.spec import normalize_dtype
 from kvbridge.errors import ConfigError, InvalidRequest
 from kvbridge.proofs.cache_compare import cache_differences, restore_position_history, save_cache
 from kvbridge.proofs.hf_cache import BlockIds, import_cache, replica_mismatches
+from kvbridge.proofs.module_state import empty_cache, keeps_state_on_modules, read_module_state, write_module_state
 from kvbridge.proofs.own_cache import model_cache, standard_cache
 from kvbridge.transport.cache import RankCache
 
@@ -97,6 +98,11 @@ def prefill(model: PreTrainedModel, prompt_ids: Sequence[int]) -> tuple[DynamicC
     if "position_ids" in inspect.signature(model.forward).parameters:
         # the positions `generate` passes; models such as RoBERTa's decoders default to others
         extra["position_ids"] = mask.long().cumsum(-1) - 1
+    if keeps_state_on_modules(model):  # RecurrentGemma: given a cache, its attention layers keep their K/V there
+        cache = empty_cache(model.config)
+        name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        out = model(input_ids, attention_mask=mask, use_cache=True, **{name: cache}, **extra)
+        return read_module_state(model, cache), int(out.logits[0, -1].argmax())
     out = model(input_ids, attention_mask=mask, use_cache=True, **extra)
     return standard_cache(_self_attention_cache(out, model), model.config), int(out.logits[0, -1].argmax())
 
@@ -111,10 +117,6 @@ def _self_attention_cache(out: object, model: PreTrainedModel) -> DynamicCache:
     if cache is None and other:  # Reformer's LSH buckets, XLNet's memories: no per-layer K/V
         raise ConfigError(f"layer 0: {type(model).__name__} keeps its cache as {other}, not per-layer K/V "
                           "(transformers exposes no KV cache for it), so there is nothing to move")
-    if cache is None and getattr(model, "_is_stateful", False):  # RecurrentGemma: state in module attributes
-        raise ConfigError(f"layer 0: {type(model).__name__} returns no cache: its forward keeps the recurrent state "
-                          "on its modules between calls (a stateful model) and drops the K/V cache it builds, so no "
-                          "cache object holds what a move would carry")
     if cache is None:
         raise ConfigError(f"layer 0: {type(model).__name__} returns no KV cache (no past_key_values): transformers "
                           f"exposes none for it, so there is nothing to move")
@@ -132,6 +134,9 @@ def continue_greedy(model: PreTrainedModel, prompt_ids: Sequence[int], cache: Dy
     """
     n = len(prompt_ids)
     if num_cached < n:
+        if keeps_state_on_modules(model):
+            raise InvalidRequest(f"{type(model).__name__} runs a multi-token forward as a prefill from position "
+                                 "0's conv inputs, so it cannot continue the prompt from a cached prefix")
         if first_token is not None:
             raise InvalidRequest(f"a first token follows the whole prompt, the cache holds {num_cached} of {n}")
         input_ids, mask = _input(prompt_ids, model)
@@ -150,7 +155,10 @@ def continue_greedy(model: PreTrainedModel, prompt_ids: Sequence[int], cache: Dy
 
 def _cache_kwarg(model: PreTrainedModel, cache: DynamicCache) -> dict[str, DynamicCache]:
     """`past_key_values=cache`, or `cache_params=cache` for models whose forward names it so (Mamba);
-    in the model's own cache class when it demands one (MiniMax)."""
+    in the model's own cache class when it demands one (MiniMax); a stateful model's recurrent state
+    goes onto its modules (RecurrentGemma)."""
+    if keeps_state_on_modules(model):
+        write_module_state(model, cache)
     params = inspect.signature(model.forward).parameters
     name = "cache_params" if "cache_params" in params and "past_key_values" not in params else "past_key_values"
     return {name: model_cache(cache, model)}
