@@ -31,8 +31,13 @@ _STATE_ATTRIBUTES: dict[str, tuple[str, str]] = {
 
 
 def keeps_state_on_modules(model: Any) -> bool:
-    """True for a model transformers marks stateful (its forward keeps state on its modules)."""
-    return bool(getattr(model, "_is_stateful", False))
+    """True for a model whose forward keeps state on its modules: transformers marks it stateful
+    (`_is_stateful`, also set on Mamba, Bamba, Jamba and others, which return their state in a
+    cache) and a decoder layer has a block its model zeroes with `_setup_cache`."""
+    if not getattr(model, "_is_stateful", False):
+        return False
+    layers = getattr(getattr(model, "model", model), "layers", None)
+    return layers is not None and any(callable(getattr(m, "_setup_cache", None)) for m in layers.modules())
 
 
 def _state_blocks(model: Any) -> dict[int, tuple[Any, tuple[str, str]]]:
