@@ -1,16 +1,15 @@
-"""RWKV and xLSTM (issue 11): recurrent models whose state is in no transformers `Cache` (RWKV's
-`state` list, xLSTM's `xLSTMCache`). They are refused with one line naming layer 0, the state and
-its per-layer shapes as the model really returns them, not as attention layers missing a head count."""
+"""xLSTM (issue 11): a recurrent model whose state is in no transformers `Cache` (`xLSTMCache`) in a
+layout kvbridge does not move. It is refused with one line naming layer 0, the state and its
+per-layer shapes as the model really returns them, not as attention layers missing a head count.
+RWKV's `state` list is moved (tests/models/test_rwkv_state.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from kvbridge import ConfigError
 from kvbridge.models import spec_from_hf_config
-from kvbridge.models.own_state import causal_lm_class, keeps_state_outside_cache
+from kvbridge.models.own_state import causal_lm_class, keeps_state_outside_cache, moved_outside_cache
 from kvbridge.proofs.model_sweep import sweep_one, tiny_config
 
 
@@ -18,18 +17,6 @@ def _refusal(arch: str) -> str:
     with pytest.raises(ConfigError) as e:
         spec_from_hf_config(tiny_config(arch).to_dict(), view="transformers", dtype="float32", warn=False)
     return str(e.value)
-
-
-def test_rwkv_refusal_names_its_state_list_per_layer():
-    config = tiny_config("rwkv")
-    line = _refusal("rwkv")
-    assert line.startswith("layer 0 (rwkv recurrent state") and "\n" not in line
-    assert "full_attention" not in line and "num_attention_heads" not in line
-    # what the model really returns: five tensors [batch, channels, layers]
-    torch.manual_seed(0)
-    state = AutoModelForCausalLM.from_config(config)(torch.tensor([[1, 2, 3]]), use_cache=True).state
-    assert [tuple(t.shape) for t in state] == [(1, config.hidden_size, config.num_hidden_layers)] * 5
-    assert "`state`" in line and f"per layer 5 x [{config.hidden_size}] float32" in line
 
 
 def test_xlstm_refusal_names_its_cache_class_per_layer():
@@ -46,6 +33,11 @@ def test_models_with_a_cache_are_not_taken_for_stateful_ones(arch):
     assert not keeps_state_outside_cache(causal_lm_class(tiny_config(arch)))
 
 
+def test_only_rwkv_state_list_is_moved():
+    assert moved_outside_cache(tiny_config("rwkv")) and keeps_state_outside_cache(causal_lm_class(tiny_config("rwkv")))
+    assert not moved_outside_cache(tiny_config("xlstm"))
+
+
 def test_sweep_row_is_refused_with_that_line():
-    row = sweep_one("rwkv")
-    assert row.status == "refused" and row.detail.startswith("layer 0 (rwkv recurrent state")
+    row = sweep_one("xlstm")
+    assert row.status == "refused" and row.detail.startswith("layer 0 (xlstm recurrent state")

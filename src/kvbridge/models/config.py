@@ -32,8 +32,9 @@ list of model types, so a new plain-attention architecture needs nothing here:
 * anything else: refused with one line naming the layer and its kind; for a compressed cache
   (DeepSeek-V4) the line also says what it keeps per request (`compressed.py`);
 * a model whose recurrent state is in no transformers `Cache` at all (RWKV, xLSTM: transformers
-  would lay them out as attention) is refused before any layer is read, naming the state and its
-  per-layer shapes (`own_state.py`).
+  would lay them out as attention): RWKV's `state` list makes every layer recurrent (`own_state.py`,
+  `recurrent.py`); any other is refused before any layer is read, naming the state and its
+  per-layer shapes.
 
 The config is untrusted (`untrusted.py` checks it first). A cache-sizing field that config.json
 omits and transformers fills from its class default is named on stderr.
@@ -213,15 +214,19 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     num_layers = reader.int(text, "num_hidden_layers", _layer_pattern_length(raw))
+    state_list = False
     if _global(text, "num_attention_heads", True) is None:
         # no attention heads at all, yet no layer_types: RWKV, xLSTM keep a recurrent state in no Cache
         # (see own_state); XLNet-style models with heads but no cache are refused by the proof instead
-        from kvbridge.models.own_state import outside_cache_refusal
-        refusal = outside_cache_refusal(text, num_layers)
+        from kvbridge.models.own_state import moved_outside_cache, outside_cache_refusal
+        state_list = moved_outside_cache(text)
+        refusal = None if state_list else outside_cache_refusal(text, num_layers)
         if refusal:
             raise ConfigError(refusal)
     try:
         types, kwargs = get_layer_types_and_kwargs(text)
+        if state_list:  # every layer is the recurrent mixer that transformers lays out as attention
+            types, kwargs = ["linear_attention"] * num_layers, [{} for _ in range(num_layers)]
     except Exception as e:  # noqa: BLE001 - a config transformers cannot lay out
         raise ConfigError(f"config of {arch!r}: transformers cannot derive its cache layers: "
                           f"{safe_text(str(e).splitlines()[0] if str(e) else type(e).__name__)}") from None

@@ -1,4 +1,5 @@
-"""Models whose recurrent state lives in no transformers `Cache`: refused with what they keep.
+"""Models whose recurrent state lives in no transformers `Cache`: moved when kvbridge knows the
+state's layout (RWKV's `state` list, `moved_outside_cache`), else refused with what they keep.
 
 transformers lays every layer of a config without `layer_types` out as attention, so a model whose
 mixer is recurrent but keeps its state outside the cache machinery (RWKV's `state`, five tensors
@@ -37,6 +38,24 @@ def keeps_state_outside_cache(cls: type) -> bool:
     module = sys.modules[cls.__module__]
     return not any(isinstance(c, type) and issubclass(c, Cache) and c.__module__ == module.__name__
                    for c in vars(module).values())
+
+
+# Mixer kinds (recurrent.py) whose state transformers keeps outside any Cache as a list of tensors
+# stacked over the layers on their last axis, each layer's slice one spec component in list order;
+# `proofs.own_cache` views that list as a `DynamicCache` of recurrent layers and back.
+STATE_LIST_KINDS = ("rwkv",)
+
+
+def moved_outside_cache(config: Any) -> bool:
+    """True for a model keeping its state outside any transformers `Cache` in a layout kvbridge
+    moves: the class keeps it outside (see `keeps_state_outside_cache`) and the config names a
+    mixer of `STATE_LIST_KINDS`."""
+    from kvbridge.models.recurrent import recurrent_kind
+
+    if recurrent_kind(config.to_dict()) not in STATE_LIST_KINDS:
+        return False
+    cls = causal_lm_class(config)
+    return cls is not None and keeps_state_outside_cache(cls)
 
 
 def _shape(t: Any) -> str:
@@ -100,4 +119,5 @@ def outside_cache_refusal(config: Any, num_layers: int) -> str | None:
             f"transformers Cache ({kept}); kvbridge cannot move it yet")
 
 
-__all__ = ["causal_lm_class", "keeps_state_outside_cache", "outside_cache_refusal"]
+__all__ = ["STATE_LIST_KINDS", "causal_lm_class", "keeps_state_outside_cache", "moved_outside_cache",
+           "outside_cache_refusal"]

@@ -1,4 +1,4 @@
-"""Recurrent-state geometry of hybrid models (Mamba1/2, gated delta net, KDA, short conv, lightning, RG-LRU, CCA, K/V convs).
+"""Recurrent-state geometry of hybrid models (Mamba1/2, gated delta net, KDA, short conv, lightning, RG-LRU, CCA, K/V convs, RWKV).
 
 Each recurrent layer's state is described as components sharded on their own:
 
@@ -53,6 +53,18 @@ Each recurrent layer's state is described as components sharded on their own:
   every TP rank holds whole after the all-reduce: one replicated unit of `hidden_size * rows`.
   The model runs these convs in float32 whatever its dtype, so their states are float32. vLLM 0.32
   has no Inkling model; this too follows the weights.
+
+* RWKV (v4, transformers' `RwkvForCausalLM`): no conv; five per-layer tensors in transformers'
+  `state` order: `ffn_x` and `att_x` (the previous token's normalized hidden state, the token
+  shift of the channel mix and of the time mix, model dtype) and the WKV numerator, denominator and
+  running maximum (`att_num`, `att_den`, `att_max`, one float32 value per attention channel).
+  vLLM has no RWKV, so the TP rule follows the weights: `key` / `value` / `receptance` project
+  `hidden -> attention_hidden_size` column-parallel and the WKV recurrence is elementwise per
+  channel (`time_decay`, `time_first` per channel), so num/den/max split by channel
+  (`attention_hidden_size` units of one value); the token shifts feed those column-parallel
+  projections their whole input, so every rank holds them whole (one replicated unit of
+  `hidden_size`, as Inkling's residual-stream convs). transformers sizes every state tensor
+  `hidden_size`, so an `attention_hidden_size` that differs is refused.
 
 `rows` is the conv kernel minus one as serving engines keep it, or the kernel as
 `transformers` keeps it. Sharding each segment separately is what makes a TP change exact; a
@@ -143,6 +155,17 @@ def lightning_state(cfg: dict[str, Any], state_dtype: str | None) -> tuple[Compo
     return (Component("recurrent", heads, dim * dim, state_dtype),)
 
 
+def rwkv_state(cfg: dict[str, Any], state_dtype: str | None) -> tuple[Component, ...]:
+    hidden = _get(cfg, "hidden_size")
+    channels = _get(cfg, "attention_hidden_size") if _given(cfg, "attention_hidden_size") else hidden
+    if channels != hidden:
+        raise ConfigError(f"RWKV attention_hidden_size {channels} != hidden_size {hidden}: transformers' `state` "
+                          f"tensors are hidden_size wide, so its cache cannot hold the WKV state")
+    f32 = state_dtype or "float32"  # transformers keeps the WKV state in float32 whatever the model dtype
+    return (Component("ffn_x", 1, hidden), Component("att_x", 1, hidden), Component("att_num", channels, 1, f32),
+            Component("att_den", channels, 1, f32), Component("att_max", channels, 1, f32))
+
+
 def short_conv_state(cfg: dict[str, Any], rows: int) -> tuple[Component, ...]:
     return (Component("conv", _get(cfg, "hidden_size"), rows),)
 
@@ -181,12 +204,18 @@ _SIGNALS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("short_conv", ("conv_L_cache",), ("conv_L_cache",)),
     ("lightning", ("linear_attn_alpha_factor",), ()),  # MiniMax: its linear layers' residual scaling
     ("rglru", ("lru_width",), ("conv1d_width",)),  # RecurrentGemma
+    ("rwkv", ("rescale_every",), ()),  # RWKV: its residual halving every n layers; no other config has it
     ("mamba2", ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads"), ("mamba_d_conv", "conv_kernel")),
     ("mamba2", ("n_groups",), ("conv_kernel",)),  # Mamba2's own names: num_heads, head_dim, n_groups, state_size
     ("mamba1", ("mamba_d_state", "state_size"), ("mamba_d_conv", "conv_kernel")),  # no heads, no groups
     ("cca", ("cca_time0",), ("cca_time0", "cca_time1")),  # ZAYA: two stacked convs, see _kernel
     ("kv_conv", ("conv_kernel_size",), ("conv_kernel_size",)),  # Inkling: `sconv_kernel_size` is its alias
 )
+
+
+def recurrent_kind(cfg: dict[str, Any]) -> str | None:
+    """The mixer kind the config's signal fields name, None when none does."""
+    return next((kind for kind, signals, _ in _SIGNALS if _given(cfg, *signals)), None)
 
 
 def _kernel(cfg: dict[str, Any], kind: str, keys: tuple[str, ...]) -> int:
@@ -207,7 +236,8 @@ def recurrent_layer(cfg: dict[str, Any], conv_rows_extra: int, state_dtype: str 
             if kind == "mamba2" and not _given(cfg, "mamba_n_groups", "mamba_ngroups", "n_groups"):
                 kind = "mamba1_heads"  # heads but no B/C groups: Mamba1's scan split by heads (Zamba)
             if not kernel:  # no conv state
-                return LayerSpec("recurrent", state=lightning_state(cfg, state_dtype), recurrent_type=kind)
+                state = rwkv_state(cfg, state_dtype) if kind == "rwkv" else lightning_state(cfg, state_dtype)
+                return LayerSpec("recurrent", state=state, recurrent_type=kind)
             if kind in ("cca", "rglru"):  # transformers keeps exactly the inputs a step needs: no extra column
                 conv_rows_extra = -1
             rows = _kernel(cfg, kind, kernel) + conv_rows_extra

@@ -38,8 +38,9 @@ from kvbridge.core.layout import EngineLayout
 from kvbridge.core.plan import full_block_ids
 from kvbridge.core.spec import LayerSpec, ModelSpec, normalize_dtype
 from kvbridge.errors import ConfigError, InvalidRequest
-from kvbridge.proofs.hf_states import hf_state_tensors, state_components
+from kvbridge.proofs.hf_states import hf_state_tensors, per_component_states, state_components
 from kvbridge.proofs.kv_dtype import to_engine, to_model
+from kvbridge.proofs.own_cache import empty_cache
 from kvbridge.transport.cache import TORCH_DTYPES, RankCache
 
 BlockIds = tuple[tuple[int, ...], ...]
@@ -420,7 +421,7 @@ def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: i
     """
     _check_rank_order(caches)
     spec = caches[0].spec
-    cache = DynamicCache(config=config)
+    cache = empty_cache(config, spec)
     if not cache.layers and (spec.has_recurrent or any(x.is_stateless for x in spec.layers)):
         raise ConfigError(f"config makes a cache of {len(cache.layers)} layers, the rank caches have {spec.num_layers}")
     hf = layer_map(cache, spec, "config makes a cache of") if cache.layers else tuple(range(spec.num_layers))
@@ -438,6 +439,11 @@ def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: i
             cache.update(kv[0][None], kv[1][None], hf[li])
             continue
         if lspec.is_stateless:  # transformers' DummyLayer: nothing to put back
+            continue
+        if per_component_states(lspec):  # one recurrent state per component (RWKV), each continuing
+            for si, comp in enumerate(states[li]):
+                cache.update_recurrent_state(comp.reshape(1, -1), hf[li], state_idx=si)
+                cache.layers[hf[li]].has_previous_state[si] = True
             continue
         convs, rec = hf_state_tensors(lspec, states[li])
         for si, conv in enumerate(convs):

@@ -12,7 +12,9 @@ view="transformers")`), so a segment of `units * dim / kernel` channels is exact
 recurrent state is `state.reshape(units, a * b)`. A layer may keep several conv states
 (`conv_states[s]`, Inkling: its K conv, its V conv, two residual-stream convs): the spec's
 `conv_states` says how many conv components each holds, in `state_idx` order, and each is mapped
-as above. This module is that mapping and nothing else;
+as above. A state-only layer of several components (RWKV: two token shifts and the WKV
+numerator, denominator and maximum) keeps component `s` as its own `recurrent_states[s]`
+`[1, units * dim]` (`per_component_states`). This module is that mapping and nothing else;
 `hf_cache` decides where in the paged rank caches the components go.
 """
 
@@ -45,6 +47,33 @@ def conv_groups(lspec: LayerSpec) -> list[list[int]]:
 
 
 ConvShapes = tuple[tuple[int, int, int], ...]
+
+
+def per_component_states(lspec: LayerSpec) -> bool:
+    """A layer with no conv and several state components keeps one recurrent state per component."""
+    return lspec.is_recurrent and not _conv_components(lspec) and len(lspec.state) > 1
+
+
+def _component_states(layer: Any, spec: ModelSpec, li: int) -> list[torch.Tensor]:
+    """`recurrent_states[s]` `[1, units * dim]` of each component s, checked against the spec."""
+    lspec = spec.layers[li]
+    held = getattr(layer, "number_of_states", 1)
+    if held != len(lspec.state):
+        raise ConfigError(f"layer {li} keeps {held} recurrent states; kvbridge's spec has {len(lspec.state)} "
+                          f"({lspec.recurrent_type}: {', '.join(c.name for c in lspec.state)})")
+    out = []
+    for si, c in enumerate(lspec.state):
+        if not (layer.is_recurrent_states_initialized.get(si) and layer.has_previous_state.get(si)):
+            raise InvalidRequest(f"layer {li} has no state {si} ({c.name}) yet; run a prefill with use_cache=True first")
+        t = layer.recurrent_states[si]
+        if tuple(t.shape) != (1, c.heads * c.dim):
+            raise ConfigError(f"layer {li}: transformers keeps {c.name!r} as {tuple(t.shape)}, kvbridge's spec says "
+                              f"{(1, c.heads * c.dim)}")
+        if normalize_dtype(str(t.dtype)) != spec.component_dtype(c):
+            raise ConfigError(f"layer {li}: transformers keeps {c.name!r} as {t.dtype}, kvbridge's spec says "
+                              f"{spec.component_dtype(c)} (set the state dtype to match)")
+        out.append(t[0].reshape(c.heads, c.dim))
+    return out
 
 
 def hf_state_shapes(lspec: LayerSpec) -> tuple[ConvShapes, tuple[int, ...] | None]:
@@ -101,6 +130,8 @@ def state_components(layer: Any, spec: ModelSpec, li: int) -> list[torch.Tensor]
     """A recurrent cache layer's state as spec components `[units, dim]`, after
     checking it against the spec; the caller has checked that the layer is a recurrent one."""
     lspec = spec.layers[li]
+    if per_component_states(lspec):
+        return _component_states(layer, spec, li)
     conv_shapes, rec_shape = hf_state_shapes(lspec)
     held = getattr(layer, "number_of_states", 1)
     if held != max(1, len(conv_shapes)):
@@ -156,4 +187,4 @@ def hf_state_tensors(lspec: LayerSpec, comps: Sequence[torch.Tensor]) -> tuple[l
     return convs, rec
 
 
-__all__ = ["conv_groups", "hf_state_shapes", "hf_state_tensors", "state_components"]
+__all__ = ["conv_groups", "hf_state_shapes", "hf_state_tensors", "per_component_states", "state_components"]

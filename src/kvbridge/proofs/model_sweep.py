@@ -305,7 +305,7 @@ def representatives() -> dict[str, str]:
             "mamba1": "jamba", "mamba2": "bamba", "gdn": "qwen3_next", "short_conv": "lfm2", "mqa": "gpt_bigcode",
             "stateless": "nemotron_h", "attention+state": "falcon_h1", "mamba1_heads": "zamba",
             "kda": "kimi_linear", "indexer": "deepseek_v32", "lightning": "minimax", "cca": "zaya",
-            "kv_conv": "inkling2_text", "mla+sliding": "dots3_note_text"}
+            "kv_conv": "inkling2_text", "mla+sliding": "dots3_note_text", "rwkv": "rwkv"}
 
 
 TP_RULES = """\
@@ -334,7 +334,8 @@ beyond the units hold replicas):
 | rglru (RecurrentGemma) | nothing in a cache: the module keeps conv `[lru_width, kernel - 1]` and a float32 state `[lru_width]` as attributes; the proof copies them into the layer's `LinearAttentionLayer` after the prefill and back onto a model's modules before decoding (`module_state.py`) | RG-LRU gate blocks (`num_attention_heads` of `lru_width / heads`; no vLLM model: derived, the gates are block-diagonal) |
 | cca (ZAYA) | attention+state layer: K/V, then conv `[Q \\| K, (t0-1)+(t1-1)]` (that many columns in both views) and the last token's delayed value projection `[kv_heads * head_dim / 2]` | Q heads, K and the delayed value by KV head (no vLLM model; derived: the grouped conv's groups are whole heads, `v_proj_delayed` splits by KV head like `v_proj_current`) |
 | kv_conv (Inkling, Inkling-2) | attention+state layer: K/V, then `number_of_conv_states` conv states, each its own tensor: K conv `[kv_heads * key_dim, kernel]`, V conv, then residual-stream convs `[hidden, kernel]`, all float32 | K and V convs by the layer's KV heads like K/V; residual-stream convs whole on every rank (no vLLM model; derived: the K/V convs are depthwise per KV head, the others follow the all-reduced output projections) |
-| state in no Cache (RWKV, xLSTM) | nothing in a cache layer: RWKV's forward returns `state`, 5 tensors `[batch, channels, layers]`; xLSTM's an `xLSTMCache` (not a transformers `Cache`) of per-layer mLSTM `C`, `n`, `m` | refused before any layer is read, naming that state and its per-layer shapes (`models/own_state.py`) |
+| rwkv (RWKV) | nothing in a cache layer: the forward returns `state`, 5 tensors `[batch, hidden, layers]`, viewed per layer as one recurrent state per component: token shifts `ffn_x`, `att_x` `[hidden]` (model dtype), WKV `att_num`, `att_den`, `att_max` `[hidden]` (float32) | WKV state by channel, token shifts whole on every rank (no vLLM model; derived: key / value / receptance are column-parallel, the WKV recurrence is per channel, and the shifts are the whole input of those projections) |
+| state in no Cache (xLSTM) | nothing in a cache layer: an `xLSTMCache` (not a transformers `Cache`) of per-layer mLSTM `C`, `n`, `m` | refused before any layer is read, naming that state and its per-layer shapes (`models/own_state.py`) |
 | stateless | `DummyLayer` (MLP / MoE blocks of Nemotron-H, layers reading another layer's K/V): nothing | nothing to shard: no components, no group, no region (vLLM allocates no cache for it) |
 
 Serving engines keep `kernel - 1` conv columns, transformers `kernel`; `spec_from_hf_config(view=...)`

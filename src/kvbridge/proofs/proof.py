@@ -25,6 +25,7 @@ from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 
 from kvbridge.core.spec import normalize_dtype
 from kvbridge.errors import ConfigError, InvalidRequest
+from kvbridge.models.own_state import moved_outside_cache
 from kvbridge.proofs.cache_compare import cache_differences, restore_position_history, save_cache
 from kvbridge.proofs.hf_cache import BlockIds, import_cache, replica_mismatches
 from kvbridge.proofs.module_state import empty_cache, keeps_state_on_modules, read_module_state, write_module_state
@@ -113,6 +114,8 @@ def _self_attention_cache(out: object, model: PreTrainedModel) -> DynamicCache:
     cache = getattr(out, "past_key_values", None)
     if cache is None:  # Mamba-style models name it cache_params
         cache = getattr(out, "cache_params", None)
+    if cache is None and moved_outside_cache(model.config):  # RWKV: a state list (see own_cache)
+        return getattr(out, "state", None)
     other = next((name for name in ("past_buckets_states", "mems") if getattr(out, name, None) is not None), None)
     if cache is None and other:  # Reformer's LSH buckets, XLNet's memories: no per-layer K/V
         raise ConfigError(f"layer 0: {type(model).__name__} keeps its cache as {other}, not per-layer K/V "
@@ -133,34 +136,38 @@ def continue_greedy(model: PreTrainedModel, prompt_ids: Sequence[int], cache: Dy
     strict prefix (a prefix-cache hit) lets `generate` compute the rest of the prompt first.
     """
     n = len(prompt_ids)
+    kwarg = _cache_kwarg(model, cache)
+    # `generate` drops the cached tokens from the input by the cache's length; a `state` list (RWKV)
+    # has none, so the model is given the tokens after the cached ones only
+    skip = num_cached if "state" in kwarg else 0
     if num_cached < n:
         if keeps_state_on_modules(model):
             raise InvalidRequest(f"{type(model).__name__} runs a multi-token forward as a prefill from position "
                                  "0's conv inputs, so it cannot continue the prompt from a cached prefix")
         if first_token is not None:
             raise InvalidRequest(f"a first token follows the whole prompt, the cache holds {num_cached} of {n}")
-        input_ids, mask = _input(prompt_ids, model)
+        input_ids, mask = _input(prompt_ids[skip:], model)
         return model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens,
-                              **_cache_kwarg(model, cache))[0, n:].tolist()
+                              **kwarg)[0, n - skip:].tolist()
     if first_token is None:
         return []
     tokens = [int(first_token)]
     if new_tokens > 1:
-        input_ids, mask = _input([*prompt_ids, int(first_token)], model)
-        rest = model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens - 1,
-                              **_cache_kwarg(model, cache))
-        tokens += rest[0, n + 1:].tolist()
+        input_ids, mask = _input([*prompt_ids, int(first_token)][skip:], model)
+        rest = model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens - 1, **kwarg)
+        tokens += rest[0, n + 1 - skip:].tolist()
     return tokens
 
 
 def _cache_kwarg(model: PreTrainedModel, cache: DynamicCache) -> dict[str, DynamicCache]:
-    """`past_key_values=cache`, or `cache_params=cache` for models whose forward names it so (Mamba);
-    in the model's own cache class when it demands one (MiniMax); a stateful model's recurrent state
-    goes onto its modules (RecurrentGemma)."""
+    """`past_key_values=cache`, or `cache_params=cache` / `state=cache` for models whose forward names
+    it so (Mamba / RWKV); in the model's own cache class (MiniMax) or state list (RWKV) when it
+    demands one; a stateful model's recurrent state goes onto its modules (RecurrentGemma)."""
     if keeps_state_on_modules(model):
         write_module_state(model, cache)
     params = inspect.signature(model.forward).parameters
-    name = "cache_params" if "cache_params" in params and "past_key_values" not in params else "past_key_values"
+    name = next((n for n in ("cache_params", "state") if n in params and "past_key_values" not in params),
+                "past_key_values")
     return {name: model_cache(cache, model)}
 
 
