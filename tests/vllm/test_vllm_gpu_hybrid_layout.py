@@ -21,8 +21,7 @@ from kvbridge.core.spec import ModelSpec
 from kvbridge.errors import InvalidRequest
 from kvbridge.integrations.vllm.gpu_layouts import gpu_layout
 from kvbridge.integrations.vllm.layout import vllm_conv_rows
-from kvbridge.transport.cache import RankCache
-from kvbridge.transport.local import LocalExecutor
+from paged_move import execute_between
 
 M_HEADS, M_DIM, GROUPS, STATE, KERNEL, H_KV, H_DIM = 4, 32, 2, 16, 4, 2, 32
 N_TOKENS, BLOCKS = 70, 6
@@ -85,16 +84,9 @@ def test_hybrid_gpu_pages_move_state_and_kv_where_the_kernels_read_them(p_tp, d_
     src_ids, dst_ids = {"m": 4, "a": [1, 3, 0]}, {"m": 0, "a": [5, 2, 4]}
     src_engine = engine(src, spec, state, kv, src_ids)
     want = engine(dst, spec, state, kv, dst_ids)
-    got = [[torch.zeros_like(t) for t in ts] for ts in want]
     request = Request(((src_ids["m"],), tuple(src_ids["a"])), ((dst_ids["m"],), tuple(dst_ids["a"])), N_TOKENS)
     plan = plan_request(spec, src, dst, request)
-
-    def cache(layout, r, tensors):
-        sizes = layout.addressing(spec, r).region_nbytes
-        return RankCache(spec, layout, r, [t.view(torch.uint8)[:size] for t, size in zip(tensors, sizes)])
-
-    LocalExecutor([cache(src, r, t) for r, t in enumerate(src_engine)],
-                  [cache(dst, r, t) for r, t in enumerate(got)]).execute(plan)
+    got = execute_between(spec, src, dst, plan, src_engine, want)
     for r in range(d_tp):
         for li in range(4):
             assert torch.equal(got[r][li], want[r][li]), (r, li)

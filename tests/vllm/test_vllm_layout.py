@@ -22,6 +22,7 @@ from kvbridge.transport.cache import RankCache
 from kvbridge.core.plan import Request, plan_request
 from kvbridge.core.spec import ModelSpec
 from kvbridge.transport.local import LocalExecutor
+from paged_move import execute_between
 from kvbridge.integrations.vllm.layout import VllmCpuLayout, as_vllm_cpu, vllm_cpu_layout, vllm_cpu_spec
 
 HEADS, DIM, LAYERS = 4, 32, 2
@@ -213,17 +214,10 @@ def test_hybrid_plans_land_state_and_kv_where_vllm_reads_them(p_tp, d_tp):
     src_ids, dst_ids = {"m": 4, "a": [1, 3]}, {"m": 0, "a": [5, 2]}
     src_engine = hybrid_engine(src, spec, state, kv, src_ids)
     want = hybrid_engine(dst, spec, state, kv, dst_ids)
-    got = [[torch.zeros_like(t) for t in ts] for ts in want]
     # kvbridge's groups: (recurrent layers), (attention layers); per group its block ids
     request = Request(((src_ids["m"],), tuple(src_ids["a"])), ((dst_ids["m"],), tuple(dst_ids["a"])), n)
     plan = plan_request(spec, src, dst, request)
-
-    def cache(layout, r, tensors):  # each layer's region runs from its first page to its last state's end
-        sizes = layout.addressing(spec, r).region_nbytes
-        return RankCache(spec, layout, r, [t.view(torch.uint8)[:size] for t, size in zip(tensors, sizes)])
-
-    LocalExecutor([cache(src, r, t) for r, t in enumerate(src_engine)],
-                  [cache(dst, r, t) for r, t in enumerate(got)]).execute(plan)
+    got = execute_between(spec, src, dst, plan, src_engine, want)
     for r in range(d_tp):
         for li in range(4):
             assert torch.equal(got[r][li], want[r][li]), (r, li)  # every byte, and nothing else written
