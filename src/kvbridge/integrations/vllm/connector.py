@@ -46,12 +46,13 @@ The prefill side holds back the last prompt token of a hybrid request (as vLLM's
 does), so the decode side receives the state after N-1 tokens and computes the last one once.
 
 Limits (each refused with a message, none silently wrong): no MLA (vLLM CPU runs MLA only at
-head sizes that no tiny test model has, so it is not described or tested), no gated delta net
-(vLLM CPU runs it in bfloat16 only), a hybrid grouping other than one vLLM group per layer kind
-is refused (start vLLM with `--disable-hybrid-kv-cache-manager`), no prefix caching of
-recurrent state (`mamba_cache_mode` other than "none"), one decode engine per prefill request
-(the proxy can name it with `"remote_decode_engine_id"` in the prefill params when several
-decode engines are connected).
+head sizes that no tiny test model has, so it is not described or tested), a hybrid grouping
+other than one vLLM group per layer kind (start vLLM with `--disable-hybrid-kv-cache-manager`), no
+prefix caching of recurrent state (`mamba_cache_mode` other than "none"), one decode engine per
+prefill request (the proxy can name it with `"remote_decode_engine_id"` in the prefill params
+when several decode engines are connected). Untested through vLLM, because vLLM CPU 0.32 does not
+run them with a tiny float32 model: gated delta net (bfloat16 only there) and Mamba1 (no
+selective scan in the CPU build); their state pages are checked against vLLM's shapes.
 """
 
 from __future__ import annotations
