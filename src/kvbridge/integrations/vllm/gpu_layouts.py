@@ -26,6 +26,7 @@ from kvbridge.core.layout import Addressing, EngineLayout
 from kvbridge.core.shard import head_range
 from kvbridge.core.spec import ModelSpec
 from kvbridge.errors import InvalidRequest
+from kvbridge.integrations.vllm.layout import put_state_page, unified_page
 
 # Physical order of the logical axes (0 L, 1 B, 2 H, 3 N, 4 C), outermost first.
 KV_CACHE_LAYOUTS: dict[str, tuple[int, ...]] = {
@@ -154,26 +155,15 @@ def _hybrid_addressing(spec: ModelSpec, layout: VllmGpuLayout, rank: int) -> Add
     if order[0] != 0:
         raise InvalidRequest(f"hybrid pages are per layer: KV cache layout {layout.cache_layout} puts blocks outside "
                              f"layers; use one with L outermost (LBNHC, LBHNC, LHBNC)")
-    itemsize, L = spec.itemsize, spec.num_layers
+    L = spec.num_layers
     attention = {tuple((c.heads, c.dim) for c in layer.components) for layer in spec.layers if layer.is_attention}
     if len(attention) > 1:
         raise InvalidRequest("one vLLM KV cache tensor holds layers of one geometry; split the model per group")
 
-    def rank_heads(heads: int, replicated: bool) -> tuple[int, int]:
-        return head_range(heads, layout.tp_size, rank, replicated)
-
-    pages = {}
-    for li, layer in enumerate(spec.layers):
-        if layer.is_recurrent:
-            pages[li] = sum((lambda r: r[1] - r[0])(rank_heads(c.heads, layer.replicated)) * c.dim
-                            * spec.component_itemsize(c) for c in layer.components)
-        elif layer.is_attention:
-            h0, h1 = rank_heads(layer.components[0].heads, layer.replicated)
-            pages[li] = (h1 - h0) * layout.group_block_size(spec.layer_group[li]) * sum(
-                c.dim * itemsize for c in layer.components)
-    page = layout.page_size_padded or max(pages.values())
-    if page < max(pages.values()):
-        raise InvalidRequest(f"page_size_padded {page} B is smaller than a layer's page of {max(pages.values())} B")
+    needed = unified_page(spec, layout, rank)
+    page = layout.page_size_padded or needed
+    if page < needed:
+        raise InvalidRequest(f"page_size_padded {page} B is smaller than a layer's page of {needed} B")
     arr = {k: np.zeros((L, spec.max_components), dtype=np.int64) for k in
            ("region", "base", "block_stride", "token_stride", "head_stride", "row_bytes", "heads", "first_head")}
     ncomp = np.zeros(L, dtype=np.int64)
@@ -182,19 +172,11 @@ def _hybrid_addressing(spec: ModelSpec, layout: VllmGpuLayout, rank: int) -> Add
         ncomp[li] = len(layer.components)
         if layer.is_stateless:
             continue
-        rows = [c.dim * spec.component_itemsize(c) for c in layer.components]
         if layer.is_recurrent:
-            base = 0
-            for ci, (c, row) in enumerate(zip(layer.components, rows)):
-                h0, h1 = rank_heads(c.heads, layer.replicated)
-                for key, value in (("region", len(regions)), ("base", base), ("block_stride", page),
-                                   ("token_stride", 0), ("head_stride", row), ("row_bytes", row),
-                                   ("heads", h1 - h0), ("first_head", h0)):
-                    arr[key][li, ci] = value
-                base += (h1 - h0) * row
-            regions.append((layout.num_blocks - 1) * page + base)
+            regions.append(put_state_page(arr, spec, li, layout, rank, page, len(regions)))
             continue
-        h0, h1 = rank_heads(layer.components[0].heads, layer.replicated)
+        rows = [c.dim * spec.component_itemsize(c) for c in layer.components]
+        h0, h1 = head_range(layer.components[0].heads, layout.tp_size, rank, layer.replicated)
         offsets = np.cumsum([0] + rows)
         shape = (1, layout.num_blocks, h1 - h0, layout.group_block_size(spec.layer_group[li]), int(offsets[-1]))
         _, sB, sH, sN, _ = layout_strides(order, shape, page)

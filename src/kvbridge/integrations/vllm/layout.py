@@ -168,7 +168,7 @@ def _cpu_addressing(spec: ModelSpec, layout: VllmCpuLayout, rank: int) -> Addres
               ("region", "base", "block_stride", "token_stride", "head_stride", "row_bytes", "heads", "first_head")}
     ncomp = np.zeros(L, dtype=np.int64)
     region_nbytes: list[int] = []
-    page = _unified_page(spec, layout, rank)
+    page = unified_page(spec, layout, rank)
     for li, layer in enumerate(spec.layers):
         comps = layer.components
         ncomp[li] = len(comps)
@@ -180,13 +180,7 @@ def _cpu_addressing(spec: ModelSpec, layout: VllmCpuLayout, rank: int) -> Addres
         g = spec.layer_group[li]
         rows = [c.dim * spec.component_itemsize(c) for c in comps]
         if layer.is_recurrent:
-            base = 0
-            for ci, (c, row) in enumerate(zip(comps, rows)):
-                h0, h1 = head_range(c.heads, layout.tp_size, rank, layer.replicated)
-                _put(arrays, li, ci, region=len(region_nbytes), base=base, block_stride=page, token_stride=0,
-                     head_stride=row, row_bytes=row, heads=h1 - h0, first_head=h0)
-                base += (h1 - h0) * row
-            region_nbytes.append((layout.num_blocks - 1) * page + base)
+            region_nbytes.append(put_state_page(arrays, spec, li, layout, rank, page, len(region_nbytes)))
             continue
         kbs, nkb = layout.group_kernel_size(g), layout.group_num_kernel_blocks(g)
         h0, h1 = head_range(comps[0].heads, layout.tp_size, rank)
@@ -208,9 +202,26 @@ def _put(arrays: dict[str, np.ndarray], li: int, ci: int, **values: int) -> None
         arrays[key][li, ci] = value
 
 
-def _unified_page(spec: ModelSpec, layout: VllmCpuLayout, rank: int) -> int:
-    """The hybrid allocator's page (bytes per block id, every layer) for `rank`; 0 without
-    recurrent layers (attention blocks are then dense: kernel block after kernel block)."""
+def put_state_page(arrays: dict[str, np.ndarray], spec: ModelSpec, li: int, layout: EngineLayout, rank: int,
+                   page: int, region: int) -> int:
+    """Address recurrent layer `li` as vLLM's `MambaSpec` page (`rank`'s share of each component,
+    back to back, unpadded; one page of `page` bytes per block id) in `region`; returns the
+    region's bytes, from the first page to the last state's end. Shared with `gpu_layouts`: the
+    state page does not depend on the device."""
+    layer, base = spec.layers[li], 0
+    for ci, c in enumerate(layer.components):
+        row = c.dim * spec.component_itemsize(c)
+        h0, h1 = head_range(c.heads, layout.tp_size, rank, layer.replicated)
+        _put(arrays, li, ci, region=region, base=base, block_stride=page, token_stride=0, head_stride=row,
+             row_bytes=row, heads=h1 - h0, first_head=h0)
+        base += (h1 - h0) * row
+    return (layout.num_blocks - 1) * page + base
+
+
+def unified_page(spec: ModelSpec, layout: EngineLayout, rank: int) -> int:
+    """The hybrid allocator's page (bytes per block id, every layer) for `rank`: the largest of
+    any layer's block or state, which vLLM pads the others to; 0 without recurrent layers
+    (attention blocks are then dense). Shared with `gpu_layouts`."""
     if not spec.has_recurrent:
         return 0
     page = 0
@@ -219,12 +230,11 @@ def _unified_page(spec: ModelSpec, layout: VllmCpuLayout, rank: int) -> int:
             page = max(page, sum((lambda r: r[1] - r[0])(head_range(c.heads, layout.tp_size, rank, layer.replicated))
                                  * c.dim * spec.component_itemsize(c) for c in layer.components))
         elif layer.is_attention:
-            g = spec.layer_group[li]
-            h0, h1 = head_range(layer.components[0].heads, layout.tp_size, rank)
-            page = max(page, (h1 - h0) * layout.group_block_size(g)
+            h0, h1 = head_range(layer.components[0].heads, layout.tp_size, rank, layer.replicated)
+            page = max(page, (h1 - h0) * layout.group_block_size(spec.layer_group[li])
                        * sum(c.dim * spec.component_itemsize(c) for c in layer.components))
     return page
 
 
-__all__ = ["VllmCpuLayerSpec", "VllmCpuLayout", "VllmTopology", "as_vllm_cpu", "vllm_conv_rows", "vllm_cpu_layout",
-           "vllm_cpu_spec"]
+__all__ = ["VllmCpuLayerSpec", "VllmCpuLayout", "VllmTopology", "as_vllm_cpu", "put_state_page", "unified_page",
+           "vllm_conv_rows", "vllm_cpu_layout", "vllm_cpu_spec"]
