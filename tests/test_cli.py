@@ -192,3 +192,32 @@ def test_bench_staged_reports_each_pairs_path_and_refuses_other_runners():
     out = json.loads(r.stdout)
     assert out["default_choice"] == "2 staged / 0 direct" and out["staged_over_contiguous"] > 0
     assert "--staged" in _one_error_line(run("bench", "--staged", "--transport", "shm"))
+
+
+# ---- `kvbridge demo --model DIR` on the directory `kvbridge plan DIR` takes: config.json alone --------
+def _config_dir(path, **sizes):
+    path.mkdir()
+    config = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 256, **sizes}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_demo_of_a_config_only_directory_draws_weights_and_matches(tmp_path):
+    d = _config_dir(tmp_path / "m")
+    r = run("demo", "--model", str(d), "--prompt-len", "12", "--new-tokens", "3", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["match"] is True
+
+
+def test_demo_of_a_model_too_large_for_the_cpu_proof_exits_2_naming_its_size(tmp_path):
+    d = _config_dir(tmp_path / "big", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256)
+    line = _one_error_line(run("demo", "--model", str(d)))
+    assert "GiB in float32" in line and "KVBRIDGE_DEMO_MAX_GIB" in line
+
+
+def test_demo_of_damaged_weights_exits_2_with_one_line(tmp_path):
+    d = _config_dir(tmp_path / "bad")
+    (d / "model.safetensors").write_bytes(b"\x00" * 64)
+    assert "cannot load its weights" in _one_error_line(run("demo", "--model", str(d)))

@@ -88,7 +88,7 @@ def _context_length(model: str) -> int | None:
 def demo(
     ctx: typer.Context,
     model: Optional[str] = typer.Option(
-        None, help="Built-in model NAME or a save_pretrained DIR [default: tiny-llama; tiny-gemma2 with "
+        None, help="Built-in model NAME or a model DIR (its weights, or random ones drawn from its config.json alone) [default: tiny-llama; tiny-gemma2 with "
         "--offload; a tiny Llama DIR it writes with --engine vllm].", rich_help_panel=MODEL),
     prompt_ids: Optional[str] = typer.Option(None, help="Comma-separated prompt token ids, e.g. 1,2,3.",
                                              rich_help_panel=MODEL),

@@ -17,7 +17,7 @@ from kvbridge.errors import ConfigError, InvalidRequest
 @friendly_errors
 def prefill_server(
     listen: str = typer.Option("127.0.0.1:5600", help="HOST:PORT the decode side connects to."),
-    model: str = typer.Option("tiny-llama", help="Built-in model NAME or a save_pretrained DIR."),
+    model: str = typer.Option("tiny-llama", help="Built-in model NAME or a model DIR (its weights, or random ones drawn from its config.json alone)."),
     prompt_ids: Optional[str] = typer.Option(None, help="Comma-separated prompt token ids."),
     prompt_len: int = typer.Option(32, min=1), seed: int = typer.Option(0),
     prefill_tp: int = typer.Option(1, min=1), prefill_block_size: int = typer.Option(16, min=1),

@@ -111,17 +111,16 @@ DEFAULT_MODEL = "tiny-llama"
 
 def load_model(name_or_dir: str, seed: int = 0) -> tuple[PreTrainedModel, PretrainedConfig]:
     """A float32 model in eval mode: a built-in config with weights drawn from `seed`, or a local
-    `save_pretrained` directory (never the Hub, so the proofs run offline)."""
+    directory (its weights, or random ones when it holds config.json alone: `model_dir`; never the
+    Hub, so the proofs run offline)."""
     name = str(name_or_dir)
     if name in BUILTIN_MODELS:
         config = BUILTIN_MODELS[name]()
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     elif Path(name).is_dir():
-        if not (Path(name) / "config.json").is_file():
-            raise ConfigError(f"{name} is a directory without config.json; builtin models: "
-                              f"{', '.join(BUILTIN_MODELS)}")
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, local_files_only=True)
+        from kvbridge.proofs.model_dir import load_dir_model
+        model = load_dir_model(name, seed)
     else:
         raise ConfigError(f"unknown model {name!r}: not a local model directory; builtin models: "
                           f"{', '.join(BUILTIN_MODELS)}")
