@@ -106,3 +106,15 @@ def test_kv_sharing_shrinks_to_a_tiny_config_transformers_accepts():
     spec = spec_from_hf_config(config.to_dict(), view="transformers", warn=False)
     assert [x.kind for x in spec.layers] == [{"full_attention": "full", "sliding_attention": "sliding"}[t]
                                              for t in config.layer_types[:2]] + ["stateless", "stateless"]
+
+
+def test_a_model_whose_every_layer_reads_another_models_kv_is_refused_saying_so():
+    """Gemma-4 assistants (draft models) read their target's K/V in every layer: the library, not the
+    sweep, says so in one line."""
+    from transformers import Gemma4TextConfig
+    config = Gemma4TextConfig(num_hidden_layers=4, num_kv_shared_layers=4, hidden_size=64, intermediate_size=128,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                              hidden_size_per_layer_input=0, layer_types=["sliding_attention", "full_attention"] * 2)
+    with pytest.raises(ConfigError, match=r"layers 0-3 of 'gemma4_text' all read another model's K/V") as e:
+        spec_from_hf_config(config.to_dict(), view="transformers", warn=False)
+    assert "\n" not in str(e.value)

@@ -102,6 +102,8 @@ def spec_from_hf_config(config: dict[str, Any] | str | Path, *, dtype: str | Non
     except Exception as e:  # noqa: BLE001 - untrusted input never ends in a traceback
         raise ConfigError(f"config of {arch!r}: transformers' {type(text).__name__} cannot be read as a cache "
                           f"geometry: {type(e).__name__}: {safe_text(str(e).splitlines()[0] if str(e) else '')}") from None
+    if all(layer.is_stateless for layer in layers):
+        raise ConfigError(_no_cache_of_its_own(text, arch, len(layers)))
     if warn and reader.filled:
         sys.stderr.write(f"warning: {name}: config.json omits {', '.join(reader.filled)}; using transformers' "
                          f"{type(text).__name__} defaults\n")
@@ -307,6 +309,17 @@ def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], 
             raise ConfigError(f"layer {i} has type {lt!r} ({what}: {holds}); "
                               "kvbridge's planner places rows per token")
     raise ConfigError(f"layer {i} has type {lt!r} ({what}); kvbridge cannot move it yet")
+
+
+def _no_cache_of_its_own(text: Any, arch: str, n: int) -> str:
+    """Why a model whose every layer transformers lays out as `DummyLayer` has nothing to move."""
+    shared = getattr(text, "num_kv_shared_layers", None)
+    span = "layer 0" if n == 1 else f"layers 0-{n - 1}"
+    if isinstance(shared, int) and not isinstance(shared, bool) and shared >= n:
+        return (f"{span} of {arch!r} all read another model's K/V (num_kv_shared_layers {shared} of "
+                f"{n} layers: a draft model reading its target's cache): transformers gives it no cache "
+                "of its own, so there is nothing to move")
+    return f"{span} of {arch!r} keep no cache (transformers lays every one out as a DummyLayer): nothing to move"
 
 
 def _attention_layer(layer: Any, reader: _Reader, mla_view: str, window: int | None, i: int) -> LayerSpec:

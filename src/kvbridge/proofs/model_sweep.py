@@ -150,8 +150,8 @@ def tiny_config(arch: str) -> Any:
         raise _Unbuildable(_one_line(e)) from None
     text = base.get("text_config")
     if isinstance(text, dict) and text.get("num_kv_shared_layers") == text.get("num_hidden_layers"):
-        raise ConfigError(f"layers 0-{text['num_hidden_layers'] - 1} of {arch!r} all read the target model's K/V "
-                          "(num_kv_shared_layers = num_hidden_layers): transformers gives it no cache of its own")
+        from kvbridge.models import spec_from_hf_config
+        spec_from_hf_config(base, warn=False)  # the library's refusal: no layer keeps a cache of its own
     if any(isinstance(base.get(k), dict) for k in ("text_config", "vision_config", "audio_config")):
         raise _Skip("a multimodal wrapper: its text model is swept under its own model_type")
     kw = {k: v for k, v in _TINY.items() if k in base}
