@@ -104,6 +104,10 @@ def spec_from_hf_config(config: dict[str, Any] | str | Path, *, dtype: str | Non
                           f"geometry: {type(e).__name__}: {safe_text(str(e).splitlines()[0] if str(e) else '')}") from None
     if all(layer.is_stateless for layer in layers):
         raise ConfigError(_no_cache_of_its_own(text, arch, len(layers)))
+    from kvbridge.models.no_cache import no_kv_cache_refusal
+    refusal = no_kv_cache_refusal(obj)  # after the layers: a draft model's shared layers say more
+    if refusal:
+        raise ConfigError(refusal)
     if warn and reader.filled:
         sys.stderr.write(f"warning: {name}: config.json omits {', '.join(reader.filled)}; using transformers' "
                          f"{type(text).__name__} defaults\n")
