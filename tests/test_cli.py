@@ -221,3 +221,11 @@ def test_demo_of_damaged_weights_exits_2_with_one_line(tmp_path):
     d = _config_dir(tmp_path / "bad")
     (d / "model.safetensors").write_bytes(b"\x00" * 64)
     assert "cannot load its weights" in _one_error_line(run("demo", "--model", str(d)))
+
+
+def test_demo_checks_the_directorys_config_before_transformers_reads_it(tmp_path):
+    """kvbridge's untrusted-config checks run first: transformers would raise a traceback on these."""
+    for i, bad in enumerate(({"num_key_value_heads": [2]}, {"num_hidden_layers": 3, "layer_types": ["full_attention"] * 2},
+                             {"model_type": "../../etc"})):
+        d = _config_dir(tmp_path / f"m{i}", **bad)
+        assert "Traceback" not in _one_error_line(run("demo", "--model", str(d)))

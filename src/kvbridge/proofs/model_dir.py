@@ -53,12 +53,27 @@ def has_weights(directory: Path) -> bool:
     return any((directory / name).is_file() for name in _WEIGHT_FILES)
 
 
-def load_dir_model(directory: str | Path, seed: int) -> PreTrainedModel:
-    """The directory's model in float32: its weights, or (config.json alone) weights drawn from `seed`."""
+def checked_config(directory: str | Path) -> PretrainedConfig:
+    """The directory's transformers config, after kvbridge's own checks of the untrusted config.json
+    (types, bounds, the cache geometry: one line on any failure, where transformers would raise a
+    traceback or build whatever the file asks for)."""
+    from kvbridge.models import spec_from_hf_config
+
     d = Path(directory)
     if not (d / "config.json").is_file():
         raise ConfigError(f"{d} is a directory without config.json")
-    config = AutoConfig.from_pretrained(d, local_files_only=True)
+    spec_from_hf_config(d / "config.json", warn=False)
+    try:
+        return AutoConfig.from_pretrained(d, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - what kvbridge's checks let through and transformers still rejects
+        raise ConfigError(f"{d}: transformers cannot read its config.json: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def load_dir_model(directory: str | Path, seed: int) -> PreTrainedModel:
+    """The directory's model in float32: its weights, or (config.json alone) weights drawn from `seed`."""
+    d = Path(directory)
+    config = checked_config(d)
     size, limit = float32_bytes(config), _limit()
     if size > limit:
         raise ConfigError(f"{d}: the model takes {size / (1 << 30):.1f} GiB in float32, above the demo's "
@@ -74,4 +89,4 @@ def load_dir_model(directory: str | Path, seed: int) -> PreTrainedModel:
                           f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
 
-__all__ = ["MAX_MODEL_BYTES", "float32_bytes", "has_weights", "load_dir_model"]
+__all__ = ["MAX_MODEL_BYTES", "checked_config", "float32_bytes", "has_weights", "load_dir_model"]

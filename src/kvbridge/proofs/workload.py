@@ -24,8 +24,8 @@ def model_config(model: str) -> Any:
     if model in BUILTIN_MODELS:
         config = BUILTIN_MODELS[model]()
     elif Path(model).is_dir():
-        from transformers import AutoConfig
-        config = AutoConfig.from_pretrained(model, local_files_only=True)
+        from kvbridge.proofs.model_dir import checked_config
+        config = checked_config(model)
     else:
         raise ConfigError(f"unknown model {model!r}: not a local model directory; builtin models: "
                           f"{', '.join(BUILTIN_MODELS)}")
