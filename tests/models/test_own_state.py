@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvbridge import ConfigError
-from kvbridge.models import spec_from_hf_config
-from kvbridge.models import own_state
+from kvbridge.models import own_state, spec_from_hf_config
 from kvbridge.models.own_state import causal_lm_class, keeps_state_outside_cache, moved_outside_cache
 from kvbridge.proofs.model_sweep import tiny_config
 

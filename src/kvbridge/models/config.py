@@ -43,6 +43,7 @@ omits and transformers fills from its class default is named on stderr.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -320,10 +321,8 @@ def _with_derived(text: Any) -> dict[str, Any]:
             continue
         for name, value in vars(cls).items():
             if isinstance(value, property) and name not in out:
-                try:
+                with contextlib.suppress(Exception):  # a property of another configuration state: left out
                     out[name] = getattr(text, name)
-                except Exception:  # noqa: BLE001 - a property of another configuration state
-                    pass
     return out
 
 
