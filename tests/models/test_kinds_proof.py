@@ -2,7 +2,7 @@
 (Nemotron-H's MLP and MoE blocks), layers holding attention K/V and recurrent state together
 (Zamba2's shared-attention layers, Falcon-H1), multi-head Mamba1 (Zamba), Kimi delta attention (Kimi-Linear, Bailing hybrid),
 lightning attention (MiniMax), ZAYA's convolutional attention, Inkling's K/V and residual-stream convs (four conv states
-per layer) and the
+per layer), xLSTM's mLSTM state (kept in its own `xLSTMCache`) and the
 sparse-attention indexer key cache (DeepSeek-V3.2). Bit-exact cache and
 greedy tokens after a move between engines of other shapes than the sweep's pairs: TP 2 -> 3
 (neither divides the other) with a prefix-cache hit on the decode side and HND -> NHD, and TP 1 -> 6
@@ -21,7 +21,7 @@ from kvbridge.proofs.model_sweep import tiny_config
 KINDS = {"nemotron_h": "stateless", "zamba2": "hybrid", "falcon_h1": "hybrid", "zamba": "mamba1_heads",
          "kimi_linear": "kda", "bailing_hybrid": "kda", "deepseek_v32": "indexer",
          "hy_v4": "indexer", "gemma3n_text": "stateless", "minimax": "lightning", "zaya": "cca", "inkling_text": "kv_conv",
-         "inkling2_text": "kv_conv"}  # HY-V4: "shared" indexed layers keep K/V only;
+         "inkling2_text": "kv_conv", "xlstm": "mlstm"}  # HY-V4: "shared" indexed layers keep K/V only;
 # Gemma-3n: its last layers read earlier layers' K/V (DummyLayer)
 PAIRS = [
     (EngineLayout(tp_size=2, block_size=16, num_blocks=8, kv_order="HND"),

@@ -22,7 +22,7 @@ from kvbridge.errors import ConfigError, IncompatibleEngines
 
 LayerKind = Literal["full", "sliding", "mla", "recurrent", "stateless"]
 RecurrentType = Literal["", "mamba1", "mamba1_heads", "mamba2", "gdn", "kda", "short_conv", "lightning", "rglru", "cca",
-                        "kv_conv", "rwkv"]
+                        "kv_conv", "rwkv", "mlstm"]
 
 DTYPE_SIZES: dict[str, int] = {
     "float32": 4,

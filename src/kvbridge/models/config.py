@@ -32,9 +32,10 @@ list of model types, so a new plain-attention architecture needs nothing here:
 * anything else: refused with one line naming the layer and its kind; for a compressed cache
   (DeepSeek-V4) the line also says what it keeps per request (`compressed.py`);
 * a model whose recurrent state is in no transformers `Cache` at all (RWKV, xLSTM: transformers
-  would lay them out as attention): RWKV's `state` list makes every layer recurrent (`own_state.py`,
-  `recurrent.py`); any other is refused before any layer is read, naming the state and its
-  per-layer shapes.
+  would lay them out as attention): RWKV's `state` list and xLSTM's `xLSTMCache` make every layer
+  recurrent (`own_state.py`; geometry in `recurrent.py`, from the config class, including sizes it
+  derives in properties such as xLSTM's rounded `qk_head_dim`); any other is refused before any
+  layer is read, naming the state and its per-layer shapes.
 
 The config is untrusted (`untrusted.py` checks it first). A cache-sizing field that config.json
 omits and transformers fills from its class default is named on stderr.
@@ -42,6 +43,7 @@ omits and transformers fills from its class default is named on stderr.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -300,8 +302,8 @@ def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], 
         key = (attention, states)
         if key not in previous:
             from kvbridge.models.recurrent import recurrent_layer
-            previous[key] = recurrent_layer(text.to_dict(), -1 if view == "engine" else 0, state_dtype, i, shown or lt,
-                                            attention, states)
+            previous[key] = recurrent_layer(_with_derived(text), -1 if view == "engine" else 0, state_dtype, i,
+                                            shown or lt, attention, states)
         return previous[key]
     if lt in _STATELESS_TYPES:  # transformers' DummyLayer (or an old name for it) stores no cache for this layer
         return LayerSpec("stateless")
@@ -324,6 +326,21 @@ def _no_cache_of_its_own(text: Any, arch: str, n: int) -> str:
                 f"{n} layers: a draft model reading its target's cache): transformers gives it no cache "
                 "of its own, so there is nothing to move")
     return f"{span} of {arch!r} keep no cache (transformers lays every one out as a DummyLayer): nothing to move"
+
+
+def _with_derived(text: Any) -> dict[str, Any]:
+    """The config's fields plus the sizes its class derives in properties of its own, which
+    `to_dict()` leaves out (xLSTM's `qk_head_dim` / `v_head_dim`, rounded up as its cache is sized);
+    a field the dict has wins, and a property that cannot be read is left out."""
+    out = text.to_dict()
+    for cls in type(text).__mro__:
+        if not cls.__module__.startswith("transformers.models."):  # PretrainedConfig's own properties are no sizes
+            continue
+        for name, value in vars(cls).items():
+            if isinstance(value, property) and name not in out:
+                with contextlib.suppress(Exception):  # a property of another configuration state: left out
+                    out[name] = getattr(text, name)
+    return out
 
 
 def _attention_layer(layer: Any, reader: _Reader, mla_view: str, window: int | None, i: int) -> LayerSpec:

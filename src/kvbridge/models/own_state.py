@@ -1,5 +1,6 @@
 """Models whose recurrent state lives in no transformers `Cache`: moved when kvbridge knows the
-state's layout (RWKV's `state` list, `moved_outside_cache`), else refused with what they keep.
+state's layout (RWKV's `state` list, xLSTM's `xLSTMCache`, `moved_outside_cache`), else refused
+with what they keep.
 
 transformers lays every layer of a config without `layer_types` out as attention, so a model whose
 mixer is recurrent but keeps its state outside the cache machinery (RWKV's `state`, five tensors
@@ -44,15 +45,19 @@ def keeps_state_outside_cache(cls: type) -> bool:
 # stacked over the layers on their last axis, each layer's slice one spec component in list order;
 # `proofs.own_cache` views that list as a `DynamicCache` of recurrent layers and back.
 STATE_LIST_KINDS = ("rwkv",)
+# Mixer kinds whose state transformers keeps in an object of the model's own class (not a `Cache`)
+# holding a dict layer index -> tuple of per-layer tensors `[batch, heads, ...]` (xLSTM's
+# `xLSTMCache.rnn_state`: C, n, m), each tuple entry one spec component in tuple order.
+STATE_DICT_KINDS = ("mlstm",)
 
 
 def moved_outside_cache(config: Any) -> bool:
     """True for a model keeping its state outside any transformers `Cache` in a layout kvbridge
     moves: the class keeps it outside (see `keeps_state_outside_cache`) and the config names a
-    mixer of `STATE_LIST_KINDS`."""
+    mixer of `STATE_LIST_KINDS` or `STATE_DICT_KINDS`."""
     from kvbridge.models.recurrent import recurrent_kind
 
-    if recurrent_kind(config.to_dict()) not in STATE_LIST_KINDS:
+    if recurrent_kind(config.to_dict()) not in STATE_LIST_KINDS + STATE_DICT_KINDS:
         return False
     cls = causal_lm_class(config)
     return cls is not None and keeps_state_outside_cache(cls)
@@ -119,5 +124,5 @@ def outside_cache_refusal(config: Any, num_layers: int) -> str | None:
             f"transformers Cache ({kept}); kvbridge cannot move it yet")
 
 
-__all__ = ["STATE_LIST_KINDS", "causal_lm_class", "keeps_state_outside_cache", "moved_outside_cache",
+__all__ = ["STATE_DICT_KINDS", "STATE_LIST_KINDS", "causal_lm_class", "keeps_state_outside_cache", "moved_outside_cache",
            "outside_cache_refusal"]

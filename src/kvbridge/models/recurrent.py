@@ -1,4 +1,5 @@
-"""Recurrent-state geometry of hybrid models (Mamba1/2, gated delta net, KDA, short conv, lightning, RG-LRU, CCA, K/V convs, RWKV).
+"""Recurrent-state geometry of hybrid models (Mamba1/2, gated delta net, KDA, short conv, lightning, RG-LRU, CCA,
+K/V convs, RWKV, mLSTM).
 
 Each recurrent layer's state is described as components sharded on their own:
 
@@ -65,6 +66,21 @@ Each recurrent layer's state is described as components sharded on their own:
   projections their whole input, so every rank holds them whole (one replicated unit of
   `hidden_size`, as Inkling's residual-stream convs). transformers sizes every state tensor
   `hidden_size`, so an `attention_hidden_size` that differs is refused.
+* mLSTM (xLSTM, transformers' `xLSTMForCausalLM`): no conv; three per-layer tensors in
+  transformers' order: the matrix memory `C` `[heads, qk_head_dim, v_head_dim]`, the normalizer
+  `n` `[heads, qk_head_dim]` and the stabilizer `m` `[heads, 1]` (the running maximum of the log
+  gates), in the dtype of the model's embeddings (`xLSTMCache` allocates them so). The head dims are
+  the config's `qk_head_dim` / `v_head_dim` (transformers sizes its cache by them; they round
+  `hidden_size * qk_dim_factor` up to a multiple of 64, which the layers' projections must match
+  for transformers to run at all). vLLM has no xLSTM, so the TP rule follows the weights: `q`, `k`,
+  `v` and the output gate project `hidden -> heads * head_dim` and are reshaped head-major, the
+  input and forget gates project to one value per head, so all five are column-parallel by head
+  (the fused `qkv_opreact` / `ifgate_preact` of `weight_mode="fused"` are the same columns in one
+  matrix); the recurrence and the multi-head layer norm are per head, and `out_proj` is
+  row-parallel over the heads. So C, n and m each split by head (`num_heads` units): a rank
+  holds whole heads. A TP size that exceeds the heads replicates them, the core's general rule for
+  every unit (as KV heads under GQA); a TP size and head count neither of which divides the other
+  (3 ranks, 4 heads) is refused, because a head's projections cannot be cut.
 
 `rows` is the conv kernel minus one as serving engines keep it, or the kernel as
 `transformers` keeps it. Sharding each segment separately is what makes a TP change exact; a
@@ -166,6 +182,14 @@ def rwkv_state(cfg: dict[str, Any], state_dtype: str | None) -> tuple[Component,
             Component("att_den", channels, 1, f32), Component("att_max", channels, 1, f32))
 
 
+def mlstm_state(cfg: dict[str, Any], state_dtype: str | None) -> tuple[Component, ...]:
+    """`cfg` must carry the config class's derived `qk_head_dim` / `v_head_dim` (properties of
+    transformers' `xLSTMConfig`, not in its `to_dict()`; `models.config` adds them)."""
+    heads, qk, v = _get(cfg, "num_heads"), _get(cfg, "qk_head_dim"), _get(cfg, "v_head_dim")
+    return (Component("C", heads, qk * v, state_dtype), Component("n", heads, qk, state_dtype),
+            Component("m", heads, 1, state_dtype))
+
+
 def short_conv_state(cfg: dict[str, Any], rows: int) -> tuple[Component, ...]:
     return (Component("conv", _get(cfg, "hidden_size"), rows),)
 
@@ -205,6 +229,7 @@ _SIGNALS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("lightning", ("linear_attn_alpha_factor",), ()),  # MiniMax: its linear layers' residual scaling
     ("rglru", ("lru_width",), ("conv1d_width",)),  # RecurrentGemma
     ("rwkv", ("rescale_every",), ()),  # RWKV: its residual halving every n layers; no other config has it
+    ("mlstm", ("qk_dim_factor",), ()),  # xLSTM: its query/key width factor; no other config has it
     ("mamba2", ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads"), ("mamba_d_conv", "conv_kernel")),
     ("mamba2", ("n_groups",), ("conv_kernel",)),  # Mamba2's own names: num_heads, head_dim, n_groups, state_size
     ("mamba1", ("mamba_d_state", "state_size"), ("mamba_d_conv", "conv_kernel")),  # no heads, no groups
@@ -236,7 +261,8 @@ def recurrent_layer(cfg: dict[str, Any], conv_rows_extra: int, state_dtype: str 
             if kind == "mamba2" and not _given(cfg, "mamba_n_groups", "mamba_ngroups", "n_groups"):
                 kind = "mamba1_heads"  # heads but no B/C groups: Mamba1's scan split by heads (Zamba)
             if not kernel:  # no conv state
-                state = rwkv_state(cfg, state_dtype) if kind == "rwkv" else lightning_state(cfg, state_dtype)
+                state = (rwkv_state(cfg, state_dtype) if kind == "rwkv" else mlstm_state(cfg, state_dtype)
+                         if kind == "mlstm" else lightning_state(cfg, state_dtype))
                 return LayerSpec("recurrent", state=state, recurrent_type=kind)
             if kind in ("cca", "rglru"):  # transformers keeps exactly the inputs a step needs: no extra column
                 conv_rows_extra = -1

@@ -74,8 +74,9 @@ _TINY_EXTRA: dict[str, dict[str, Any]] = {
     "longcat_flash": {"head_dim": 8},  # its rotary embedding is sized by head_dim, = qk_rope_head_dim
     "reformer": {"axial_pos_embds": False},  # its axial factors must sum to the hidden size
     # xLSTMCache sizes the mLSTM state by head dims rounded up to multiples of 64, its layers do not
-    # round: only qk and v widths that are multiples of 64 (hidden * 0.5, hidden * 1) agree
-    "xlstm": {"hidden_size": 128, "embedding_dim": 128, "num_heads": 4},
+    # round: only qk and v widths that are multiples of 64 (hidden * 0.5, hidden * 1) agree; 6 heads
+    # (of 32 / 64) split over 3 and 2 ranks
+    "xlstm": {"hidden_size": 384, "embedding_dim": 384, "num_heads": 6},
     "xmod": {"default_language": "en_XX"},  # it refuses to run without a language adapter chosen
     # its forward sizes the cache by the encoder's layer count (2 by default), the decoder has 24
     "blenderbot": {"encoder_layers": NUM_LAYERS, "decoder_layers": NUM_LAYERS, "encoder_attention_heads": 12,
@@ -305,7 +306,8 @@ def representatives() -> dict[str, str]:
             "mamba1": "jamba", "mamba2": "bamba", "gdn": "qwen3_next", "short_conv": "lfm2", "mqa": "gpt_bigcode",
             "stateless": "nemotron_h", "attention+state": "falcon_h1", "mamba1_heads": "zamba",
             "kda": "kimi_linear", "indexer": "deepseek_v32", "lightning": "minimax", "cca": "zaya",
-            "kv_conv": "inkling2_text", "mla+sliding": "dots3_note_text", "rwkv": "rwkv"}
+            "kv_conv": "inkling2_text", "mla+sliding": "dots3_note_text", "rwkv": "rwkv",
+            "mlstm": "xlstm"}
 
 
 TP_RULES = """\
@@ -335,7 +337,7 @@ beyond the units hold replicas):
 | cca (ZAYA) | attention+state layer: K/V, then conv `[Q \\| K, (t0-1)+(t1-1)]` (that many columns in both views) and the last token's delayed value projection `[kv_heads * head_dim / 2]` | Q heads, K and the delayed value by KV head (no vLLM model; derived: the grouped conv's groups are whole heads, `v_proj_delayed` splits by KV head like `v_proj_current`) |
 | kv_conv (Inkling, Inkling-2) | attention+state layer: K/V, then `number_of_conv_states` conv states, each its own tensor: K conv `[kv_heads * key_dim, kernel]`, V conv, then residual-stream convs `[hidden, kernel]`, all float32 | K and V convs by the layer's KV heads like K/V; residual-stream convs whole on every rank (no vLLM model; derived: the K/V convs are depthwise per KV head, the others follow the all-reduced output projections) |
 | rwkv (RWKV) | nothing in a cache layer: the forward returns `state`, 5 tensors `[batch, hidden, layers]`, viewed per layer as one recurrent state per component: token shifts `ffn_x`, `att_x` `[hidden]` (model dtype), WKV `att_num`, `att_den`, `att_max` `[hidden]` (float32) | WKV state by channel, token shifts whole on every rank (no vLLM model; derived: key / value / receptance are column-parallel, the WKV recurrence is per channel, and the shifts are the whole input of those projections) |
-| state in no Cache (xLSTM) | nothing in a cache layer: an `xLSTMCache` (not a transformers `Cache`) of per-layer mLSTM `C`, `n`, `m` | refused before any layer is read, naming that state and its per-layer shapes (`models/own_state.py`) |
+| mlstm (xLSTM) | nothing in a cache layer: the forward returns an `xLSTMCache` (not a transformers `Cache`) whose `rnn_state` holds per layer `C` `[heads, qk_head_dim, v_head_dim]`, `n` `[heads, qk_head_dim]`, `m` `[heads, 1]` (model dtype), viewed per layer as one recurrent state per component | heads, C, n and m alike (no vLLM model; derived: q / k / v, the output gate and the per-head input / forget gates are column-parallel by head, the recurrence and its norm per head, `out_proj` row-parallel) |
 | stateless | `DummyLayer` (MLP / MoE blocks of Nemotron-H, layers reading another layer's K/V): nothing | nothing to shard: no components, no group, no region (vLLM allocates no cache for it) |
 
 Serving engines keep `kernel - 1` conv columns, transformers `kernel`; `spec_from_hf_config(view=...)`

@@ -114,8 +114,8 @@ def _self_attention_cache(out: object, model: PreTrainedModel) -> DynamicCache:
     cache = getattr(out, "past_key_values", None)
     if cache is None:  # Mamba-style models name it cache_params
         cache = getattr(out, "cache_params", None)
-    if cache is None and moved_outside_cache(model.config):  # RWKV: a state list (see own_cache)
-        return getattr(out, "state", None)
+    if cache is None and moved_outside_cache(model.config):  # RWKV: a state list, xLSTM: its own object (own_cache)
+        return next((c for c in (getattr(out, n, None) for n in ("state", "cache")) if c is not None), None)
     other = next((name for name in ("past_buckets_states", "mems") if getattr(out, name, None) is not None), None)
     if cache is None and other:  # Reformer's LSH buckets, XLNet's memories: no per-layer K/V
         raise ConfigError(f"layer 0: {type(model).__name__} keeps its cache as {other}, not per-layer K/V "
@@ -136,10 +136,11 @@ def continue_greedy(model: PreTrainedModel, prompt_ids: Sequence[int], cache: Dy
     strict prefix (a prefix-cache hit) lets `generate` compute the rest of the prompt first.
     """
     n = len(prompt_ids)
-    kwarg = _cache_kwarg(model, cache)
-    # `generate` drops the cached tokens from the input by the cache's length; a `state` list (RWKV)
-    # has none, so the model is given the tokens after the cached ones only
-    skip = num_cached if "state" in kwarg else 0
+    kwarg = _cache_kwarg(model, cache, num_cached)
+    # `generate` drops the cached tokens from the input by the cache's length; a state kept outside
+    # any Cache (RWKV's list, xLSTM's object) has none, so the model is given the tokens after the
+    # cached ones only
+    skip = num_cached if moved_outside_cache(model.config) else 0
     if num_cached < n:
         if keeps_state_on_modules(model):
             raise InvalidRequest(f"{type(model).__name__} runs a multi-token forward as a prefill from position "
@@ -159,16 +160,17 @@ def continue_greedy(model: PreTrainedModel, prompt_ids: Sequence[int], cache: Dy
     return tokens
 
 
-def _cache_kwarg(model: PreTrainedModel, cache: DynamicCache) -> dict[str, DynamicCache]:
-    """`past_key_values=cache`, or `cache_params=cache` / `state=cache` for models whose forward names
-    it so (Mamba / RWKV); in the model's own cache class (MiniMax) or state list (RWKV) when it
-    demands one; a stateful model's recurrent state goes onto its modules (RecurrentGemma)."""
+def _cache_kwarg(model: PreTrainedModel, cache: DynamicCache, num_cached: int) -> dict[str, DynamicCache]:
+    """`past_key_values=cache`, or `cache_params=cache` / `state=cache` / `cache=cache` for models whose
+    forward names it so (Mamba / RWKV / xLSTM); in the model's own cache class (MiniMax), state list
+    (RWKV) or state object (xLSTM) when it demands one; a stateful model's recurrent state goes onto
+    its modules (RecurrentGemma)."""
     if keeps_state_on_modules(model):
         write_module_state(model, cache)
     params = inspect.signature(model.forward).parameters
-    name = next((n for n in ("cache_params", "state") if n in params and "past_key_values" not in params),
+    name = next((n for n in ("cache_params", "state", "cache") if n in params and "past_key_values" not in params),
                 "past_key_values")
-    return {name: model_cache(cache, model)}
+    return {name: model_cache(cache, model, num_cached)}
 
 
 @torch.inference_mode()
