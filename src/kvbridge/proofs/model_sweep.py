@@ -71,6 +71,9 @@ _TINY_EXTRA: dict[str, dict[str, Any]] = {
     # the classes' validators: Mamba heads divide expand * hidden; one expert per token
     "falcon_h1": {"mamba_expand": 2, "mamba_d_ssm": 192},
     "zaya": {"num_experts_per_tok": 1},  # its config accepts no other
+    # compress rates that divide both pairs' block sizes (8, 16) and close windows in the 40-token
+    # prompt: the default rate 128 of the heavily compressed layers is more than the whole prompt
+    "deepseek_v4": {"compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}},
     "longcat_flash": {"head_dim": 8},  # its rotary embedding is sized by head_dim, = qk_rope_head_dim
     "reformer": {"axial_pos_embds": False},  # its axial factors must sum to the hidden size
     # xLSTMCache sizes the mLSTM state by head dims rounded up to multiples of 64, its layers do not
@@ -224,7 +227,9 @@ def _one_line(e: BaseException) -> str:
 
 
 def _kinds(spec: Any) -> str:
-    counts = Counter(layer.recurrent_type or (f"{layer.kind}(w={layer.window})" if layer.window else layer.kind)
+    counts = Counter(layer.recurrent_type or (f"{layer.kind}(w={layer.window})" if layer.window else
+                                              f"{layer.kind}(1/{layer.tokens_per_row})" if layer.tokens_per_row > 1
+                                              else layer.kind)
                      for layer in spec.layers)
     return ", ".join(f"{n}x{k}" for k, n in counts.items())
 
