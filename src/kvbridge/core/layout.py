@@ -15,6 +15,14 @@ then PP): `rank = (pp_rank * pcp_size + pcp_rank) * tp_size + tp_rank`; the DCP 
 With PP = PCP = 1 the flat rank is the TP rank, so executors that index caches by rank, and
 every plan of a TP-only pair, are unchanged. A rank holds the layers of its PP stage only: its
 regions are those layers' regions, numbered from 0 in layer order.
+
+Rows per block. A layer keeping one row per `tokens_per_row` (r) tokens (DeepSeek-V4's compressed
+caches, vLLM's `tokens_per_state`) keeps its block table in tokens: one block id per `block_size`
+tokens, holding `block_size // r` rows. `row_layout(spec)` is the layout as such a group sees it
+(its block and kernel sizes in rows), and everything that turns positions into slots (the planner,
+rank caches) reads rows through it. Block sizes not divisible by r, a kernel block size of its own,
+and context parallel are refused with such a layer (vLLM's DSV4 runs without CP: which CP rank holds
+a row of r tokens has no rule there).
 """
 
 from __future__ import annotations
@@ -191,6 +199,7 @@ class EngineLayout(msgspec.Struct, frozen=True):
             raise IncompatibleEngines(
                 f"{what}: {len(self.group_block_sizes)} group block sizes for a model with {len(spec.groups)} "
                 f"KV-cache groups")
+        _check_rows(spec, self, what)
         if self.kv_scales:
             if len(self.kv_scales) != spec.num_layers:
                 raise IncompatibleEngines(f"{what}: KV scales for {len(self.kv_scales)} layers, the model has "
@@ -224,6 +233,13 @@ class EngineLayout(msgspec.Struct, frozen=True):
     def token_owner(self, positions: np.ndarray, group: int = 0) -> np.ndarray:
         """CP rank holding each token position."""
         return cp_slots(positions, self.group_block_size(group), self.cp_size, self.cp_interleave)[1]
+
+    def row_layout(self, spec: ModelSpec) -> EngineLayout:
+        """This layout with each group's block size in rows (itself when every layer keeps one row
+        per token): what the planner and rank caches turn row positions into slots with."""
+        if all(layer.tokens_per_row == 1 for layer in spec.layers):
+            return self
+        return _row_layout(spec, self)
 
     def addressing(self, spec: ModelSpec, rank: int) -> Addressing:
         return _addressing(spec, self, rank)
@@ -264,6 +280,41 @@ class Addressing(msgspec.Struct, frozen=True):
     first_head: np.ndarray
     num_components: np.ndarray
     region_nbytes: tuple[int, ...]
+
+
+def _check_rows(spec: ModelSpec, layout: EngineLayout, what: str) -> None:
+    """A layer keeping one row per r tokens needs blocks of whole rows, no kernel block size of its
+    own and no context parallel (one line each)."""
+    rates = {spec.group_layer(g).tokens_per_row: g for g in range(len(spec.groups))}
+    if max(rates) == 1:
+        return
+    if layout.cp_size > 1:
+        raise IncompatibleEngines(f"{what}: context parallel (CP {layout.cp_size}) with a layer keeping one row per "
+                                  f"{max(rates)} tokens: kvbridge has no rule for which CP rank holds such a row")
+    if layout.layer_placement == "cross_layer":
+        raise IncompatibleEngines(f"{what}: a cross_layer region with a layer keeping one row per {max(rates)} tokens")
+    for rate, g in rates.items():
+        size = layout.group_block_size(g)
+        if size % rate:
+            raise IncompatibleEngines(f"{what}: block size {size} of group {g} is not a multiple of its "
+                                      f"{rate} tokens per row")
+        if layout.kernel_block_size is not None and layout.kernel_block_size != size and rate > 1:
+            raise IncompatibleEngines(f"{what}: kernel block size {layout.kernel_block_size} with a layer keeping one "
+                                      f"row per {rate} tokens (only whole blocks are supported)")
+
+
+@lru_cache(maxsize=64)
+def _row_layout(spec: ModelSpec, layout: EngineLayout) -> EngineLayout:
+    _check_rows(spec, layout, "engine")
+    groups = range(len(spec.groups))
+    kernel = layout.kernel_block_size
+    if kernel is not None and any(spec.group_layer(g).tokens_per_row > 1 for g in groups):
+        kernel = None  # equal to the block size of every rate group (checked); other groups follow
+        if any(layout.group_kernel_size(g) != layout.group_block_size(g) for g in groups):
+            raise IncompatibleEngines("engine: a kernel block size of its own with a layer keeping one row per "
+                                      "several tokens")
+    sizes = tuple(layout.group_block_size(g) // spec.group_layer(g).tokens_per_row for g in groups)
+    return msgspec.structs.replace(layout, group_block_sizes=sizes, kernel_block_size=kernel, cp_interleave=1)
 
 
 @lru_cache(maxsize=64)
@@ -317,7 +368,8 @@ def _addressing(spec: ModelSpec, layout: EngineLayout, rank: int) -> Addressing:
         if not comps:  # a stateless layer: no region (vLLM allocates none), regions stay in layer order
             continue
         g = spec.layer_group[li]
-        kbs, nkb = layout.group_kernel_size(g), layout.group_num_kernel_blocks(g)
+        rows_layout = layout.row_layout(spec)  # a rate group's kernel blocks hold rows, not tokens
+        kbs, nkb = rows_layout.group_kernel_size(g), rows_layout.group_num_kernel_blocks(g)
         ranges = [head_range(c.heads, layout.tp_size, tp_rank, layer.replicated) for c in comps]
         rows = [c.dim * spec.component_itemsize(c) for c in comps]
         if layer.is_recurrent:

@@ -203,7 +203,7 @@ def plan_request(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, request:
     """
     t0 = time.perf_counter()
     _check_models(spec, src, dst)
-    groups = _validate(spec, src, dst, request)
+    groups = _validate(spec, src.row_layout(spec), dst.row_layout(spec), request)
     ranks = range(dst.world_size) if dst_ranks is None else dst_ranks
     for d in ranks:
         if not 0 <= d < dst.world_size:
@@ -213,7 +213,7 @@ def plan_request(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, request:
     if templates and len(groups) == 1 and isinstance(groups[0], _GroupIds):  # the common case: one buffer
         from kvbridge.core.plan_template import template_runs
         ids = groups[0]
-        runs = template_runs(spec, src, dst, 0, ids.src, ids.dst, ids.first, request.num_tokens, ranks,
+        runs = template_runs(spec, src, dst, 0, ids.src, ids.dst, ids.first, ids.stop, ranks,
                                bool(conversions))
     if runs is None:
         runs = _concat([_plan_rank(spec, src, dst, d, groups, request.num_tokens, templates) for d in ranks],
@@ -302,16 +302,22 @@ def _block_ids(side: str, g: int, layout: EngineLayout, ids: Sequence[int], num_
 
 
 class _GroupIds(NamedTuple):
-    """A group's validated id lists over `[0, num_tokens)` and the first token it moves."""
+    """A group's validated id lists over `[0, num_tokens)` and the positions `[first, stop)` it
+    moves (rows, for a layer keeping one row per several tokens)."""
 
     src: np.ndarray
     dst: np.ndarray
     first: int
+    stop: int
 
 
 def _validate(spec: ModelSpec, src: EngineLayout, dst: EngineLayout,
               req: Request) -> list[_GroupIds | _Segments | None]:
-    """Per group: its ids (attention), its state segment (recurrent), or None (nothing to move)."""
+    """Per group: its ids (attention), its state segment (recurrent), or None (nothing to move).
+
+    `src` and `dst` are the row layouts (`EngineLayout.row_layout`): a group keeping one row per
+    r tokens moves rows `[cached // r, N // r)`, and its id lists, one id per block of tokens, may
+    name the blocks of the open window too (never read)."""
     n_groups = len(spec.groups)
     N, cached = req.num_tokens, req.num_cached_tokens
     if N < 0 or not 0 <= cached <= N:
@@ -324,11 +330,16 @@ def _validate(spec: ModelSpec, src: EngineLayout, dst: EngineLayout,
         if spec.group_layer(g).is_recurrent:
             out.append(_state_segment(g, src, dst, req))
             continue
-        first = max(cached, spec.group_layer(g).tokens_kept(N))
+        layer = spec.group_layer(g)
+        rows, rate = layer.rows(N), layer.tokens_per_row
+        first = max(layer.rows(cached), layer.tokens_kept(rows))
         sides = []
         for side, layout, ids in (("source", src, req.src_block_ids[g]), ("destination", dst, req.dst_block_ids[g])):
-            arr = _block_ids(side, g, layout, ids, N, first)
-            used = arr[first // layout.tokens_per_block_id(g):] if first < N else arr[:0]
+            per = layout.tokens_per_block_id(g)
+            if rate > 1 and len(ids) == -(-N // (per * rate)):  # one id per block of tokens: the open window's too
+                ids = ids[:-(-rows // per)]
+            arr = _block_ids(side, g, layout, ids, rows, first)
+            used = arr[first // per:] if first < rows else arr[:0]
             if used.size and (used.min() < 0 or used.max() >= layout.num_blocks):
                 bad = used[(used < 0) | (used >= layout.num_blocks)]
                 raise InvalidRequest(
@@ -341,7 +352,7 @@ def _validate(spec: ModelSpec, src: EngineLayout, dst: EngineLayout,
                         f"destination group {g}: block id {int(twice[0])} appears twice among the "
                         f"blocks that receive tokens (two writes to one block)")
             sides.append(arr)
-        out.append(_GroupIds(sides[0], sides[1], first) if first < N else None)
+        out.append(_GroupIds(sides[0], sides[1], first, rows) if first < rows else None)
     return out
 
 
@@ -471,11 +482,12 @@ def _plan_rank(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int,
     cells: list[dict[str, np.ndarray]] = []
     for g, item in enumerate(groups):
         if isinstance(item, _GroupIds):
-            fast = rank_runs(spec, src, dst, d, g, item.src, item.dst, item.first, N, converting) if templates else None
+            fast = (rank_runs(spec, src, dst, d, g, item.src, item.dst, item.first, item.stop, converting)
+                    if templates else None)
             if fast is not None:
                 cells.append(fast)
                 continue
-            item = _segments(g, src, dst, item.src, item.dst, item.first, N)
+            item = _segments(g, src.row_layout(spec), dst.row_layout(spec), item.src, item.dst, item.first, item.stop)
         if item is not None:
             cells += _cells(spec, src, dst, d, g, item, converting)
     runs = _coalesce(_concat(cells, fields)) if cells else {n: np.zeros(0, np.int64) for n in fields}

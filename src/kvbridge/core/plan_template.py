@@ -238,7 +238,7 @@ def plan_template(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int,
     that do not fit the template's form: planned token by token)."""
     if spec.group_layer(g).is_recurrent:
         return None
-    src_unit, unit = src.tokens_per_block_id(g), dst.tokens_per_block_id(g)
+    src_unit, unit = src.row_layout(spec).tokens_per_block_id(g), dst.row_layout(spec).tokens_per_block_id(g)
     slots = math.lcm(src_unit, unit) // unit
     if slots > MAX_SLOTS:
         return None
@@ -285,7 +285,7 @@ def _partial_table(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int
     units' stripes and whether two adjacent ones may touch, or None when they do not fill those
     stripes evenly."""
     template = plan_template(spec, src, dst, d, g)
-    unit = dst.tokens_per_block_id(g)
+    unit = dst.row_layout(spec).tokens_per_block_id(g)
     table = _slot_runs(spec, src, dst, d, g, slot * unit + lo, slot * unit + hi, slot * unit)
     if template is None or table is None:
         return None
@@ -303,8 +303,11 @@ def _slot_runs(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int, g:
                unit_start: int) -> np.ndarray | None:
     """Coalesced runs of tokens `[start, stop)` of the unit from `unit_start` on rank `d` with
     every block id zero, as `[column, run]` sorted by destination address; None if some
-    region's blocks have different strides."""
+    region's blocks have different strides. (Tokens are rows for a group keeping one row per
+    several tokens: its row layout gives the sizes.)"""
     from kvbridge.core import plan
+    layouts = src, dst
+    src, dst = src.row_layout(spec), dst.row_layout(spec)
     s_ratio = src.group_block_size(g) // src.group_kernel_size(g)
     d_ratio = dst.group_block_size(g) // dst.group_kernel_size(g)
     src_unit, unit = src.tokens_per_block_id(g), dst.tokens_per_block_id(g)
@@ -316,7 +319,7 @@ def _slot_runs(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int, g:
     cells = []
     for c in np.unique(mine.src_cp):
         part = mine.take(mine.src_cp == c)
-        pieces = plan._pieces(spec, src, dst, d, int(c))[g]
+        pieces = plan._pieces(spec, *layouts, d, int(c))[g]
         if not len(pieces):
             continue
         src_vb = part.src_block // s_ratio - src_first

@@ -22,7 +22,7 @@ from kvbridge.errors import ConfigError, IncompatibleEngines
 
 LayerKind = Literal["full", "sliding", "mla", "recurrent", "stateless"]
 RecurrentType = Literal["", "mamba1", "mamba1_heads", "mamba2", "gdn", "kda", "short_conv", "lightning", "rglru", "cca",
-                        "kv_conv", "rwkv", "mlstm"]
+                        "kv_conv", "rwkv", "mlstm", "compressed"]
 
 DTYPE_SIZES: dict[str, int] = {
     "float32": 4,
@@ -86,10 +86,19 @@ class LayerSpec(msgspec.Struct, frozen=True):
     # more than one (Inkling: a K conv, a V conv and two residual-stream convs, each its own tensor);
     # empty: one conv state, the concatenation of all conv components (Mamba2 [x | B | C]).
     conv_states: tuple[int, ...] = ()
+    # Tokens per row of an MLA-like layer that keeps one row per `tokens_per_row` tokens of complete
+    # windows only (DeepSeek-V4's compressed caches; vLLM's `tokens_per_state`): a block of
+    # `block_size` tokens holds `block_size // tokens_per_row` rows. 1: one row per token.
+    tokens_per_row: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in ("full", "sliding", "mla", "recurrent", "stateless"):
             raise ConfigError(f"unknown layer kind {self.kind!r}")
+        if isinstance(self.tokens_per_row, bool) or not isinstance(self.tokens_per_row, int) or self.tokens_per_row < 1:
+            raise ConfigError(f"tokens_per_row must be a positive integer, got {self.tokens_per_row!r}")
+        if self.tokens_per_row > 1 and (self.kind != "mla" or self.window is not None):
+            raise ConfigError(f"only an MLA layer without a window keeps one row per {self.tokens_per_row} tokens "
+                              f"(kind {self.kind!r}, window {self.window})")
         if self.kind == "stateless":
             if (self.state or self.num_kv_heads or self.key_dim or self.value_dim or self.window
                     or self.recurrent_type or self.conv_rows or self.conv_states):
@@ -155,8 +164,13 @@ class LayerSpec(msgspec.Struct, frozen=True):
         return (Component("k", self.num_kv_heads, self.key_dim), Component("v", self.num_kv_heads, self.value_dim))
 
     @property
-    def group_key(self) -> tuple[str, int | None]:
-        return (self.kind, self.window)
+    def group_key(self) -> tuple[str, int | None, int]:
+        return (self.kind, self.window, self.tokens_per_row)
+
+    def rows(self, num_tokens: int) -> int:
+        """Rows the layer holds after `num_tokens` tokens: one per token, or one per complete
+        window of `tokens_per_row` tokens."""
+        return num_tokens // self.tokens_per_row
 
     def tokens_kept(self, num_tokens: int) -> int:
         """Index of the first token this layer still needs after `num_tokens` tokens."""
@@ -211,7 +225,7 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
     def groups(self) -> tuple[tuple[int, ...], ...]:
         """Layer indices per KV-cache group, groups in order of first appearance (stateless layers
         are in none)."""
-        order: dict[tuple[str, int | None], list[int]] = {}
+        order: dict[tuple[str, int | None, int], list[int]] = {}
         for i, layer in enumerate(self.layers):
             if not layer.is_stateless:
                 order.setdefault(layer.group_key, []).append(i)
@@ -239,8 +253,9 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
         return all(layer.kind == "mla" for layer in self.layers if layer.is_attention)
 
     def bytes_per_token(self) -> int:
-        """Bytes of KV state one token adds over all attention layers on a TP=1 engine."""
-        return sum(c.heads * c.dim * self.component_itemsize(c) for layer in self.layers
+        """Bytes of KV state one token adds over all attention layers on a TP=1 engine (a layer
+        keeping one row per `tokens_per_row` tokens counts that share of a row, rounded down)."""
+        return sum(c.heads * c.dim * self.component_itemsize(c) // layer.tokens_per_row for layer in self.layers
                    if layer.is_attention for c in layer.components)
 
     def state_bytes(self) -> int:
@@ -256,7 +271,7 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
             raise IncompatibleEngines(f"layer count differs: {mine} {self.num_layers}, {theirs} {other.num_layers}")
         for i, (x, y) in enumerate(zip(self.layers, other.layers)):
             for f in ("kind", "num_kv_heads", "key_dim", "value_dim", "window", "recurrent_type", "conv_rows",
-                      "conv_states"):
+                      "conv_states", "tokens_per_row"):
                 if getattr(x, f) != getattr(y, f):
                     raise IncompatibleEngines(
                         f"layer {i} {f} differs: {mine} {getattr(x, f)}, {theirs} {getattr(y, f)}")
@@ -274,9 +289,11 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
 
     def fingerprint(self) -> str:
         """Stable digest of the geometry (not the name), exchanged at handshake."""
-        # every field, state components included; `conv_states` only where set, so that a spec
-        # without it keeps the digest it had before the field existed (older peers agree)
-        layers = [{k: v for k, v in msgspec.structs.asdict(layer).items() if k != "conv_states" or v}
+        # every field, state components included; `conv_states` only where set and `tokens_per_row`
+        # only where it is not 1, so that a spec without them keeps the digest it had before the
+        # fields existed (older peers agree)
+        default = {"conv_states": (), "tokens_per_row": 1}
+        layers = [{k: v for k, v in msgspec.structs.asdict(layer).items() if k not in default or v != default[k]}
                   for layer in self.layers]
         payload = msgspec.json.encode((layers, self.dtype))
         return hashlib.sha256(payload).hexdigest()[:16]
@@ -285,6 +302,8 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
         kinds = ", ".join(
             f"{len(layers)}x{self.layers[layers[0]].kind}"
             + (f"(w={self.layers[layers[0]].window})" if self.layers[layers[0]].window else "")
+            + (f"(1 row/{self.layers[layers[0]].tokens_per_row} tokens)" if self.layers[layers[0]].tokens_per_row > 1
+               else "")
             for layers in self.groups
         )
         stateless = sum(layer.is_stateless for layer in self.layers)

@@ -1,19 +1,38 @@
-"""What a compressed attention cache layer keeps, said in the line that refuses it.
+"""A compressed attention cache layer (DeepSeek-V4) as kvbridge layers.
 
-DeepSeek-V4's "heavily_compressed_attention" and "compressed_sparse_attention" layers keep, besides
-the K=V rows of a sliding window of raw tokens, one compressed row per `compress_rate` tokens for
-each compressor they run ("compressor", and the sparse layers' "indexer"), the raw rows of the
-tokens since the last `compress_rate` boundary (not yet compressed), and for the sparse layers the
-first half of the last complete window's rows (its windows overlap). kvbridge's planner maps one
-token to one row (or one row per token of a trailing window), so none of the compressed rows fits it
-yet. The numbers come from the cache layer transformers itself builds for the layer (the class its
-modeling code registers in `DYNAMIC_LAYER_TYPE_MAPPING`), not from a list of model types; where that
-class cannot be built the refusal falls back to the layer type alone.
+DeepSeek-V4's "heavily_compressed_attention" and "compressed_sparse_attention" layers keep, per
+request: the K=V rows of a sliding window of raw tokens (MQA, one head); per compressor they run
+("compressor", and the sparse layers' "indexer") one compressed row per `compress_rate` (C) tokens
+of complete windows; the raw projected rows and gates of the tokens since the last window boundary
+(n mod C of them, not yet compressed); and for the sparse layers, whose windows overlap, the first
+half (Ca) of the last complete window's rows and gates. One such cache layer is described as:
+
+* the window: an "mla" layer of `head_dim` with the window (vLLM's `SlidingWindowMLASpec`);
+* per compressor: an "mla" layer of its row width keeping one row per C tokens (`tokens_per_row`,
+  vLLM's `tokens_per_state`), every TP rank holding it whole (one KV head);
+* the rest: one "recurrent" layer ("compressed") of replicated components (one unit each): each
+  compressor's buffer rows and gates padded to C rows, and its overlap rows and gates (vLLM keeps
+  the open window in a per-request ring block, `CircularBufferSpec`).
+
+Everything comes from the cache layer transformers builds for the layer type (the class its
+modeling code registers in `DYNAMIC_LAYER_TYPE_MAPPING`: its `compress_rate`, `sliding_window`,
+the compressors it keys, whether it keeps overlaps) and the config's row widths, not from a list
+of model types. Overlapping windows project two series (Ca | Cb) per token, so their buffers are
+twice the row width (transformers' CSA compressor).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from kvbridge.core.spec import Component, LayerSpec
+from kvbridge.errors import ConfigError
+
+COMPRESSED_TYPES = ("heavily_compressed_attention", "compressed_sparse_attention")
+
+# The config field giving each compressor's row width: transformers names the compressors by role
+# in the cache layer's dicts and sizes them from these fields (no per-compressor width on the layer).
+ROW_WIDTH_FIELDS = {"compressor": "head_dim", "indexer": "index_head_dim"}
 
 
 def compressed_cache_layer(text: Any, lt: str, kw: dict[str, Any]) -> Any:
@@ -25,26 +44,36 @@ def compressed_cache_layer(text: Any, lt: str, kw: dict[str, Any]) -> Any:
     try:
         from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
         return DYNAMIC_LAYER_TYPE_MAPPING[lt](**kw)
-    except Exception:  # noqa: BLE001 - no such class here, or one of another shape: name the type alone
+    except Exception:  # noqa: BLE001 - no such class here, or one of another shape
         return None
 
 
-def compressed_holds(text: Any, lt: str, kw: dict[str, Any]) -> str:
-    """What one compressed cache layer keeps per request, in words for a one-line refusal ("" when
-    transformers' cache layer does not show it)."""
-    layer = compressed_cache_layer(text, lt, kw)
-    rate = getattr(layer, "compress_rate", None)
-    entries = list(getattr(layer, "compressed_kv", None) or ())
-    if not isinstance(rate, int) or isinstance(rate, bool) or rate < 1 or not entries:
-        return ""
-    parts = []
-    window = getattr(layer, "sliding_window", None)
-    if isinstance(window, int) and window > 1:
-        parts.append(f"K=V rows of the last {window - 1} tokens")
-    names = " and ".join(repr(e) for e in entries)
-    held = (f"{names}: 1 row per {rate} tokens{' each' if len(entries) > 1 else ''} "
-            f"+ raw rows of up to {rate - 1} uncompressed tokens")
-    if getattr(layer, "overlap_kv", None) is not None:
-        held += f" + half rows of the last full {rate}-token window"
-    parts.append(held)
-    return "; ".join(parts)
+def compressed_layers(text: Any, layer: Any, lt: str, kw: dict[str, Any], read_int: Any) -> tuple[LayerSpec, ...]:
+    """The window, one row-rate layer per compressor, then the per-request recurrent part.
+    `read_int(layer_config, key)` reads a positive integer config field (noting defaults)."""
+    built = compressed_cache_layer(text, lt, kw if kw else {"config": text})
+    if built is None:
+        built = compressed_cache_layer(text, lt, {"config": text})
+    rate = getattr(built, "compress_rate", None)
+    entries = list(getattr(built, "compressed_kv", None) or ())
+    window = getattr(built, "sliding_window", None)
+    if (not isinstance(rate, int) or isinstance(rate, bool) or rate < 1 or not entries
+            or not isinstance(window, int) or window < 2):
+        raise ConfigError(f"type {lt!r}: transformers' cache layer for it shows no compress rate, compressors and "
+                          f"window kvbridge can read")
+    unknown = [e for e in entries if e not in ROW_WIDTH_FIELDS]
+    if unknown:
+        raise ConfigError(f"type {lt!r}: compressor {unknown[0]!r} has no known row width")
+    overlap = getattr(built, "overlap_kv", None) is not None
+    head_dim = read_int(layer, "head_dim")
+    out = [LayerSpec("mla", 1, head_dim, window=window)]
+    state: list[Component] = []
+    for name in entries:
+        dim = read_int(layer, ROW_WIDTH_FIELDS[name])
+        out.append(LayerSpec("mla", 1, dim, tokens_per_row=rate))
+        buffer = rate * dim * (2 if overlap else 1)
+        state += [Component(f"{name}_buffer_kv", 1, buffer), Component(f"{name}_buffer_gate", 1, buffer)]
+        if overlap:
+            state += [Component(f"{name}_overlap_kv", 1, rate * dim), Component(f"{name}_overlap_gate", 1, rate * dim)]
+    out.append(LayerSpec("recurrent", state=tuple(state), recurrent_type="compressed"))
+    return tuple(out)

@@ -29,8 +29,12 @@ list of model types, so a new plain-attention architecture needs nothing here:
   and its key width come from the decoder layer transformers builds (`modules.module_indexer_dims`):
   a layer that reuses another layer's selection (HY-V4's "shared" `indexer_types`) never writes
   indexer keys and is its attention layer alone;
-* anything else: refused with one line naming the layer and its kind; for a compressed cache
-  (DeepSeek-V4) the line also says what it keeps per request (`compressed.py`);
+* a compressed cache layer (DeepSeek-V4's "heavily_compressed_attention" and
+  "compressed_sparse_attention") -> its K=V window as a sliding "mla" layer, one "mla" layer per
+  compressor keeping one row per `compress_rate` tokens (`tokens_per_row`), then a "recurrent"
+  layer ("compressed") of the open window's raw rows, gates and overlaps, all read from the cache
+  layer transformers builds (`compressed.py`);
+* anything else: refused with one line naming the layer and its kind;
 * a model whose recurrent state is in no transformers `Cache` at all (RWKV, xLSTM: transformers
   would lay them out as attention): RWKV's `state` list and xLSTM's `xLSTMCache` make every layer
   recurrent (`own_state.py`; geometry in `recurrent.py`, from the config class, including sizes it
@@ -50,6 +54,7 @@ from typing import Any, Literal
 
 from kvbridge.core.spec import LayerSpec, ModelSpec, normalize_dtype
 from kvbridge.errors import ConfigError
+from kvbridge.models.compressed import COMPRESSED_TYPES, compressed_layers
 from kvbridge.models.untrusted import _NESTED, load_config, safe_text
 
 # The cache layer classes transformers builds, by the layer-type name `get_layer_types_and_kwargs`
@@ -61,10 +66,6 @@ _HYBRID_TYPES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attentio
 # LinearAttentionLayer and newer ones to DummyLayer: an MLP / MoE block of a hybrid stack stores
 # nothing whichever class holds its place.
 _STATELESS_TYPES = ("dummy", "mlp", "moe")
-_REFUSED_TYPES = {
-    "heavily_compressed_attention": "compressed attention cache",
-    "compressed_sparse_attention": "compressed sparse attention cache",
-}
 
 
 def spec_from_hf_config(config: dict[str, Any] | str | Path, *, dtype: str | None = None,
@@ -265,6 +266,9 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
                 dim = indexers[i] if i in indexers else reader.int(per_layer[i], "index_head_dim")
                 if dim:
                     out.append(LayerSpec("mla", 1, dim))
+            if lt in COMPRESSED_TYPES:  # window, compressed rows, open window (see the module doc)
+                out += compressed_layers(text, per_layer[i], lt, kw, reader.int)
+                parts = ()
             for part in parts:
                 attention = out[-1] if part == "linear_attention" and len(parts) == 2 else None
                 out.append(_layer(text, reader, per_layer[i], part, kw, i, mla_view, view, state_dtype, recurrent,
@@ -307,14 +311,7 @@ def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], 
         return previous[key]
     if lt in _STATELESS_TYPES:  # transformers' DummyLayer (or an old name for it) stores no cache for this layer
         return LayerSpec("stateless")
-    what = _REFUSED_TYPES.get(lt, "a cache layer kvbridge does not know")
-    if lt in _REFUSED_TYPES:  # say what it keeps per request (`compressed.py`), from transformers' cache layer
-        from kvbridge.models.compressed import compressed_holds
-        holds = compressed_holds(text, lt, kw)
-        if holds:
-            raise ConfigError(f"layer {i} has type {lt!r} ({what}: {holds}); "
-                              "kvbridge's planner places rows per token")
-    raise ConfigError(f"layer {i} has type {lt!r} ({what}); kvbridge cannot move it yet")
+    raise ConfigError(f"layer {i} has type {lt!r} (a cache layer kvbridge does not know); kvbridge cannot move it yet")
 
 
 def _no_cache_of_its_own(text: Any, arch: str, n: int) -> str:

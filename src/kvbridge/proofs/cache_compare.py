@@ -54,6 +54,12 @@ def _layer_tensors(layer: Any) -> dict[str, torch.Tensor | None]:
         out["indexer_keys"] = layer.indexer_keys
         if getattr(layer, "indexer_position_ids", None) is not None:
             out["indexer_position_ids"] = layer.indexer_position_ids
+    if isinstance(getattr(layer, "compressed_kv", None), dict):  # DeepSeek-V4: per compressor
+        for name in layer.compressed_kv:
+            for part in ("compressed_kv", "buffer_kv", "buffer_gate", "overlap_kv", "overlap_gate"):
+                if isinstance(getattr(layer, part, None), dict):
+                    out[f"{part}.{name}"] = getattr(layer, part)[name]
+            out[f"entry_count.{name}"] = torch.tensor(layer.entry_count[name])
     if _is_linear(layer):
         for name in ("conv_states", "recurrent_states"):
             for i, t in getattr(layer, name).items():

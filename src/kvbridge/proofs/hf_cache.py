@@ -38,6 +38,7 @@ from kvbridge.core.layout import EngineLayout
 from kvbridge.core.plan import full_block_ids
 from kvbridge.core.spec import LayerSpec, ModelSpec, normalize_dtype
 from kvbridge.errors import ConfigError, InvalidRequest
+from kvbridge.proofs.hf_compressed import compressed_parts, is_compressed, part_rows, restore, state_tensors
 from kvbridge.proofs.hf_states import hf_state_tensors, per_component_states, state_components
 from kvbridge.proofs.kv_dtype import to_engine, to_model
 from kvbridge.proofs.own_cache import empty_cache
@@ -92,10 +93,14 @@ def layer_map(cache: DynamicCache, spec: ModelSpec, what: str = "cache has") -> 
     and recurrent state together stands for two spec layers (attention, then recurrent), and so does
     an indexed layer with an indexer of its own (attention, then indexer keys). An indexed layer that
     reuses another layer's selection (HY-V4's "shared" layers) writes no indexer keys: the spec has
-    its attention alone, and that is how the two are told apart."""
+    its attention alone, and that is how the two are told apart. A compressed layer (DeepSeek-V4)
+    stands for its window, its compressors and its open window (`hf_compressed`)."""
     out: list[int] = []
     for i, layer in enumerate(cache.layers):
         li = len(out)
+        if is_compressed(layer):
+            out += [i] * compressed_parts(layer)
+            continue
         if _is_indexed(layer) and li < spec.num_layers and _is_indexer_spec(spec.layers[li]):
             raise ConfigError(f"layer {li} describes MLA as one latent row (the engine view); transformers keeps "
                               f"the latent and the rope part apart: build the spec with view='transformers'")
@@ -131,7 +136,7 @@ def _check_layer_kind(layer: Any, lspec: LayerSpec, li: int) -> None:
     if lspec.is_stateless != (not _is_linear(layer) and not _is_attention(layer)):
         raise ConfigError(f"layer {li}: the spec says {lspec.kind!r} but transformers caches it as "
                           f"{type(layer).__name__}")
-    if _is_hybrid(layer):
+    if _is_hybrid(layer) or is_compressed(layer):  # parts of both kinds (`layer_map`)
         return
     if lspec.is_recurrent and not _is_linear(layer):
         raise ConfigError(f"layer {li}: the spec says recurrent ({lspec.recurrent_type}) but transformers caches it "
@@ -240,19 +245,24 @@ def export_tokens(cache: DynamicCache, spec: ModelSpec, caches: Sequence[RankCac
         if not spec.layers[li].is_attention:
             _check_layer_kind(cache.layers[hf[li]], spec.layers[li], li)
             continue
-        if _is_second_part(cache, hf, li):
-            kv: tuple[torch.Tensor, ...] = (_indexer_keys(cache.layers[hf[li]], li, num_tokens, spec),)
+        lspec = spec.layers[li]
+        if is_compressed(cache.layers[hf[li]]):
+            kv: tuple[torch.Tensor, ...] = (part_rows(cache.layers[hf[li]], li - hf.index(hf[li]), lspec, li,
+                                                      num_tokens),)
+        elif _is_second_part(cache, hf, li):
+            kv = (_indexer_keys(cache.layers[hf[li]], li, num_tokens, spec),)
         else:
             kv = _check_layer(cache.layers[hf[li]], spec, li, num_tokens)
             _check_no_indexer(cache, hf, li)
-        first = spec.layers[li].tokens_kept(num_tokens)
-        lo = max(first, start)
-        if lo >= stop:
+        # positions are rows: one per token, or one per complete window of a compressed layer
+        first = lspec.tokens_kept(lspec.rows(num_tokens))
+        lo, hi = max(first, lspec.rows(start)), lspec.rows(stop)
+        if lo >= hi:
             continue
         for rc in caches:
             if not _holds(rc, li):
                 continue
-            positions = np.arange(lo, stop, dtype=np.int64)
+            positions = np.arange(lo, hi, dtype=np.int64)
             mine = _owned(rc, spec, li, positions)
             positions, index = positions[mine], torch.from_numpy(positions[mine] - first)
             if not len(positions):
@@ -273,7 +283,8 @@ def export_states(cache: DynamicCache, spec: ModelSpec, caches: Sequence[RankCac
         if not spec.layers[li].is_recurrent:
             continue
         _check_layer_kind(cache.layers[hf[li]], spec.layers[li], li)
-        comps = state_components(cache.layers[hf[li]], spec, li)
+        layer = cache.layers[hf[li]]
+        comps = state_tensors(layer, spec.layers[li]) if is_compressed(layer) else state_components(layer, spec, li)
         for rc in caches:
             if not _holds(rc, li):
                 continue
@@ -318,11 +329,11 @@ def gather_kv(caches: Sequence[RankCache], block_ids: BlockIds,
         if not lspec.is_attention:
             out.append(None)
             continue
-        first = lspec.tokens_kept(num_tokens)
-        positions = np.arange(first, num_tokens, dtype=np.int64)
+        rows_held = lspec.rows(num_tokens)  # tokens, or complete windows of a compressed layer
+        positions = np.arange(lspec.tokens_kept(rows_held), rows_held, dtype=np.int64)
         pair = []
         for ci, comp in enumerate(lspec.components):
-            full = torch.zeros(comp.heads, num_tokens, comp.dim, dtype=dtype, device=caches[0].regions[0].device)
+            full = torch.zeros(comp.heads, rows_held, comp.dim, dtype=dtype, device=caches[0].regions[0].device)
             have = np.zeros((comp.heads, len(positions)), dtype=bool)  # (head, position) already read
             for rc in caches:
                 if not _holds(rc, li):
@@ -382,7 +393,8 @@ def replica_mismatches(caches: Sequence[RankCache], block_ids: BlockIds, num_tok
     spec = caches[0].spec
     out = []
     for li, lspec in enumerate(spec.layers):
-        positions = np.arange(lspec.tokens_kept(num_tokens), num_tokens, dtype=np.int64)
+        rows_held = lspec.rows(num_tokens)
+        positions = np.arange(lspec.tokens_kept(rows_held), rows_held, dtype=np.int64)
         if lspec.is_stateless or (not lspec.is_recurrent and not len(positions)):
             continue
         for ci, comp in enumerate(lspec.components):
@@ -426,10 +438,19 @@ def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: i
         raise ConfigError(f"config makes a cache of {len(cache.layers)} layers, the rank caches have {spec.num_layers}")
     hf = layer_map(cache, spec, "config makes a cache of") if cache.layers else tuple(range(spec.num_layers))
     states = gather_states(caches, block_ids)
-    for li, kv in enumerate(gather_kv(caches, block_ids, num_tokens)):
+    kvs = gather_kv(caches, block_ids, num_tokens)
+    for li, kv in enumerate(kvs):
         lspec = spec.layers[li]
         if cache.layers:
             _check_layer_kind(cache.layers[hf[li]], lspec, li)
+        if cache.layers and is_compressed(cache.layers[hf[li]]):
+            if hf.index(hf[li]) == li:  # the whole layer at its first part, from all its parts
+                last = li + compressed_parts(cache.layers[hf[li]]) - 1
+                parts = [kvs[j][0] if model_dtype is None else  # type: ignore[index]
+                         to_model(kvs[j][0], caches[0].layout, j, 0, spec.dtype, model_dtype)  # type: ignore[index]
+                         for j in range(li, last)]
+                restore(cache.layers[hf[li]], parts[0], parts[1:], states[last], spec.layers[last], num_tokens)
+            continue
         if kv is not None and cache.layers and _is_second_part(cache, hf, li):
             cache.layers[hf[li]].update_indexer(kv[0])  # [1 head, N, D] is [batch 1, N, D]
             continue
@@ -454,7 +475,7 @@ def import_cache(caches: Sequence[RankCache], block_ids: BlockIds, num_tokens: i
             cache.layers[hf[li]].has_previous_state[0] = True
     for li, lspec in enumerate(spec.layers):
         layer = cache.layers[hf[li]]
-        if spec.layers[li].is_stateless:
+        if spec.layers[li].is_stateless or (is_compressed(layer) and hf.index(hf[li]) != li):
             continue
         if spec.layers[li].is_recurrent:
             if not all(cache.layers[hf[li]].has_previous_state.values()):

@@ -71,6 +71,9 @@ _TINY_EXTRA: dict[str, dict[str, Any]] = {
     # the classes' validators: Mamba heads divide expand * hidden; one expert per token
     "falcon_h1": {"mamba_expand": 2, "mamba_d_ssm": 192},
     "zaya": {"num_experts_per_tok": 1},  # its config accepts no other
+    # compress rates that divide both pairs' block sizes (8, 16) and close windows in the 40-token
+    # prompt: the default rate 128 of the heavily compressed layers is more than the whole prompt
+    "deepseek_v4": {"compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}},
     "longcat_flash": {"head_dim": 8},  # its rotary embedding is sized by head_dim, = qk_rope_head_dim
     "reformer": {"axial_pos_embds": False},  # its axial factors must sum to the hidden size
     # xLSTMCache sizes the mLSTM state by head dims rounded up to multiples of 64, its layers do not
@@ -225,7 +228,9 @@ def _one_line(e: BaseException) -> str:
 
 
 def _kinds(spec: Any) -> str:
-    counts = Counter(layer.recurrent_type or (f"{layer.kind}(w={layer.window})" if layer.window else layer.kind)
+    counts = Counter(layer.recurrent_type or (f"{layer.kind}(w={layer.window})" if layer.window else
+                                              f"{layer.kind}(1/{layer.tokens_per_row})" if layer.tokens_per_row > 1
+                                              else layer.kind)
                      for layer in spec.layers)
     return ", ".join(f"{n}x{k}" for k, n in counts.items())
 
@@ -338,6 +343,7 @@ beyond the units hold replicas):
 | kv_conv (Inkling, Inkling-2) | attention+state layer: K/V, then `number_of_conv_states` conv states, each its own tensor: K conv `[kv_heads * key_dim, kernel]`, V conv, then residual-stream convs `[hidden, kernel]`, all float32 | K and V convs by the layer's KV heads like K/V; residual-stream convs whole on every rank (no vLLM model; derived: the K/V convs are depthwise per KV head, the others follow the all-reduced output projections) |
 | rwkv (RWKV) | nothing in a cache layer: the forward returns `state`, 5 tensors `[batch, hidden, layers]`, viewed per layer as one recurrent state per component: token shifts `ffn_x`, `att_x` `[hidden]` (model dtype), WKV `att_num`, `att_den`, `att_max` `[hidden]` (float32) | WKV state by channel, token shifts whole on every rank (no vLLM model; derived: key / value / receptance are column-parallel, the WKV recurrence is per channel, and the shifts are the whole input of those projections) |
 | mlstm (xLSTM) | nothing in a cache layer: the forward returns an `xLSTMCache` (not a transformers `Cache`) whose `rnn_state` holds per layer `C` `[heads, qk_head_dim, v_head_dim]`, `n` `[heads, qk_head_dim]`, `m` `[heads, 1]` (model dtype), viewed per layer as one recurrent state per component | heads, C, n and m alike (no vLLM model; derived: q / k / v, the output gate and the per-head input / forget gates are column-parallel by head, the recurrence and its norm per head, `out_proj` row-parallel) |
+| compressed (DeepSeek-V4) | `DeepseekV4HCACache` / `DeepseekV4CSACache`: K=V window rows, per compressor (`compressor`, `indexer`) one compressed row per `compress_rate` tokens, the open window's raw rows and gates, overlaps (CSA) | the window and each compressor's rows are mla layers (one row per `compress_rate` tokens: vLLM `tokens_per_state`), held whole by every rank; the open window is a recurrent layer of replicated components (vLLM `CircularBufferSpec`); CP refused |
 | stateless | `DummyLayer` (MLP / MoE blocks of Nemotron-H, layers reading another layer's K/V): nothing | nothing to shard: no components, no group, no region (vLLM allocates no cache for it) |
 
 Serving engines keep `kernel - 1` conv columns, transformers `kernel`; `spec_from_hf_config(view=...)`

@@ -81,8 +81,12 @@ def _held(cache: RankCache, group: int, positions: np.ndarray) -> tuple[range, n
 
 
 def moved_positions(spec: ModelSpec, group: int, request: Request) -> np.ndarray:
-    first = max(request.num_cached_tokens, spec.group_layer(group).tokens_kept(request.num_tokens))
-    return np.arange(first, request.num_tokens, dtype=np.int64)
+    """Positions a group moves: tokens, or rows of complete windows for a layer keeping one row
+    per several tokens."""
+    layer = spec.group_layer(group)
+    rows = layer.rows(request.num_tokens)
+    first = max(layer.rows(request.num_cached_tokens), layer.tokens_kept(rows))
+    return np.arange(first, rows, dtype=np.int64)
 
 
 def _state_pattern(cache: RankCache, li: int, ci: int, num_tokens: int) -> torch.Tensor:
@@ -123,7 +127,8 @@ def fill_source(caches: list[RankCache], block_ids: tuple[tuple[int, ...], ...],
                 for ci in range(len(spec.layers[li].components)):
                     cache.write_state(li, ci, ids[-1], _state_pattern(cache, li, ci, num_tokens))
                 continue
-            _, pos = _held(cache, g, positions[spec.layers[li].tokens_kept(num_tokens):])
+            rows = spec.layers[li].rows(num_tokens)  # tokens, or rows of complete windows
+            _, pos = _held(cache, g, positions[spec.layers[li].tokens_kept(rows):rows])
             ids = _padded(cache.layout, g, ids, num_tokens)
             for ci in range(len(spec.layers[li].components)):
                 cache.write_tokens(li, ci, ids, pos, _fill_rows(cache, li, ci, pos, (li, ci) in converted))

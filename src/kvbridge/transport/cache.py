@@ -78,8 +78,8 @@ class RankCache:
         if spec.layers[layer].is_recurrent:
             blocks, tokens = self.layout.num_blocks, 1
         else:
-            g = spec.layer_group[layer]
-            blocks, tokens = self.layout.group_num_kernel_blocks(g), self.layout.group_kernel_size(g)
+            g, rows = spec.layer_group[layer], self.layout.row_layout(spec)  # rows per block for a rate layer
+            blocks, tokens = rows.group_num_kernel_blocks(g), rows.group_kernel_size(g)
         size = (blocks, tokens, int(a.heads[layer, comp]), int(a.row_bytes[layer, comp]) // isz)
         stride = (int(a.block_stride[layer, comp]) // isz, int(a.token_stride[layer, comp]) // isz,
                   int(a.head_stride[layer, comp]) // isz, 1)
@@ -98,12 +98,14 @@ class RankCache:
     def read_tokens(self, layer: int, comp: int, block_ids: np.ndarray, positions: np.ndarray,
                     as_int: bool = False) -> torch.Tensor:
         """Rows of the given token positions (held by this rank's CP rank): `[tokens, local_heads, dim]`."""
-        kb, off = self.layout.kernel_slots(block_ids, np.asarray(positions, dtype=np.int64), self.spec.layer_group[layer])
+        kb, off = self.layout.row_layout(self.spec).kernel_slots(block_ids, np.asarray(positions, dtype=np.int64),
+                                                                 self.spec.layer_group[layer])
         view = self.logical_view(layer, comp, as_int)
         return view[torch.from_numpy(kb), torch.from_numpy(off)]
 
     def write_tokens(self, layer: int, comp: int, block_ids: np.ndarray, positions: np.ndarray,
                      values: torch.Tensor) -> None:
-        kb, off = self.layout.kernel_slots(block_ids, np.asarray(positions, dtype=np.int64), self.spec.layer_group[layer])
+        kb, off = self.layout.row_layout(self.spec).kernel_slots(block_ids, np.asarray(positions, dtype=np.int64),
+                                                                 self.spec.layer_group[layer])
         view = self.logical_view(layer, comp, as_int=values.dtype in _INT_OF_SIZE.values())
         view[torch.from_numpy(kb), torch.from_numpy(off)] = values.to(view.device)
