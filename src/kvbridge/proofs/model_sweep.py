@@ -312,7 +312,7 @@ def representatives() -> dict[str, str]:
             "stateless": "nemotron_h", "attention+state": "falcon_h1", "mamba1_heads": "zamba",
             "kda": "kimi_linear", "indexer": "deepseek_v32", "lightning": "minimax", "cca": "zaya",
             "kv_conv": "inkling2_text", "mla+sliding": "dots3_note_text", "rwkv": "rwkv",
-            "mlstm": "xlstm"}
+            "mlstm": "xlstm", "compressed": "deepseek_v4"}
 
 
 TP_RULES = """\
