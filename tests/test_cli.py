@@ -229,3 +229,27 @@ def test_demo_checks_the_directorys_config_before_transformers_reads_it(tmp_path
                              {"model_type": "../../etc"})):
         d = _config_dir(tmp_path / f"m{i}", **bad)
         assert "Traceback" not in _one_error_line(run("demo", "--model", str(d)))
+
+
+def test_default_block_size_holds_whole_rows_of_a_compressed_layer(tmp_path):
+    """DeepSeek-V4 keeps one row per 128 tokens in its heavily compressed layers: with no block size
+    on the command line, plan and demo take the smallest multiple of 16 holding whole rows (128)."""
+    from transformers import DeepseekV4Config
+
+    from kvbridge.cli.shapes import SideShape, default_block_size
+    from kvbridge.models import spec_from_hf_config
+    from kvbridge.proofs.model_sweep import tiny_config
+    DeepseekV4Config().save_pretrained(tmp_path / "full")
+    spec = spec_from_hf_config(tmp_path / "full" / "config.json", warn=False)
+    assert default_block_size(spec) == 128 and SideShape(side="decode").layout_for(spec, 256).block_size == 128
+    r = run("plan", str(tmp_path / "full"), "--decode-tp", "4", "--tokens", "1024", "--json")
+    assert r.exit_code == 0, r.output
+    assert "not a multiple" in _one_error_line(run("plan", str(tmp_path / "full"), "--decode-block-size", "64"))
+    config = tiny_config("deepseek_v4")
+    config.compress_rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    config.save_pretrained(tmp_path / "tiny")
+    r = run("demo", "--model", str(tmp_path / "tiny"), "--prompt-len", "260", "--new-tokens", "3", "--prefill-tp", "2",
+            "--decode-tp", "3", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["match"] is True and out["cache_equal"] is True

@@ -99,9 +99,9 @@ def demo(
     prefill_tp: int = typer.Option(1, min=1, help="TP size of the prefill engine.", rich_help_panel=SHAPES),
     decode_tp: int = typer.Option(2, min=1, help="TP size of the decode engine.", rich_help_panel=SHAPES),
     prefill_block_size: Optional[int] = typer.Option(
-        None, min=1, help="Tokens per block [default: 16; 32 with --engine vllm].", rich_help_panel=SHAPES),
+        None, min=1, help="Tokens per block [default: 16, or a multiple of every compress rate of the model; 32 with --engine vllm].", rich_help_panel=SHAPES),
     decode_block_size: Optional[int] = typer.Option(
-        None, min=1, help="Tokens per block [default: 16; 32 with --engine vllm].", rich_help_panel=SHAPES),
+        None, min=1, help="Tokens per block [default: 16, or a multiple of every compress rate of the model; 32 with --engine vllm].", rich_help_panel=SHAPES),
     prefill_kernel_block_size: Optional[int] = typer.Option(
         None, min=1, help="Kernel block size [default: the block size].", rich_help_panel=SHAPES),
     decode_kernel_block_size: Optional[int] = typer.Option(
@@ -186,7 +186,7 @@ def demo(
         raise InvalidRequest("--role decode needs --prefill HOST:PORT of a running `kvbridge prefill-server`")
     if role == Role.decode and not (secret_file or insecure):
         raise ConfigError("--role decode needs --secret-file FILE (the prefill server's) or --insecure")
-    shapes = {side: SideShape(side=side, tp=v[0], block_size=v[1] or 16, kernel_block_size=v[2], layout=v[3].value,
+    shapes = {side: SideShape(side=side, tp=v[0], block_size=v[1], kernel_block_size=v[2], layout=v[3].value,
                               pp=v[4], layer_split=v[5], pcp=v[6], dcp=v[7], cp_interleave=v[8],
                               group_block_sizes=v[9], kv_dtype=v[10])
               for side, v in (("prefill", (prefill_tp, prefill_block_size, prefill_kernel_block_size, prefill_layout,

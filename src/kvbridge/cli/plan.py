@@ -77,8 +77,10 @@ def plan(
     decode_dcp: sh.DecodeDCP = 1,
     prefill_cp_interleave: sh.PrefillInterleave = 1,
     decode_cp_interleave: sh.DecodeInterleave = 1,
-    prefill_block_size: int = typer.Option(16, min=1, rich_help_panel=SHAPES),
-    decode_block_size: int = typer.Option(16, min=1, rich_help_panel=SHAPES),
+    prefill_block_size: Optional[int] = typer.Option(
+        None, min=1, rich_help_panel=SHAPES,
+        help="Tokens per block [default: 16, or a multiple of every compress rate of the model's compressed layers]."),
+    decode_block_size: Optional[int] = typer.Option(None, min=1, rich_help_panel=SHAPES),
     prefill_kernel_block_size: Optional[int] = typer.Option(
         None, min=1, help="Kernel block size [default: the block size].", rich_help_panel=SHAPES),
     decode_kernel_block_size: Optional[int] = typer.Option(None, min=1, rich_help_panel=SHAPES),

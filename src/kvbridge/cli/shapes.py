@@ -8,6 +8,8 @@ option, so the two commands cannot drift apart.
 
 from __future__ import annotations
 
+import math
+
 from typing import Annotated, Any, Optional
 
 import msgspec
@@ -53,7 +55,7 @@ class SideShape(msgspec.Struct, frozen=True, kw_only=True):
     pcp: int = 1
     dcp: int = 1
     cp_interleave: int = 1
-    block_size: int = 16
+    block_size: int | None = None  # None: `default_block_size(spec)`
     kernel_block_size: int | None = None
     group_block_sizes: str | None = None
     layout: str = "HND"
@@ -87,7 +89,7 @@ class SideShape(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"--{self.side}-group-block-sizes gives {len(groups)} sizes; {spec.name} has "
                               f"{len(spec.groups)} KV-cache group(s)")
         dtype = normalize_dtype(self.kv_dtype) if self.kv_dtype else None
-        block = groups[0] if groups else self.block_size
+        block = groups[0] if groups else (self.block_size or default_block_size(spec))
         cp = self.pcp * self.dcp
         per_request = sum(-(-num_tokens // ((groups[g] if groups else block) * cp)) for g in range(len(spec.groups)))
         try:
@@ -102,4 +104,11 @@ class SideShape(msgspec.Struct, frozen=True, kw_only=True):
         return layout
 
 
-__all__ = ["SHAPES", "SideShape"]
+def default_block_size(spec: ModelSpec, base: int = 16) -> int:
+    """The block size an engine gets when the command line names none: `base` tokens, or the
+    smallest multiple of it holding whole rows of every layer that keeps one row per several
+    tokens (DeepSeek-V4's compressed layers: 128 for a 128-token compress rate)."""
+    return math.lcm(base, *(layer.tokens_per_row for layer in spec.layers))
+
+
+__all__ = ["SHAPES", "SideShape", "default_block_size"]
