@@ -126,6 +126,16 @@ def test_vllm_rules_refuse_with_a_reason(model, p, d, nixl_ok, mooncake_ok, need
     assert all(v.reasons for v in refused) and any(needle in v.describe() for v in (nixl, mooncake))
 
 
+def test_vllm_rules_say_they_do_not_cover_compressed_layers():
+    from kvbridge.core.spec import LayerSpec, ModelSpec
+    spec = ModelSpec((LayerSpec("mla", 1, 64, window=8), LayerSpec("mla", 1, 64, tokens_per_row=4)))
+    for verdict in (nixl_verdict(spec, EngineLayout(tp_size=1), EngineLayout(tp_size=2)),
+                    mooncake_verdict(spec, EngineLayout(tp_size=1), EngineLayout(tp_size=2))):
+        assert verdict.accepts and "do not cover" in verdict.describe()
+    plain = ModelSpec((LayerSpec("mla", 1, 64),))
+    assert "do not cover" not in nixl_verdict(plain, EngineLayout(), EngineLayout(tp_size=2)).describe()
+
+
 def test_human_output_explains_the_pair():
     r = runner.invoke(app, ["plan", "llama-3-8b", "--prefill-pp", "2", "--decode-tp", "4", "--decode-pcp", "2",
                             "--tokens", "128"])
