@@ -39,7 +39,11 @@ list of model types, so a new plain-attention architecture needs nothing here:
   would lay them out as attention): RWKV's `state` list and xLSTM's `xLSTMCache` make every layer
   recurrent (`own_state.py`; geometry in `recurrent.py`, from the config class, including sizes it
   derives in properties such as xLSTM's rounded `qk_head_dim`); any other is refused before any
-  layer is read, naming the state and its per-layer shapes.
+  layer is read, naming the state and its per-layer shapes;
+* a model with no cache of its own: every layer a `DummyLayer` (a draft model whose layers all
+  read its target's K/V, Gemma-4's assistants), or a class whose forward takes no cache or keeps
+  `mems` / LSH buckets instead of K/V (GPT-1, XLNet, Reformer: `no_cache.py`), is refused in one
+  line after its layers are read.
 
 The config is untrusted (`untrusted.py` checks it first). A cache-sizing field that config.json
 omits and transformers fills from its class default is named on stderr.
@@ -226,7 +230,7 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
     state_list = False
     if _global(text, "num_attention_heads", True) is None:
         # no attention heads at all, yet no layer_types: RWKV, xLSTM keep a recurrent state in no Cache
-        # (see own_state); XLNet-style models with heads but no cache are refused by the proof instead
+        # (see own_state); models with heads but no cache of their own are refused after the layers (no_cache)
         from kvbridge.models.own_state import moved_outside_cache, outside_cache_refusal
         state_list = moved_outside_cache(text)
         refusal = None if state_list else outside_cache_refusal(text, num_layers)
