@@ -34,3 +34,11 @@ def test_plan_of_a_saved_gpt1_config_exits_2_with_one_line(tmp_path):
     r = CliRunner().invoke(app, ["plan", str(tmp_path)])
     lines = [line for line in r.output.splitlines() if line.strip() and not line.startswith("[transformers]")]
     assert r.exit_code == 2 and len(lines) == 1 and "OpenAIGPTLMHeadModel" in lines[0], r.output
+
+
+def test_blt_is_refused_naming_its_sub_models():
+    """BLT's layers sit in encoder / decoder / global sub-models; transformers' DynamicCache(config)
+    cannot lay out a cache for its config (no num_hidden_layers), so there is none to move."""
+    with pytest.raises(ConfigError, match=r"layer 0: its layers are split over sub-models \(.*encoder_config.*\)") as e:
+        spec_from_hf_config(tiny_config("blt").to_dict(), warn=False)
+    assert "\n" not in str(e.value) and "no cache to move" in str(e.value)

@@ -210,8 +210,10 @@ class _Reader:
         if value is None and not self.given(key) and getattr(_class_default(self.text), key, None) is None:
             # not a malformed config: the architecture has no such size (BLT has no single decoder
             # stack), so transformers' cache layout does not describe it
-            why = ("layer 0: its layers are split over sub-models, not one decoder stack that transformers' cache "
-                   "layout describes" if key == "num_hidden_layers" else
+            subs = [k for k, v in vars(self.text).items() if k.endswith("_config") and hasattr(v, "to_dict")]
+            why = (f"layer 0: its layers are split over sub-models ({', '.join(subs) or 'no single stack'}), and "
+                   f"transformers' DynamicCache(config) cannot lay out one cache for them (it needs "
+                   f"num_hidden_layers), so it exposes no cache to move" if key == "num_hidden_layers" else
                    "transformers lays the layer out as attention, but its mixer keeps a state of its own that "
                    "kvbridge does not know")
             raise ConfigError(f"config of {self.text.model_type!r}: {type(self.text).__name__} has no {key}, not even "
