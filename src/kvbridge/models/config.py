@@ -40,6 +40,8 @@ list of model types, so a new plain-attention architecture needs nothing here:
   recurrent (`own_state.py`; geometry in `recurrent.py`, from the config class, including sizes it
   derives in properties such as xLSTM's rounded `qk_head_dim`); any other is refused before any
   layer is read, naming the state and its per-layer shapes;
+* a looped model keeping K/V per loop (Dory's `recurrent_kv_cache_mode="per_loop"`): the spec
+  appends the copies of the looped layers that its forward appends to the cache (`looped.py`);
 * a model with no cache of its own: every layer a `DummyLayer` (a draft model whose layers all
   read its target's K/V, Gemma-4's assistants), or a class whose forward takes no cache or keeps
   `mems` / LSH buckets instead of K/V (GPT-1, XLNet, Reformer: `no_cache.py`), is refused in one
@@ -261,7 +263,9 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
     # recurrent geometries derived so far, by what they depend on besides the config: the attention
     # part of the same cache layer (Inkling's K/V convs) and the number of conv states
     recurrent: dict[Any, LayerSpec] = {}
+    spans: list[tuple[int, int]] = []  # the spec layers of each config layer
     for i, (lt, kw) in enumerate(zip(types, kwargs)):
+        first = len(out)
         try:
             parts = (_HYBRID_TYPES[lt], "linear_attention") if lt in _HYBRID_TYPES else (lt,)
             if lt == "indexed_attention":  # the attention, then its indexer key cache (see the module doc)
@@ -283,6 +287,12 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
             if str(e).startswith("layer "):
                 raise
             raise ConfigError(f"layer {i} ({lt}): {e}") from None
+        spans.append((first, len(out)))
+    from kvbridge.models.looped import loop_copies
+    copies = loop_copies(text, num_layers)  # a per-loop cache appends copies of the looped layers (`looped.py`)
+    if copies is not None:
+        looped, extra = copies
+        out += [layer for _ in range(extra) for i in looped for layer in out[spans[i][0]:spans[i][1]]]
     return tuple(out)
 
 

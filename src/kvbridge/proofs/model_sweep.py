@@ -80,6 +80,9 @@ _TINY_EXTRA: dict[str, dict[str, Any]] = {
     # round: only qk and v widths that are multiples of 64 (hidden * 0.5, hidden * 1) agree; 6 heads
     # (of 32 / 64) split over 3 and 2 ranks
     "xlstm": {"hidden_size": 384, "embedding_dim": 384, "num_heads": 6},
+    # Dory's class halves layer counts given in its released (attention, mlp) block format: the tiny
+    # pattern in its own format, one input, two looped and one output layer
+    "dory": {"layer_types": None, "n_input_layers": 1, "n_output_layers": 1},
     "xmod": {"default_language": "en_XX"},  # it refuses to run without a language adapter chosen
     # its forward sizes the cache by the encoder's layer count (2 by default), the decoder has 24
     "blenderbot": {"encoder_layers": NUM_LAYERS, "decoder_layers": NUM_LAYERS, "encoder_attention_heads": 12,
@@ -312,7 +315,7 @@ def representatives() -> dict[str, str]:
             "stateless": "nemotron_h", "attention+state": "falcon_h1", "mamba1_heads": "zamba",
             "kda": "kimi_linear", "indexer": "deepseek_v32", "lightning": "minimax", "cca": "zaya",
             "kv_conv": "inkling2_text", "mla+sliding": "dots3_note_text", "rwkv": "rwkv",
-            "mlstm": "xlstm", "compressed": "deepseek_v4"}
+            "mlstm": "xlstm", "compressed": "deepseek_v4", "looped": "dory"}
 
 
 TP_RULES = """\
@@ -344,6 +347,7 @@ beyond the units hold replicas):
 | rwkv (RWKV) | nothing in a cache layer: the forward returns `state`, 5 tensors `[batch, hidden, layers]`, viewed per layer as one recurrent state per component: token shifts `ffn_x`, `att_x` `[hidden]` (model dtype), WKV `att_num`, `att_den`, `att_max` `[hidden]` (float32) | WKV state by channel, token shifts whole on every rank (no vLLM model; derived: key / value / receptance are column-parallel, the WKV recurrence is per channel, and the shifts are the whole input of those projections) |
 | mlstm (xLSTM) | nothing in a cache layer: the forward returns an `xLSTMCache` (not a transformers `Cache`) whose `rnn_state` holds per layer `C` `[heads, qk_head_dim, v_head_dim]`, `n` `[heads, qk_head_dim]`, `m` `[heads, 1]` (model dtype), viewed per layer as one recurrent state per component | heads, C, n and m alike (no vLLM model; derived: q / k / v, the output gate and the per-head input / forget gates are column-parallel by head, the recurrence and its norm per head, `out_proj` row-parallel) |
 | compressed (DeepSeek-V4) | `DeepseekV4HCACache` / `DeepseekV4CSACache`: K=V window rows, per compressor (`compressor`, `indexer`) one compressed row per `compress_rate` tokens, the open window's raw rows and gates, overlaps (CSA) | the window and each compressor's rows are mla layers (one row per `compress_rate` tokens: vLLM `tokens_per_state`), held whole by every rank; the open window is a recurrent layer of replicated components (vLLM `CircularBufferSpec`); CP refused |
+| looped (Dory) | per-loop K/V: the forward appends `n_recurrent_loops - 1` copies of the looped layers' cache layers after the model's own | each copy by its layer's own rule (the spec appends the same copies, `models/looped.py`) |
 | stateless | `DummyLayer` (MLP / MoE blocks of Nemotron-H, layers reading another layer's K/V): nothing | nothing to shard: no components, no group, no region (vLLM allocates no cache for it) |
 
 Serving engines keep `kernel - 1` conv columns, transformers `kernel`; `spec_from_hf_config(view=...)`

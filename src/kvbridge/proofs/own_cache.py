@@ -25,6 +25,7 @@ with, built for the config and filled with those tensors in their own shapes.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import sys
 import typing
@@ -36,6 +37,7 @@ from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin, Line
 
 from kvbridge.core.spec import ModelSpec
 from kvbridge.errors import ConfigError
+from kvbridge.models.looped import loop_copies
 from kvbridge.models.own_state import STATE_DICT_KINDS, moved_outside_cache
 from kvbridge.models.recurrent import recurrent_kind
 
@@ -50,9 +52,16 @@ def _state_list_cache(layers: int, states: int) -> DynamicCache:
 def empty_cache(config: PretrainedConfig, spec: ModelSpec) -> DynamicCache:
     """The empty `DynamicCache` that `spec`'s layers go into: the one `config` describes, or for a
     model keeping a state list (RWKV), which transformers lays out as attention, one recurrent
-    layer per spec layer with one state per component."""
-    if not moved_outside_cache(config.get_text_config(decoder=True)):
-        return DynamicCache(config=config)
+    layer per spec layer with one state per component; a looped model's (Dory) with the copies of its
+    looped layers that its forward appends (`models.looped`)."""
+    text = config.get_text_config(decoder=True)
+    if not moved_outside_cache(text):
+        cache = DynamicCache(config=config)
+        copies = loop_copies(text, len(cache.layers)) if cache.layers else None
+        if copies is not None:  # a looped model's per-loop copies, appended as its forward appends them
+            looped, extra = copies
+            cache.layers += [copy.deepcopy(cache.layers[i]) for _ in range(extra) for i in looped]
+        return cache
     return _state_list_cache(spec.num_layers, max(len(layer.state) for layer in spec.layers))
 
 
