@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from kvbridge.core.layout import EngineLayout
 from kvbridge.models import spec_from_hf_config
 from kvbridge.proofs.hf_states import hf_state_shapes, hf_state_tensors, state_components
-from kvbridge.proofs.model_sweep import tiny_config
+from kvbridge.proofs.model_sweep import tiny_model
 from kvbridge.proofs.own_cache import model_cache, own_cache_class, standard_cache
 from kvbridge.proofs.proof import prefill
 
@@ -48,9 +48,8 @@ def test_lightning_heads_split_over_tp_as_vllm_requires():
 
 @pytest.fixture(scope="module")
 def minimax():
-    config = tiny_config("minimax")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = tiny_model("minimax")
+    config = model.config
     spec = spec_from_hf_config(config.to_dict(), view="transformers", dtype="float32", warn=False)
     return model, spec
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from kvbridge import ConfigError
 from kvbridge.core.layout import EngineLayout
 from kvbridge.models import spec_from_hf_config
 from kvbridge.proofs.hf_states import per_component_states, state_components
-from kvbridge.proofs.model_sweep import sweep_one, tiny_config
+from kvbridge.proofs.model_sweep import sweep_one, tiny_config, tiny_model
 from kvbridge.proofs.own_cache import empty_cache, model_cache, standard_cache
 from kvbridge.proofs.proof import continue_greedy, prefill, reference_tokens
 
@@ -56,9 +55,8 @@ def test_rwkv_channels_split_over_tp_and_token_shifts_are_whole_on_every_rank():
 
 @pytest.fixture(scope="module")
 def rwkv():
-    config = tiny_config("rwkv")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = tiny_model("rwkv")
+    config = model.config
     return model, _spec(config.to_dict())
 
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 from transformers.models.xlstm.modeling_xlstm import xLSTMCache
 
 from kvbridge.core.layout import EngineLayout
 from kvbridge.models import spec_from_hf_config
 from kvbridge.proofs.hf_states import per_component_states, state_components
-from kvbridge.proofs.model_sweep import PAIRS, sweep_one, tiny_config
+from kvbridge.proofs.model_sweep import PAIRS, sweep_one, tiny_config, tiny_model
 from kvbridge.proofs.own_cache import empty_cache, model_cache, standard_cache
 from kvbridge.proofs.proof import continue_greedy, prefill, reference_tokens
 
@@ -65,9 +64,8 @@ def test_heads_split_over_tp_and_replicate_beyond_them():
 
 @pytest.fixture(scope="module")
 def xlstm():
-    config = tiny_config("xlstm")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = tiny_model("xlstm")
+    config = model.config
     return model, _spec(config.to_dict())
 
 

@@ -206,6 +206,15 @@ def tiny_config(arch: str) -> Any:
             raise first from None
 
 
+def tiny_model(arch: str, seed: int = 0) -> Any:
+    """A float32 model of `tiny_config(arch)` in eval mode, weights drawn from `seed`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).eval()
+
+
 class _Skip(Exception):
     pass
 
