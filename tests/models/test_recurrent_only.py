@@ -41,3 +41,25 @@ def test_all_recurrent_models_move_bit_exactly(tmp_path, name, prefill, decode):
     r = run_demo(_saved(tmp_path, CONFIGS[name]), prompt_len=30, new_tokens=4, prefill=prefill, decode=decode)
     assert r.match and r.cache_equal and r.replicas_equal, r.cache_differences
     assert r.bytes_moved > 0
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2", "falcon_mamba"])
+def test_continuation_from_the_cache_is_the_single_token_step_not_a_second_pass_over_the_prompt(arch):
+    """transformers' generate does not slice the input by a cache of recurrent layers only (no layer
+    knows its length): the proof must give it the tokens after the cached ones. Given the whole
+    prompt again, the state ran over the prompt twice; with a state that forgets quickly, tokens
+    often still matched (seed 0, 24 tokens of the sweep's tiny Mamba did not). Each step must equal
+    a single-token forward from the prefill cache, logit for logit."""
+    from kvbridge.proofs.model_sweep import tiny_model
+    from kvbridge.proofs.proof import continue_greedy, greedy_config, make_prompt_ids, prefill
+
+    model = tiny_model(arch, 0)
+    model.generation_config = greedy_config()
+    ids = make_prompt_ids(24, model.config.vocab_size, 0)
+    with torch.inference_mode():
+        want, (cache, token) = [], prefill(model, ids)
+        for _ in range(3):
+            want.append(token)
+            token = int(model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1].argmax())
+        cache, first = prefill(model, ids)
+    assert continue_greedy(model, ids, cache, len(ids), 3, first) == want

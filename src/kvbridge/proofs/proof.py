@@ -137,10 +137,12 @@ def continue_greedy(model: PreTrainedModel, prompt_ids: Sequence[int], cache: Dy
     """
     n = len(prompt_ids)
     kwarg = _cache_kwarg(model, cache, num_cached)
-    # `generate` drops the cached tokens from the input by the cache's length; a state kept outside
-    # any Cache (RWKV's list, xLSTM's object) has none, so the model is given the tokens after the
-    # cached ones only
-    skip = num_cached if moved_outside_cache(model.config) else 0
+    # `generate` drops the cached tokens from the input by the cache's length; a cache of recurrent
+    # layers only (Mamba: transformers asks `all(cache.is_linear)`) and a state kept outside any Cache
+    # (RWKV's list, xLSTM's object) have none, and generate would run the whole prompt through the
+    # state again, so the model is given the tokens after the cached ones only
+    linear = getattr(cache, "is_linear", None)
+    skip = num_cached if moved_outside_cache(model.config) or (linear and all(linear)) else 0
     if num_cached < n:
         if keeps_state_on_modules(model):
             raise InvalidRequest(f"{type(model).__name__} runs a multi-token forward as a prefill from position "
