@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvbridge.core.layout import EngineLayout
@@ -280,6 +281,11 @@ def sweep_one(arch: str, seed: int = 0, timeout: int = SECONDS_PER_ARCH) -> Swee
         with tempfile.TemporaryDirectory(prefix=f"kvbridge-{arch}-") as d:
             model.save_pretrained(d)
             del model
+            from kvbridge.cli.app import load_spec
+            load_spec(d)  # what `kvbridge plan DIR` reads (an engine's view): it must take the saved config.json
+            saved = spec_from_hf_config(Path(d) / "config.json", view="transformers", dtype="float32", warn=False)
+            if saved.layers != spec.layers:
+                raise ConfigError("the saved config.json reads as another geometry than the config it was saved from")
             for name, prefill, decode in PAIRS:
                 try:
                     pre_check(spec, prefill, decode)
@@ -403,9 +409,11 @@ def render_markdown(rows: list[SweepRow], version: str, seconds: float) -> str:
         f"transformers {version}; {len(rows)} architectures (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`) in {seconds:.0f} s.",
         "",
         "Each architecture: a tiny random config (its config class's defaults, sizes shrunk, "
-        f"{NUM_LAYERS} layers with every layer kind kept), its spec, and the transformers proof "
-        f"({PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens; greedy tokens and every cache bit compared with plain "
-        "`generate`) on " + " and ".join(f"`{p[0]}`" for p in PAIRS) + ".",
+        f"{NUM_LAYERS} layers with every layer kind kept), its spec, the model saved with `save_pretrained` "
+        "(its config.json read back as `kvbridge plan DIR` reads it, to the same geometry) and the transformers proof "
+        f"from that directory, as `kvbridge demo --model DIR` runs it ({PROMPT_LEN}-token prompt, {NEW_TOKENS} new "
+        "tokens; greedy tokens and every cache bit compared with plain `generate`) on "
+        + " and ".join(f"`{p[0]}`" for p in PAIRS) + ".",
         "",
         "| status | count |", "|---|---|",
         *[f"| {k} | {counts.get(k, 0)} |" for k in ("moved", "refused", "mismatch", "error", "unbuildable", "skipped")],
