@@ -253,3 +253,14 @@ def test_default_block_size_holds_whole_rows_of_a_compressed_layer(tmp_path):
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["match"] is True and out["cache_equal"] is True
+
+
+def test_demo_of_a_config_transformers_accepts_but_cannot_run_exits_2_with_one_line(tmp_path):
+    """DeepSeek-V4 with an indexer narrower than its rope part: transformers' config class takes it,
+    its forward fails; the demo says so in one line instead of a traceback from inside the model."""
+    from kvbridge.proofs.model_sweep import tiny_config
+    config = tiny_config("deepseek_v4")
+    config.head_dim, config.index_head_dim = 1024, 256
+    config.save_pretrained(tmp_path)
+    line = _one_error_line(run("demo", "--model", str(tmp_path), "--prompt-len", "8", "--new-tokens", "2"))
+    assert "transformers cannot run DeepseekV4ForCausalLM" in line

@@ -17,6 +17,7 @@ from kvbridge.core.layout import EngineLayout
 from kvbridge.core.plan import Request, plan_request
 from kvbridge.core.spec import Component, LayerSpec, ModelSpec
 from kvbridge.errors import ConfigError, IncompatibleEngines
+from kvbridge.models import spec_from_hf_config
 from kvbridge.proofs.verify import check_case, random_request
 
 _STATE = LayerSpec("recurrent", state=(Component("compressor_buffer_kv", 1, 32), Component("compressor_buffer_gate", 1, 32)),
@@ -148,3 +149,21 @@ def test_sweep_row_moved() -> None:
     from kvbridge.proofs.model_sweep import sweep_one
     row = sweep_one("deepseek_v4")
     assert row.status == "moved", row.detail
+
+
+@pytest.mark.parametrize("rate", [0, -4, "4", 4.0, 10 ** 9])
+def test_a_compress_rate_that_is_no_bounded_positive_integer_is_refused_in_one_line(rate):
+    from kvbridge.proofs.model_sweep import tiny_config
+    raw = tiny_config("deepseek_v4").to_dict()
+    raw["compress_rates"] = {"compressed_sparse_attention": rate, "heavily_compressed_attention": 8}
+    with pytest.raises(ConfigError, match=r"compress rate .*; needs an integer in \[1, 65536\]") as e:
+        spec_from_hf_config(raw, warn=False)
+    assert "\n" not in str(e.value)
+
+
+def test_no_default_block_size_beyond_the_bound_for_rates_with_a_huge_common_multiple():
+    from kvbridge.cli.shapes import default_block_size
+    spec = ModelSpec((LayerSpec("mla", 1, 8, tokens_per_row=48000), LayerSpec("mla", 1, 8, tokens_per_row=65536)))
+    with pytest.raises(ConfigError, match="above kvbridge's bound"):
+        default_block_size(spec)
+    assert default_block_size(ModelSpec((LayerSpec("mla", 1, 8, tokens_per_row=128),))) == 128

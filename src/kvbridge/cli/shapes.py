@@ -108,7 +108,12 @@ def default_block_size(spec: ModelSpec, base: int = 16) -> int:
     """The block size an engine gets when the command line names none: `base` tokens, or the
     smallest multiple of it holding whole rows of every layer that keeps one row per several
     tokens (DeepSeek-V4's compressed layers: 128 for a 128-token compress rate)."""
-    return math.lcm(base, *(layer.tokens_per_row for layer in spec.layers))
+    rates = sorted({layer.tokens_per_row for layer in spec.layers} - {1})
+    size = math.lcm(base, *rates)
+    if size > BOUNDS["block_size"]:
+        raise ConfigError(f"no default block size: whole rows of compress rates {', '.join(map(str, rates))} need "
+                          f"blocks of {size:,} tokens, above kvbridge's bound of {BOUNDS['block_size']:,}")
+    return size
 
 
 __all__ = ["SHAPES", "SideShape", "default_block_size"]

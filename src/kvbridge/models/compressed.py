@@ -28,6 +28,10 @@ from typing import Any
 from kvbridge.core.spec import Component, LayerSpec
 from kvbridge.errors import ConfigError
 
+MAX_COMPRESS_RATE = 1 << 16
+"""Largest compress rate read (DeepSeek-V4 uses 4 and 128): a block holds whole rows, so the rate
+sizes the smallest block and every open-window buffer; a config asking for more is refused."""
+
 COMPRESSED_TYPES = ("heavily_compressed_attention", "compressed_sparse_attention")
 
 # The config field giving each compressor's row width: transformers names the compressors by role
@@ -57,10 +61,12 @@ def compressed_layers(text: Any, layer: Any, lt: str, kw: dict[str, Any], read_i
     rate = getattr(built, "compress_rate", None)
     entries = list(getattr(built, "compressed_kv", None) or ())
     window = getattr(built, "sliding_window", None)
-    if (not isinstance(rate, int) or isinstance(rate, bool) or rate < 1 or not entries
-            or not isinstance(window, int) or window < 2):
-        raise ConfigError(f"type {lt!r}: transformers' cache layer for it shows no compress rate, compressors and "
-                          f"window kvbridge can read")
+    if built is None or not entries:
+        raise ConfigError(f"type {lt!r}: transformers' cache layer for it shows no compressors kvbridge can read")
+    if not isinstance(rate, int) or isinstance(rate, bool) or not 1 <= rate <= MAX_COMPRESS_RATE:
+        raise ConfigError(f"type {lt!r}: compress rate {rate!r}; needs an integer in [1, {MAX_COMPRESS_RATE}]")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 2:
+        raise ConfigError(f"type {lt!r}: sliding window {window!r}; needs an integer >= 2")
     unknown = [e for e in entries if e not in ROW_WIDTH_FIELDS]
     if unknown:
         raise ConfigError(f"type {lt!r}: compressor {unknown[0]!r} has no known row width")

@@ -8,6 +8,8 @@ decoding, whose tokens must equal plain `generate`.
 
 from __future__ import annotations
 
+import inspect
+
 import math
 import random
 from collections.abc import Sequence
@@ -119,6 +121,20 @@ def _check_generates_without_attention(model: PreTrainedModel, name: str) -> Non
 
 
 @torch.inference_mode()
+def _check_runs(model: PreTrainedModel, ids: Sequence[int]) -> None:
+    """transformers' own forward over the prompt, with no cache and nothing of kvbridge's: a config
+    that transformers accepts but cannot run (sizes its modules disagree on) fails here, in one line."""
+    no_cache = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    try:
+        model(torch.tensor([list(ids)], device=next(model.parameters()).device), **no_cache)
+    except Exception as e:  # noqa: BLE001 - transformers' failure on its own model: its reason, on one line
+        text = str(e).strip().splitlines()
+        raise ConfigError(f"transformers cannot run {type(model).__name__} on this config (a forward over the "
+                          f"prompt fails, before kvbridge does anything): {type(e).__name__}: "
+                          f"{text[0] if text else ''}") from None
+
+
+@torch.inference_mode()
 def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int | None = None, new_tokens: int = 8,
              seed: int = 0, prefill: EngineLayout | None = None, decode: EngineLayout | None = None,
              dump_decode_cache: str | Path | None = None, *, prompt_ids: Sequence[int] | None = None,
@@ -164,6 +180,7 @@ def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int
             f"num_cached_tokens must be a multiple of the decode block size {decode.block_size} in [0, {n}) "
             f"(a prefix hit covers whole blocks and leaves at least one token to move), got {num_cached_tokens}")
 
+    _check_runs(model, ids)
     prefill_cache, first = run_prefill(model, ids)
     src = RankCache.allocate_engine(spec, prefill, device=device, fill=None)
     dst = RankCache.allocate_engine(spec, decode, device=device, fill=None)
