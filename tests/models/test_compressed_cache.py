@@ -52,7 +52,7 @@ def test_rows_per_several_tokens_move_exactly(seed: int) -> None:
         src, dst = layout(), layout()
         n = rng.randint(1, 150)
         request = random_request(spec, src, dst, n, rng.choice([0, 0, rng.randint(0, n)]), rng)
-        result = check_case(spec, src, dst, request, seed=case)
+        result = check_case(spec, src, dst, request, seed=case, checksum=True)  # the connector's checksums too
         assert result.ok, (src.describe(), dst.describe(), n, result.mismatches[:2])
         assert _no_overlap(result.plan)
         slow = plan_request(spec, src, dst, request, templates=False)

@@ -1,9 +1,9 @@
 """End-to-end integrity: a request checksum over *logical* content, independent of layouts and TP.
 
-Each logical row — (layer, component, token, head) for attention, (layer, component, unit) for
-recurrent state — contributes `hash(row bytes, coordinates)`; contributions are added modulo
-2^64, so any partition of the rows sums to the same value. The source computes, for each destination
-rank, the sum over the rows that rank must hold, each source rank adding only the rows it serves
+Each logical row — (layer, component, token, head) for attention (for a compressed layer, a row
+of `tokens_per_row` tokens in place of the token), (layer, component, unit) for recurrent state —
+contributes `hash(row bytes, coordinates)`; contributions are added modulo 2^64, so any partition
+of the rows sums to the same value. The source computes, for each destination rank, the sum over the rows that rank must hold, each source rank adding only the rows it serves
 to that rank (the rank the plan reads them from), so replicated source heads count once. Each destination rank
 sums every row it holds, replicas included. Equal sums mean every row arrived intact and in its
 place (a row in the wrong place changes its coordinates' weights); a mismatch names the rank.
@@ -85,8 +85,8 @@ def _rank_rows(cache: RankCache, block_ids: tuple[tuple[int, ...], ...], request
                 data = _bytes(cache.read_state(li, ci, ids[-1], as_int=True), nh)
                 where, row_heads, row_pos = heads, heads, None
             else:
-                start = max(request.num_cached_tokens, layer.tokens_kept(request.num_tokens))
-                pos = np.arange(start, request.num_tokens, dtype=np.int64)
+                kept = layer.moved_positions(request.num_tokens, request.num_cached_tokens)
+                pos = np.arange(kept.start, kept.stop, dtype=np.int64)
                 pos = pos[layout.token_owner(pos, g) == coords.cp]
                 if not len(pos):
                     continue

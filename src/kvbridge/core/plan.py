@@ -332,7 +332,7 @@ def _validate(spec: ModelSpec, src: EngineLayout, dst: EngineLayout,
             continue
         layer = spec.group_layer(g)
         rows, rate = layer.rows(N), layer.tokens_per_row
-        first = max(layer.rows(cached), layer.tokens_kept(rows))
+        first = layer.moved_positions(N, cached).start
         sides = []
         for side, layout, ids in (("source", src, req.src_block_ids[g]), ("destination", dst, req.dst_block_ids[g])):
             per = layout.tokens_per_block_id(g)

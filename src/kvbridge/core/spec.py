@@ -172,6 +172,14 @@ class LayerSpec(msgspec.Struct, frozen=True):
         window of `tokens_per_row` tokens."""
         return num_tokens // self.tokens_per_row
 
+    def moved_positions(self, num_tokens: int, num_cached: int = 0) -> range:
+        """Positions a move of `num_tokens` tokens writes, the first `num_cached` held already:
+        tokens, or rows of complete windows for a layer keeping one row per several tokens, from
+        the first one the layer still keeps (the planner, verification, checksums and dtype checks
+        all read positions through this)."""
+        rows = self.rows(num_tokens)
+        return range(max(self.rows(num_cached), self.tokens_kept(rows)), rows)
+
     def tokens_kept(self, num_tokens: int) -> int:
         """Index of the first token this layer still needs after `num_tokens` tokens."""
         if self.is_recurrent:

@@ -74,7 +74,8 @@ def conversion_mismatches(spec: ModelSpec, src: Sequence[RankCache], dst: Sequen
             if lspec.is_recurrent or int(rc.addr.region[li, 0]) < 0:
                 continue
             g = spec.layer_group[li]
-            positions = np.arange(max(cached, lspec.tokens_kept(n)), n, dtype=np.int64)
+            kept = lspec.moved_positions(n, cached)  # tokens, or rows of a layer keeping one per several tokens
+            positions = np.arange(kept.start, kept.stop, dtype=np.int64)
             if rc.layout.cp_size > 1:
                 positions = positions[rc.layout.token_owner(positions, g) == coords.cp]
             if not len(positions):

@@ -83,10 +83,8 @@ def _held(cache: RankCache, group: int, positions: np.ndarray) -> tuple[range, n
 def moved_positions(spec: ModelSpec, group: int, request: Request) -> np.ndarray:
     """Positions a group moves: tokens, or rows of complete windows for a layer keeping one row
     per several tokens."""
-    layer = spec.group_layer(group)
-    rows = layer.rows(request.num_tokens)
-    first = max(layer.rows(request.num_cached_tokens), layer.tokens_kept(rows))
-    return np.arange(first, rows, dtype=np.int64)
+    kept = spec.group_layer(group).moved_positions(request.num_tokens, request.num_cached_tokens)
+    return np.arange(kept.start, kept.stop, dtype=np.int64)
 
 
 def _state_pattern(cache: RankCache, li: int, ci: int, num_tokens: int) -> torch.Tensor:
