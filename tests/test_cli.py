@@ -264,3 +264,25 @@ def test_demo_of_a_config_transformers_accepts_but_cannot_run_exits_2_with_one_l
     config.save_pretrained(tmp_path)
     line = _one_error_line(run("demo", "--model", str(tmp_path), "--prompt-len", "8", "--new-tokens", "2"))
     assert "transformers cannot run DeepseekV4ForCausalLM" in line
+
+
+def test_kv_dtype_conversion_of_a_compressed_layer_is_checked_row_by_row(tmp_path):
+    """A DeepSeek-V4 move to a float16 cache: every moved row (one per compress-rate tokens) is the
+    conversion of its source row (the check read token positions as rows and failed with an IndexError)."""
+    from kvbridge.proofs.model_sweep import tiny_config
+    tiny_config("deepseek_v4").save_pretrained(tmp_path)
+    r = run("demo", "--model", str(tmp_path), "--decode-kv-dtype", "float16", "--prompt-len", "18", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["elements_checked"] > 0 and not out.get("conversion_mismatches")
+
+
+def test_demo_counts_buffers_in_the_size_bound(tmp_path):
+    """GPT-Neo registers a max_positions x max_positions causal mask per layer: 2 tiny layers at 200,000
+    positions take 74 GiB of buffers with a few MiB of parameters."""
+    tmp_path.joinpath("neo").mkdir()
+    (tmp_path / "neo" / "config.json").write_text(json.dumps({
+        "model_type": "gpt_neo", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "vocab_size": 256,
+        "attention_types": [[["global"], 2]], "max_position_embeddings": 200000}))
+    line = _one_error_line(run("demo", "--model", str(tmp_path / "neo")))
+    assert "GiB in float32" in line

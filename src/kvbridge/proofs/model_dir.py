@@ -39,14 +39,16 @@ def _limit() -> int:
 
 
 def float32_bytes(config: PretrainedConfig) -> int:
-    """Bytes the model takes in float32, counted on the meta device (nothing allocated)."""
+    """Bytes the model takes in float32, counted on the meta device (nothing allocated): its
+    parameters, and its buffers in their own dtypes (GPT-Neo's causal mask is `max_positions`
+    squared booleans per layer, however few its parameters)."""
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except Exception as e:  # noqa: BLE001 - transformers' own failure on this config: one line
         raise ConfigError(f"transformers cannot build a causal LM from this config: {type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}") from None
-    return 4 * sum(p.numel() for p in model.parameters())
+    return 4 * sum(p.numel() for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
 
 
 def has_weights(directory: Path) -> bool:
