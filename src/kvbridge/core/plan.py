@@ -281,11 +281,12 @@ def full_block_ids(layout: EngineLayout, group: int, ids: Sequence[int], num_tok
 
 
 def _block_ids(side: str, g: int, layout: EngineLayout, ids: Sequence[int], num_tokens: int,
-               first: int) -> np.ndarray:
+               first: int, rate: int = 1) -> np.ndarray:
     """A side's id list over `[0, num_tokens)`: full, or clipped to the blocks from `first` on.
 
     A clipped list (vLLM clips sliding-window lists to the window) is padded in front with -1,
-    which only the never-read blocks before `first` get.
+    which only the never-read blocks before `first` get. For a group keeping one row per `rate`
+    tokens, positions are rows and `layout` its row layout; a refusal still speaks in tokens.
     """
     per = layout.tokens_per_block_id(g)
     need = -(-num_tokens // per)
@@ -296,8 +297,10 @@ def _block_ids(side: str, g: int, layout: EngineLayout, ids: Sequence[int], num_
     if fewest <= len(arr) < need:
         return full_block_ids(layout, g, arr, num_tokens)
     window = "" if fewest == need else f" (or at least the last {fewest}, clipped to the tokens kept)"
+    held = (f"{num_tokens} tokens" if rate == 1 else
+            f"{num_tokens} complete rows of {rate} tokens")
     raise InvalidRequest(
-        f"{side} group {g}: {num_tokens} tokens with block size {layout.group_block_size(g)}"
+        f"{side} group {g}: {held} with block size {layout.group_block_size(g) * rate}"
         f"{f' x CP {layout.cp_size}' if layout.cp_size > 1 else ''} need {need} block ids{window}, got {len(arr)}")
 
 
@@ -338,7 +341,7 @@ def _validate(spec: ModelSpec, src: EngineLayout, dst: EngineLayout,
             per = layout.tokens_per_block_id(g)
             if rate > 1 and len(ids) == -(-N // (per * rate)):  # one id per block of tokens: the open window's too
                 ids = ids[:-(-rows // per)]
-            arr = _block_ids(side, g, layout, ids, rows, first)
+            arr = _block_ids(side, g, layout, ids, rows, first, rate)
             used = arr[first // per:] if first < rows else arr[:0]
             if used.size and (used.min() < 0 or used.max() >= layout.num_blocks):
                 bad = used[(used < 0) | (used >= layout.num_blocks)]
