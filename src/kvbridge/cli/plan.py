@@ -155,7 +155,8 @@ def _rank(spec: ModelSpec, prefill: EngineLayout, decode: EngineLayout, d: int, 
         ratio = None
     coords = decode.rank_coords(d)
     a = decode.addressing(spec, d)
-    per_layer = (a.heads * a.row_bytes).sum(axis=1)
+    # bytes one token adds per layer: a layer keeping one row per r tokens adds 1/r of a row
+    per_layer = (a.heads * a.row_bytes).sum(axis=1) // np.array([x.tokens_per_row for x in spec.layers])
     held = a.region[:, 0] >= 0
     bpt = int(per_layer[~recurrent & held].sum())
     state_bytes = int(per_layer[recurrent & held].sum())

@@ -7,8 +7,20 @@ from typing import Optional
 
 import typer
 
-from kvbridge.cli.app import (Mode, Order, Transport, app, check_bounds, console, err_console, friendly_errors,
-                              load_spec, parse_ids, print_json)
+from kvbridge.cli.app import (
+    Mode,
+    Order,
+    Transport,
+    app,
+    check_bounds,
+    console,
+    err_console,
+    friendly_errors,
+    load_spec,
+    parse_ids,
+    print_json,
+)
+from kvbridge.cli.shapes import default_block_size
 from kvbridge.core.layout import EngineLayout
 from kvbridge.errors import ConfigError, InvalidRequest
 
@@ -20,7 +32,8 @@ def prefill_server(
     model: str = typer.Option("tiny-llama", help="Built-in model NAME or a model DIR (its weights, or random ones drawn from its config.json alone)."),
     prompt_ids: Optional[str] = typer.Option(None, help="Comma-separated prompt token ids."),
     prompt_len: int = typer.Option(32, min=1), seed: int = typer.Option(0),
-    prefill_tp: int = typer.Option(1, min=1), prefill_block_size: int = typer.Option(16, min=1),
+    prefill_tp: int = typer.Option(1, min=1), prefill_block_size: Optional[int] = typer.Option(
+        None, min=1, help="Tokens per block [default: 16, or a multiple of every compress rate of the model]."),
     prefill_layout: Order = typer.Option(Order.HND, case_sensitive=False),
     transport: Transport = typer.Option(Transport.shm, case_sensitive=False, help="shm, nixl or mooncake."),
     mode: Mode = typer.Option(Mode.pull, case_sensitive=False),
@@ -41,9 +54,10 @@ def prefill_server(
                           "--insecure")
     ids = parse_ids(prompt_ids) if prompt_ids else None
     n = (len(ids) if ids else prompt_len) + 8
-    shape = EngineLayout(prefill_tp, prefill_block_size, (-(-n // prefill_block_size) + 8) * requests,
-                         kv_order=prefill_layout.value)
-    shape.check_model(load_spec(model), "prefill engine")
+    spec = load_spec(model)
+    block = prefill_block_size or default_block_size(spec)
+    shape = EngineLayout(prefill_tp, block, (-(-n // block) + 8) * requests, kv_order=prefill_layout.value)
+    shape.check_model(spec, "prefill engine")
     result = run_prefill_server(listen, transport=transport.value, model=model, prompt_ids=ids,
                                 prompt_len=None if ids else prompt_len, seed=seed, prefill=shape, mode=mode.value,
                                 num_requests=requests, timeout=timeout, secret_file=secret_file, insecure=insecure,
