@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/kvbridge demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 verify: $(STAMP)
 	$(BIN)/kvbridge verify --cases 500

@@ -281,8 +281,7 @@ def sweep_one(arch: str, seed: int = 0, timeout: int = SECONDS_PER_ARCH) -> Swee
         with tempfile.TemporaryDirectory(prefix=f"kvbridge-{arch}-") as d:
             model.save_pretrained(d)
             del model
-            from kvbridge.cli.app import load_spec
-            load_spec(d)  # what `kvbridge plan DIR` reads (an engine's view): it must take the saved config.json
+            spec_from_hf_config(Path(d), warn=False)  # what `kvbridge plan DIR` reads (an engine's view) must take it
             saved = spec_from_hf_config(Path(d) / "config.json", view="transformers", dtype="float32", warn=False)
             if saved.layers != spec.layers:
                 raise ConfigError("the saved config.json reads as another geometry than the config it was saved from")
