@@ -9,7 +9,6 @@ option, so the two commands cannot drift apart.
 from __future__ import annotations
 
 import math
-
 from typing import Annotated, Any, Optional
 
 import msgspec
@@ -108,7 +107,7 @@ def default_block_size(spec: ModelSpec, base: int = 16) -> int:
     """The block size an engine gets when the command line names none: `base` tokens, or the
     smallest multiple of it holding whole rows of every layer that keeps one row per several
     tokens (DeepSeek-V4's compressed layers: 128 for a 128-token compress rate)."""
-    rates = sorted({layer.tokens_per_row for layer in spec.layers} - {1})
+    rates = spec.row_rates
     size = math.lcm(base, *rates)
     if size > BOUNDS["block_size"]:
         raise ConfigError(f"no default block size: whole rows of compress rates {', '.join(map(str, rates))} need "

@@ -237,7 +237,7 @@ class EngineLayout(msgspec.Struct, frozen=True):
     def row_layout(self, spec: ModelSpec) -> EngineLayout:
         """This layout with each group's block size in rows (itself when every layer keeps one row
         per token): what the planner and rank caches turn row positions into slots with."""
-        if all(layer.tokens_per_row == 1 for layer in spec.layers):
+        if not spec.row_rates:
             return self
         return _row_layout(spec, self)
 
@@ -283,38 +283,31 @@ class Addressing(msgspec.Struct, frozen=True):
 
 
 def _check_rows(spec: ModelSpec, layout: EngineLayout, what: str) -> None:
-    """A layer keeping one row per r tokens needs blocks of whole rows, no kernel block size of its
-    own and no context parallel (one line each)."""
-    rates = {spec.group_layer(g).tokens_per_row: g for g in range(len(spec.groups))}
-    if max(rates) == 1:
+    """A layer keeping one row per r tokens needs blocks of whole rows in its group, no kernel block
+    size of its own in any group (the row layout has none) and no context parallel (one line each)."""
+    if not spec.row_rates:
         return
+    most = spec.row_rates[-1]
     if layout.cp_size > 1:
         raise IncompatibleEngines(f"{what}: context parallel (CP {layout.cp_size}) with a layer keeping one row per "
-                                  f"{max(rates)} tokens: kvbridge has no rule for which CP rank holds such a row")
+                                  f"{most} tokens: kvbridge has no rule for which CP rank holds such a row")
     if layout.layer_placement == "cross_layer":
-        raise IncompatibleEngines(f"{what}: a cross_layer region with a layer keeping one row per {max(rates)} tokens")
-    for rate, g in rates.items():
-        size = layout.group_block_size(g)
+        raise IncompatibleEngines(f"{what}: a cross_layer region with a layer keeping one row per {most} tokens")
+    for g in range(len(spec.groups)):
+        size, rate = layout.group_block_size(g), spec.group_layer(g).tokens_per_row
         if size % rate:
             raise IncompatibleEngines(f"{what}: block size {size} of group {g} is not a multiple of its "
                                       f"{rate} tokens per row")
-        if layout.kernel_block_size is not None and layout.kernel_block_size != size and rate > 1:
-            raise IncompatibleEngines(f"{what}: kernel block size {layout.kernel_block_size} with a layer keeping one "
-                                      f"row per {rate} tokens (only whole blocks are supported)")
+        if layout.group_kernel_size(g) != size:
+            raise IncompatibleEngines(f"{what}: kernel block size {layout.group_kernel_size(g)} with a layer keeping "
+                                      f"one row per {most} tokens (only whole blocks are supported)")
 
 
 @lru_cache(maxsize=64)
 def _row_layout(spec: ModelSpec, layout: EngineLayout) -> EngineLayout:
-    _check_rows(spec, layout, "engine")
-    groups = range(len(spec.groups))
-    kernel = layout.kernel_block_size
-    if kernel is not None and any(spec.group_layer(g).tokens_per_row > 1 for g in groups):
-        kernel = None  # equal to the block size of every rate group (checked); other groups follow
-        if any(layout.group_kernel_size(g) != layout.group_block_size(g) for g in groups):
-            raise IncompatibleEngines("engine: a kernel block size of its own with a layer keeping one row per "
-                                      "several tokens")
-    sizes = tuple(layout.group_block_size(g) // spec.group_layer(g).tokens_per_row for g in groups)
-    return msgspec.structs.replace(layout, group_block_sizes=sizes, kernel_block_size=kernel, cp_interleave=1)
+    _check_rows(spec, layout, "engine")  # every group's kernel block is its whole block: none left to keep
+    sizes = tuple(layout.group_block_size(g) // spec.group_layer(g).tokens_per_row for g in range(len(spec.groups)))
+    return msgspec.structs.replace(layout, group_block_sizes=sizes, kernel_block_size=None, cp_interleave=1)
 
 
 @lru_cache(maxsize=64)
@@ -348,6 +341,7 @@ def _addressing(spec: ModelSpec, layout: EngineLayout, rank: int) -> Addressing:
     if spec.has_recurrent and layout.layer_placement == "cross_layer":
         raise IncompatibleEngines("recurrent state needs per-layer regions; cross_layer holds attention layers only")
     L, C = spec.num_layers, spec.max_components
+    rows_layout = layout.row_layout(spec)  # a rate group's kernel blocks hold rows, not tokens
     arrays = {k: np.zeros((L, C), dtype=np.int64) for k in
               ("region", "base", "block_stride", "token_stride", "head_stride", "row_bytes", "heads", "first_head")}
     ncomp = np.zeros(L, dtype=np.int64)
@@ -368,7 +362,6 @@ def _addressing(spec: ModelSpec, layout: EngineLayout, rank: int) -> Addressing:
         if not comps:  # a stateless layer: no region (vLLM allocates none), regions stay in layer order
             continue
         g = spec.layer_group[li]
-        rows_layout = layout.row_layout(spec)  # a rate group's kernel blocks hold rows, not tokens
         kbs, nkb = rows_layout.group_kernel_size(g), rows_layout.group_num_kernel_blocks(g)
         ranges = [head_range(c.heads, layout.tp_size, tp_rank, layer.replicated) for c in comps]
         rows = [c.dim * spec.component_itemsize(c) for c in comps]

@@ -217,6 +217,12 @@ class ModelSpec(msgspec.Struct, frozen=True, dict=True):
     def max_components(self) -> int:
         return max(len(layer.components) for layer in self.layers)
 
+    @cached_property
+    def row_rates(self) -> tuple[int, ...]:
+        """The distinct `tokens_per_row` above 1, sorted: empty when every layer keeps one row per token
+        (asked on the planner's path, so computed once)."""
+        return tuple(sorted({layer.tokens_per_row for layer in self.layers} - {1}))
+
     @property
     def has_recurrent(self) -> bool:
         return any(layer.is_recurrent for layer in self.layers)

@@ -61,10 +61,6 @@ def _hybrid(spec: ModelSpec) -> bool:
 _UNCOVERED = "the caveat that our notes on vLLM do not cover layers keeping one row per several tokens (DeepSeek-V4)"
 
 
-def _compressed(spec: ModelSpec) -> bool:
-    return any(layer.tokens_per_row > 1 for layer in spec.layers)
-
-
 def nixl_verdict(spec: ModelSpec, prefill: EngineLayout, decode: EngineLayout) -> Verdict:
     """vLLM NixlConnector, pull mode (the decode side reads)."""
     reasons: list[str] = []
@@ -95,7 +91,7 @@ def nixl_verdict(spec: ModelSpec, prefill: EngineLayout, decode: EngineLayout) -
         reasons.append(f"prefill DCP {prefill.dcp_size}: a DCP-sharded source is read for MLA models only")
     if prefill.kv_order != decode.kv_order:
         conditions.append(f"{prefill.kv_order} -> {decode.kv_order} needs enable_permute_local_kv (receive-side permute)")
-    if _compressed(spec):
+    if spec.row_rates:
         conditions.append(_UNCOVERED)
     return Verdict("vLLM NixlConnector (pull)", tuple(reasons), tuple(conditions))
 
@@ -117,7 +113,7 @@ def mooncake_verdict(spec: ModelSpec, prefill: EngineLayout, decode: EngineLayou
             reasons.append(f"{side} context parallel (CP {layout.cp_size}): not a MooncakeConnector feature")
     if spec.has_recurrent and prefill.tp_size != decode.tp_size:
         reasons.append("recurrent state with different TP: open in vLLM (#53078)")
-    return Verdict("vLLM MooncakeConnector", tuple(reasons), (_UNCOVERED,) if _compressed(spec) else ())
+    return Verdict("vLLM MooncakeConnector", tuple(reasons), (_UNCOVERED,) if spec.row_rates else ())
 
 
 def vllm_verdicts(spec: ModelSpec, prefill: EngineLayout, decode: EngineLayout) -> tuple[Verdict, ...]:

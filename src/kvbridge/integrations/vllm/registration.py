@@ -103,7 +103,7 @@ def _hybrid_spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheCon
                                   f"KVBridgeConnector moves one state per request: start vLLM without prefix caching")
     state_dtype = normalize_dtype(str(states[0].dtypes[-1])) if states else None
     spec = spec_from_hf_config(mc.hf_config.to_dict(), dtype=dtype, view="engine", state_dtype=state_dtype, warn=False)
-    if any(layer.tokens_per_row > 1 for layer in spec.layers):
+    if spec.row_rates:
         raise IncompatibleEngines("the model keeps compressed rows (one per several tokens, DeepSeek-V4); "
                                   "KVBridgeConnector does not describe vLLM's pages of them yet")
     if str(get_conv_state_layout()) == "SD":
