@@ -61,7 +61,7 @@ from typing import Any, Literal
 from kvbridge.core.spec import LayerSpec, ModelSpec, normalize_dtype
 from kvbridge.errors import ConfigError
 from kvbridge.models.compressed import COMPRESSED_TYPES, compressed_layers
-from kvbridge.models.untrusted import _NESTED, load_config, safe_text
+from kvbridge.models.untrusted import _NESTED, error_line, load_config, safe_text
 
 # The cache layer classes transformers builds, by the layer-type name `get_layer_types_and_kwargs`
 # gives; the kind each is to kvbridge, and for refused ones, what it holds (for the refusal line).
@@ -110,7 +110,7 @@ def spec_from_hf_config(config: dict[str, Any] | str | Path, *, dtype: str | Non
         raise
     except Exception as e:  # noqa: BLE001 - untrusted input never ends in a traceback
         raise ConfigError(f"config of {arch!r}: transformers' {type(text).__name__} cannot be read as a cache "
-                          f"geometry: {type(e).__name__}: {safe_text(str(e).splitlines()[0] if str(e) else '')}") from None
+                          f"geometry: {error_line(e)}") from None
     if all(layer.is_stateless for layer in layers):
         raise ConfigError(_no_cache_of_its_own(text, arch, len(layers)))
     from kvbridge.models.no_cache import no_kv_cache_refusal

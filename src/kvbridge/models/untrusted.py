@@ -153,6 +153,12 @@ def _one_line(text: str) -> str:
     return safe_text(text.splitlines()[0] if text else text)
 
 
+def error_line(e: BaseException) -> str:
+    """`Type: first line of its message`, safe to print: a foreign library's failure on an untrusted
+    config, as the one line a refusal ends with."""
+    return f"{type(e).__name__}: {_one_line(str(e).strip())}"
+
+
 def safe_text(text: str, limit: int = 200) -> str:
     """`text` without control characters or console markup, at most `limit` characters: names
     from configs (`_name_or_path`) end up in logs, tables and terminals."""

@@ -9,7 +9,6 @@ decoding, whose tokens must equal plain `generate`.
 from __future__ import annotations
 
 import inspect
-
 import math
 import random
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ from kvbridge.core.layout import EngineLayout
 from kvbridge.core.plan import plan_request
 from kvbridge.core.spec import ModelSpec
 from kvbridge.errors import ConfigError, InvalidRequest
+from kvbridge.models.untrusted import error_line
 from kvbridge.proofs.hf_cache import BlockIds, export_cache, export_states, export_tokens
 from kvbridge.proofs.kv_dtype import conversion_mismatches, describe_conversion, is_lossy
 from kvbridge.proofs.proof import greedy_config, make_prompt_ids, prefill as run_prefill, prove_cache
@@ -128,10 +128,8 @@ def _check_runs(model: PreTrainedModel, ids: Sequence[int]) -> None:
     try:
         model(torch.tensor([list(ids)], device=next(model.parameters()).device), **no_cache)
     except Exception as e:  # noqa: BLE001 - transformers' failure on its own model: its reason, on one line
-        text = str(e).strip().splitlines()
         raise ConfigError(f"transformers cannot run {type(model).__name__} on this config (a forward over the "
-                          f"prompt fails, before kvbridge does anything): {type(e).__name__}: "
-                          f"{text[0] if text else ''}") from None
+                          f"prompt fails, before kvbridge does anything): {error_line(e)}") from None
 
 
 @torch.inference_mode()

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from kvbridge.errors import ConfigError
+from kvbridge.models.untrusted import error_line
 
 MAX_MODEL_BYTES = 4 << 30
 """Largest float32 model a demo builds or loads (4 GiB, a 1B-parameter model); `KVBRIDGE_DEMO_MAX_GIB` raises it."""
@@ -46,8 +47,7 @@ def float32_bytes(config: PretrainedConfig) -> int:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except Exception as e:  # noqa: BLE001 - transformers' own failure on this config: one line
-        raise ConfigError(f"transformers cannot build a causal LM from this config: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        raise ConfigError(f"transformers cannot build a causal LM from this config: {error_line(e)}") from None
     return 4 * sum(p.numel() for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
 
 
@@ -68,8 +68,7 @@ def checked_config(directory: str | Path) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(d, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - what kvbridge's checks let through and transformers still rejects
-        raise ConfigError(f"{d}: transformers cannot read its config.json: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        raise ConfigError(f"{d}: transformers cannot read its config.json: {error_line(e)}") from None
 
 
 def load_dir_model(directory: str | Path, seed: int) -> PreTrainedModel:
@@ -87,8 +86,7 @@ def load_dir_model(directory: str | Path, seed: int) -> PreTrainedModel:
     try:
         return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - a damaged or foreign checkpoint: one line, not a traceback
-        raise ConfigError(f"{d}: cannot load its weights: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        raise ConfigError(f"{d}: cannot load its weights: {error_line(e)}") from None
 
 
 __all__ = ["MAX_MODEL_BYTES", "checked_config", "float32_bytes", "has_weights", "load_dir_model"]
