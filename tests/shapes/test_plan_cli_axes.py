@@ -142,3 +142,10 @@ def test_human_output_explains_the_pair():
     assert r.exit_code == 0, r.output
     for needle in ("D rank (tp,pp,cp)", "reads P rank", "ms/request", "NixlConnector", "MooncakeConnector", "TP:"):
         assert needle in r.output
+
+
+def test_human_output_prints_the_state_components_rich_would_read_as_markup():
+    """The model line holds `[conv_q:16x384 | ...]`; printed as rich markup it vanished."""
+    r = runner.invoke(app, ["plan", "qwen3-next-80b"])
+    assert r.exit_code == 0, r.output
+    assert "gdn state [conv_q:16x384 | conv_k:16x384 |" in " ".join(r.output.split())

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import numpy as np
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from kvbridge.cli.app import Order, app, check_bounds, console, friendly_errors, load_spec, print_json
@@ -184,7 +185,8 @@ def _rank(spec: ModelSpec, prefill: EngineLayout, decode: EngineLayout, d: int, 
 
 def _show(out: dict[str, Any], spec: ModelSpec, nbytes: int, plan_seconds: float, verdicts: Any) -> None:
     cached = f", {out['num_cached_tokens']} cached on decode" if out["num_cached_tokens"] else ""
-    console.print(f"[bold]{out['model']}[/]\nprefill {out['prefill']}  ->  decode {out['decode']}\n"
+    console.print(f"[bold]{escape(out['model'])}[/]\nprefill {escape(out['prefill'])}  ->  "
+                  f"decode {escape(out['decode'])}\n"
                   f"{out['tokens']} tokens{cached}: {nbytes / 2**20:.2f} MiB, planned in {plan_seconds * 1e3:.1f} ms; "
                   f"{out['ms_per_request']:.3f} ms per request at {out['link_gbps']:g} Gbit/s\n"
                   f"TP: {out['tp_ratio_words']}", soft_wrap=True)
@@ -205,6 +207,6 @@ def _show(out: dict[str, Any], spec: ModelSpec, nbytes: int, plan_seconds: float
                               f"from P{', P'.join(map(str, r['recurrent_source_ranks']))}")
     for v in verdicts:
         style = "green" if v.accepts else "yellow"
-        console.print(f"[{style}]{v.describe()}[/]", soft_wrap=True, highlight=False)
+        console.print(f"[{style}]{escape(v.describe())}[/]", soft_wrap=True, highlight=False)
     for w in sorted({w for r in out["ranks"] for w in r["warnings"]}):
         console.print(f"[yellow]warning:[/] {w}", soft_wrap=True)
