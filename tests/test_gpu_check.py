@@ -14,10 +14,12 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 
 def test_gpu_check_runs_every_check_on_cpu(capsys, monkeypatch):
     module = runpy.run_path(str(SCRIPT))
-    assert module["main"](["--device", "cpu", "--tokens", "64", "--repeats", "1"]) == 0
+    assert module["main"](["--device", "cpu", "--tokens", "64", "--repeats", "1", "--cases", "6"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     checks = [r["check"] for r in rows]
     assert checks.count("proof") == 4 and all(r["ok"] for r in rows if r["check"] == "proof")
+    verify = next(r for r in rows if r["check"] == "verify")
+    assert verify["equal"] and verify["cases"] == 6 and verify["runs"] > 0 and verify["backends"] == ["numba"]
     executor = next(r for r in rows if r["check"] == "executor")
     assert executor["bytes"] == 64 * 32 * 2 * 8 * 128 * 2 and executor["ratio"] > 0
     nixl = next(r for r in rows if r["check"] == "nixl_vram")

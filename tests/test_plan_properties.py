@@ -583,3 +583,24 @@ def test_common_pairs_take_the_template_path(order, placement, src_shape, dst_sh
     assert_same_plan(plan_request(spec, src, dst, req), plan_request(spec, src, dst, req, templates=False))
     assert_same_plan(plan_request(spec, src, dst, _ordered(req)),
                      plan_request(spec, src, dst, _ordered(req), templates=False))
+
+
+@pytest.mark.parametrize("dst", ["float8_e4m3fn", "float8_e5m2", "float16", "bfloat16", "float32"])
+def test_conversion_divides_truly_and_writes_one_nan(dst):
+    """Every fp8 source value: `(x * s) / d` in float32 with a true division (CUDA turns a division
+    by a host scalar into a multiplication by its reciprocal, which rounds otherwise), and every NaN
+    as one bit pattern whatever its sign (a cast keeps or drops it by device)."""
+    from kvbridge.core.plan import Conversion
+    from kvbridge.transport.cache import TORCH_DTYPES
+    from kvbridge.transport.convert import convert_elements
+    x = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    out = convert_elements(x, Conversion("float8_e4m3fn", dst, 0.03, 0.03))
+    f32 = x.float().numpy()
+    want = torch.from_numpy((f32 * np.float32(0.03)) / np.float32(0.03))
+    if dst.startswith("float8"):
+        want = want.clamp(-torch.finfo(out.dtype).max, torch.finfo(out.dtype).max)
+    want = want.to(TORCH_DTYPES[dst])
+    finite = ~torch.from_numpy(np.isnan(f32))
+    assert torch.equal(out[finite].float(), want[finite].float())
+    bits = out.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[out.element_size()])[~finite]
+    assert len(bits) == 2 and bits.unique().numel() == 1 and torch.isnan(out[~finite]).all()

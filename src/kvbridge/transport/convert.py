@@ -21,16 +21,30 @@ from kvbridge.core.plan import Conversion, Plan
 from kvbridge.transport.cache import TORCH_DTYPES
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_CANONICAL_NAN = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7F, torch.float16: 0x7E00,
+                  torch.bfloat16: 0x7FC0, torch.float32: 0x7FC00000}
 
 
 def convert_elements(x: torch.Tensor, conv: Conversion) -> torch.Tensor:
     """Source elements -> destination elements under `conv` (the reference conversion)."""
     dst = TORCH_DTYPES[conv.dst_dtype]
-    value = (x.to(torch.float32) * conv.src_scale) / conv.dst_scale
+    # The scales as float32 tensors on x's device, not Python numbers: CUDA divides by a host
+    # scalar as a multiplication by its reciprocal, which rounds differently from the division
+    # the CPU does (an H200 wrote 92 of a request's fp8 bytes one step off the reference).
+    src_scale, dst_scale = (torch.tensor(v, dtype=torch.float32, device=x.device)
+                            for v in (conv.src_scale, conv.dst_scale))
+    value = (x.to(torch.float32) * src_scale) / dst_scale
     if dst in _FP8:
         limit = torch.finfo(dst).max
         value = value.clamp(-limit, limit)
-    return value.to(dst)
+    # One bit pattern for every NaN: a cast keeps or drops a NaN's sign and payload by device (a
+    # negative fp8 NaN became 0xFF on the CPU and 0x7F on an H200), and the bytes must not depend
+    # on the device that converted.
+    if dst not in _CANONICAL_NAN:  # an integer type holds no NaN
+        return value.to(dst)
+    bits = value.to(dst).view(_BITS[dst.itemsize])
+    return torch.where(value.isnan(), _CANONICAL_NAN[dst], bits).view(dst)
 
 
 def _element_index(offsets: np.ndarray, lengths: np.ndarray, itemsize: int) -> torch.Tensor:
