@@ -193,3 +193,43 @@ def test_frames_read_with_the_handshake_reply_are_kept(server: SideChannelServer
     finally:
         t.join(5)
         c.close()
+
+
+def test_a_starved_server_is_not_lost_and_a_dead_one_is() -> None:
+    """Liveness is the peer host's kernel's answer, not the peer process's: a server process
+    stopped (SIGSTOP, as a scheduler starving it) for 6x the heartbeat keeps its link; killed,
+    it is lost at once. (ZMTP heartbeats, answered by the process, dropped the stopped one.)"""
+    import signal
+    import subprocess
+    import sys
+    code = ("import sys, time; from kvbridge.connector.side_channel import SideChannelServer as S; "
+            "s = S('127.0.0.1:0'); print(s.address, flush=True); "
+            "[s.recv(0.2) for _ in iter(int, 1)]")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    c = None
+    try:
+        address = proc.stdout.readline().strip()
+        c = SideChannelClient(address, b"starved", heartbeat_seconds=1.0)
+        c.send(HB)
+        deadline = time.monotonic() + 10
+        while not c.connected_once and time.monotonic() < deadline:
+            c.recv(0.05)
+        assert c.connected_once
+        proc.send_signal(signal.SIGSTOP)
+        stopped_until = time.monotonic() + 6.0
+        while time.monotonic() < stopped_until:
+            assert c.send(HB)  # frames queue up unanswered
+            c.recv(0.2)
+            assert not c.lost, "a stopped (starved) server was declared lost"
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 5
+        while not c.lost and time.monotonic() < deadline:
+            c.recv(0.05)
+        assert c.lost
+    finally:
+        if c is not None:
+            c.close()
+        proc.kill()
+        proc.wait(10)

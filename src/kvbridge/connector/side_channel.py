@@ -17,10 +17,11 @@ Every operation is bounded:
   delivered as a `Received` with `error` set, never raised, so a hostile peer cannot stop the
   loop that serves the others.
 
-Liveness: each DEALER runs a ZMQ socket monitor and ZMQ's own heartbeats (so a peer that
-vanishes without closing TCP is noticed too); `SideChannelClient.lost` becomes true when the
-connection to its server drops after it was up, which is how a decode rank learns that a
-prefill rank died without waiting for a timeout.
+Liveness: each DEALER runs a ZMQ socket monitor and TCP keepalives (`_keepalive`: answered by
+the peer's kernel, so a host that vanishes without closing TCP is noticed, and a live process
+that is starved of CPU is not mistaken for a dead one); `SideChannelClient.lost` becomes true
+when the connection to its server drops after it was up, which is how a decode rank learns that
+a prefill rank died without waiting for a timeout.
 
 Authentication (optional, `ConnectorConfig.secret`): each frame travels as two ZMQ parts,
 `[frame, auth]`, where `auth` = session id (16 random bytes per socket) | counter (u64, +1 per
@@ -119,6 +120,24 @@ def _configure(sock: zmq.Socket, host: str, max_frame_bytes: int) -> None:
     sock.setsockopt(zmq.RCVHWM, 10_000)
     if ":" in host:
         sock.setsockopt(zmq.IPV6, 1)
+
+
+def _keepalive(sock: zmq.Socket, seconds: float) -> None:
+    """Liveness from the peer's kernel, not from its process.
+
+    TCP keepalive probes are answered by the peer host's kernel whether or not the peer process
+    gets a CPU, so a prefill rank starved for a minute on a loaded host keeps its link (ZMTP
+    heartbeats, answered by the peer's ZMQ I/O thread, dropped such a live peer after 3 silent
+    intervals and failed its requests). A peer that dies is seen at once (its kernel closes the
+    connection); a dead host or a cut link after `seconds` idle plus 3 unanswered probes, or, with
+    frames unacknowledged, after `TCP_MAXRT` (Linux's TCP_USER_TIMEOUT) of 4 x `seconds`.
+    """
+    whole = max(1, round(seconds))  # the kernel counts keepalive times in whole seconds
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, whole)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, whole)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
+    sock.setsockopt(zmq.TCP_MAXRT, 4 * whole * 1000)
 
 
 def _decode_parts(peer: bytes, parts: list[bytes], max_frame_bytes: int, auth: FrameAuth | None = None) -> Received:
@@ -227,11 +246,7 @@ class SideChannelClient:
         self.socket = ctx.socket(zmq.DEALER)
         _configure(self.socket, host, max_frame_bytes)
         self.socket.setsockopt(zmq.ROUTING_ID, identity)
-        # ZMTP heartbeats: a peer that stops answering (cut link, frozen host) drops the connection.
-        ivl = max(1, int(heartbeat_seconds * 1000))
-        self.socket.setsockopt(zmq.HEARTBEAT_IVL, ivl)
-        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
-        self.socket.setsockopt(zmq.HEARTBEAT_TTL, 3 * ivl)
+        _keepalive(self.socket, heartbeat_seconds)
         self.socket.setsockopt(zmq.RECONNECT_IVL, 100)
         self.socket.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         self.monitor = self.socket.get_monitor_socket(
