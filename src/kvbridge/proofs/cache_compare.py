@@ -60,11 +60,17 @@ def _layer_tensors(layer: Any) -> dict[str, torch.Tensor | None]:
                 if isinstance(getattr(layer, part, None), dict):
                     out[f"{part}.{name}"] = getattr(layer, part)[name]
             out[f"entry_count.{name}"] = torch.tensor(layer.entry_count[name])
-    if _is_linear(layer):
+    if _is_linear(layer):  # always indexed by transformers' state index, however many states the layer keeps
         for name in ("conv_states", "recurrent_states"):
-            for i, t in getattr(layer, name).items():
-                out[name if i == 0 else f"{name}.{i}"] = t
+            for i, t in sorted(getattr(layer, name).items()):
+                out[f"{name}.{i}"] = t
     return out
+
+
+def dump_names(cache: DynamicCache) -> list[str]:
+    """The tensor names `save_cache` writes for `cache` (its non-empty tensors), in layer order."""
+    return [f"layers.{li}.{name}" for li, layer in enumerate(cache.layers)
+            for name, t in _layer_tensors(layer).items() if t is not None]
 
 
 def cache_differences(a: DynamicCache, b: DynamicCache) -> list[str]:
@@ -98,19 +104,40 @@ def cache_differences(a: DynamicCache, b: DynamicCache) -> list[str]:
 
 
 def save_cache(cache: DynamicCache, path: str | Path) -> None:
-    """safetensors file with what each layer holds, as transformers holds it: attention layers
-    `layers.{i}.keys` / `layers.{i}.values` `[1, H, tokens_held, D]`; recurrent layers
-    `layers.{i}.conv_states` `[1, conv_dim, kernel]` and `layers.{i}.recurrent_states` (Mamba2
-    `[1, heads, head_dim, d_state]`, GDN `[1, v_heads, k_head_dim, v_head_dim]`; none for short conv)."""
+    """safetensors file with every tensor each layer holds, as transformers holds it.
+
+    Names (one rule, `layers.{layer}.{tensor}`, the layer being transformers' cache layer index):
+    attention layers `keys` / `values` `[1, H, tokens_held, D]`; sparse-attention indexers
+    `indexer_keys` (and `indexer_position_ids` where the model keeps them); recurrent states always
+    by transformers' state index, `conv_states.{j}` `[1, conv_dim, kernel]` and
+    `recurrent_states.{j}` (j = 0 for a layer with one state; Inkling's K, V and residual convs are
+    `conv_states.0`, `.1`, `.2`, ...); compressed layers (DeepSeek-V4) per compressor
+    `{compressed_kv,buffer_kv,buffer_gate,overlap_kv,overlap_gate}.{compressor}` and
+    `entry_count.{compressor}` (a 0-d int64).
+
+    Every name is its own copy: where the cache holds one tensor under two names (DeepSeek-V4's
+    window layers keep K and V as one tensor, so `values` is `keys`) or names views of one storage,
+    each name is written as a clone (safetensors refuses shared memory), and the file's metadata
+    maps each such name to the first name holding the same memory (`{"layers.3.values":
+    "layers.3.keys"}`), so a reader can tell that they are one tensor in the cache."""
     from safetensors.torch import save_file
 
-    tensors = {}
+    tensors: dict[str, torch.Tensor] = {}
+    shared: dict[str, str] = {}
+    first: dict[tuple[str, int], str] = {}  # (device, storage pointer) -> first name on that memory
     for li, layer in enumerate(cache.layers):
         for name, t in _layer_tensors(layer).items():
-            if t is not None:
-                tensors[f"layers.{li}.{name}"] = t.detach().contiguous().cpu()
+            if t is None:
+                continue
+            key = f"layers.{li}.{name}"
+            storage = (str(t.device), t.untyped_storage().data_ptr())
+            if storage in first and t.numel():
+                shared[key] = first[storage]
+            elif t.numel():
+                first[storage] = key
+            tensors[key] = t.detach().to("cpu", copy=True).contiguous()  # its own memory, whatever it shared
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path))
+    save_file(tensors, str(path), metadata={"format": "pt", **shared})
 
 
-__all__ = ["as_bits", "cache_differences", "restore_position_history", "save_cache"]
+__all__ = ["as_bits", "cache_differences", "dump_names", "restore_position_history", "save_cache"]

@@ -280,7 +280,6 @@ def sweep_one(arch: str, seed: int = 0, timeout: int = SECONDS_PER_ARCH) -> Swee
             raise _Unbuildable(_one_line(e)) from None
         with tempfile.TemporaryDirectory(prefix=f"kvbridge-{arch}-") as d:
             model.save_pretrained(d)
-            del model
             spec_from_hf_config(Path(d), warn=False)  # what `kvbridge plan DIR` reads (an engine's view) must take it
             saved = spec_from_hf_config(Path(d) / "config.json", view="transformers", dtype="float32", warn=False)
             if saved.layers != spec.layers:
@@ -290,13 +289,16 @@ def sweep_one(arch: str, seed: int = 0, timeout: int = SECONDS_PER_ARCH) -> Swee
                     pre_check(spec, prefill, decode)
                 except (IncompatibleEngines, ShardingError):
                     name, prefill, decode = FALLBACK_PAIR
+                dump = Path(d) / "decode_cache.safetensors" if not row.pairs else None  # the first pair dumps
                 result = run_demo(d, prompt_ids=prompt, new_tokens=NEW_TOKENS, seed=seed, prefill=prefill,
-                                  decode=decode)
+                                  decode=decode, dump_decode_cache=dump)
                 if not result.ok:
                     row.status = "mismatch"
                     row.detail = (f"{name}: cache {'bit-exact' if result.cache_equal else 'differs'}, greedy tokens "
                                   f"{'match' if result.match else 'differ'}; " + "; ".join(result.cache_differences[:2]))
                     return row
+                if dump is not None:
+                    check_dump(dump, model, prompt)
                 row.pairs.append(name)
         row.status = "moved"
     except _Skip as e:
@@ -314,6 +316,28 @@ def sweep_one(arch: str, seed: int = 0, timeout: int = SECONDS_PER_ARCH) -> Swee
         signal.signal(signal.SIGALRM, old)
         row.seconds = round(time.perf_counter() - t0, 1)
     return row
+
+
+def check_dump(path: Path, model: Any, prompt: list[int]) -> None:
+    """The `--dump-decode-cache` file of a proof that passed: it reads back, holds every tensor of the
+    cache a prefill leaves under `dump_names`, and each is bit-equal to it (the proof found the moved
+    cache bit-exact, so the file must be too). Raises `RuntimeError` naming the first difference."""
+    from safetensors.torch import load_file
+
+    from kvbridge.proofs.cache_compare import _layer_tensors, as_bits, dump_names
+    from kvbridge.proofs.proof import prefill
+
+    dumped = load_file(str(path))
+    reference, _ = prefill(model, prompt)
+    want = dump_names(reference)
+    if sorted(dumped) != sorted(want):
+        raise RuntimeError(f"the decode-cache dump holds {sorted(set(dumped) ^ set(want))[:4]} against the cache")
+    for li, layer in enumerate(reference.layers):
+        for name, t in _layer_tensors(layer).items():
+            got = dumped.get(f"layers.{li}.{name}")
+            if t is not None and (got is None or got.shape != t.shape or got.dtype != t.dtype
+                                  or not bool((as_bits(got) == as_bits(t.cpu())).all())):
+                raise RuntimeError(f"the decode-cache dump's layers.{li}.{name} differs from the cache")
 
 
 def pre_check(spec: Any, prefill: EngineLayout, decode: EngineLayout) -> None:
@@ -385,6 +409,26 @@ NOTES = """\
 """
 
 
+DUMP = """\
+## The decode-cache dump (`kvbridge demo --dump-decode-cache FILE`)
+
+The decode engine's cache, imported back into transformers, as one safetensors file; the sweep
+writes it for every architecture it moves and reads it back bit for bit. One naming rule,
+`layers.{layer}.{tensor}` with `layer` the transformers cache layer:
+
+| tensor | what |
+|---|---|
+| `keys`, `values` | attention K/V `[1, heads, tokens held, dim]` (MLA: the latent and the rope part) |
+| `indexer_keys`, `indexer_position_ids` | a sparse-attention indexer's keys (DeepSeek-V3.2) and its position history |
+| `conv_states.{j}`, `recurrent_states.{j}` | recurrent state `j` of the layer, always indexed: `.0` for a layer with one state, `.0`, `.1`, ... for several (Inkling's K, V and residual convs) |
+| `{compressed_kv,buffer_kv,buffer_gate,overlap_kv,overlap_gate}.{compressor}`, `entry_count.{compressor}` | a compressed layer's rows per compressor (DeepSeek-V4) |
+
+Every name is its own copy. Where the cache keeps one tensor under two names (DeepSeek-V4's window
+layers hold K and V as one tensor) each name is written as a clone, and the file's metadata maps
+the second name to the first (`"layers.3.values": "layers.3.keys"`).
+"""
+
+
 def parse_markdown(text: str) -> tuple[list[SweepRow], float]:
     """The rows and total seconds of a docs/models.md that `render_markdown` wrote (to merge a re-run
     subset into it without sweeping everything again)."""
@@ -419,6 +463,7 @@ def render_markdown(rows: list[SweepRow], version: str, seconds: float) -> str:
         "",
         TP_RULES,
         NOTES,
+        DUMP,
         "## Every architecture",
         "",
         "| architecture | layer kinds | result | pairs / why not |", "|---|---|---|---|",
