@@ -37,7 +37,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Also carry ReadDone / WriteDone as the transfer's own notification (NIXL style); the
     side-channel copy is always sent, and the receiver counts whichever arrives first."""
     side_channel_heartbeat: float = 1.0
-    """TCP keepalive interval (whole seconds, at least 1) of decode-side sockets: a peer host that
+    """TCP keepalive interval (whole seconds, at least 1) of the side-channel sockets: a peer host that
     answers no probe for 4x this long is dropped; a peer process starved of CPU is not (its
     kernel answers)."""
     checksum: bool = False

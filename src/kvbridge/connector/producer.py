@@ -104,7 +104,8 @@ class Producer(RankEndpoint):
         super().__init__(engine_id, rank, cache, transport, mode=mode, config=config, clock=clock, topology=topology)
         self.on_release = on_release
         self.server = SideChannelServer(listen, max_frame_bytes=self.config.max_frame_bytes,
-                                        secret=self.config.secret, replay_window=self.config.replay_window)
+                                        secret=self.config.secret, replay_window=self.config.replay_window,
+                                        heartbeat_seconds=self.config.side_channel_heartbeat)
         self.address = self.server.address
         self._peer_addresses = tuple(peer_addresses)
         self._readers: dict[bytes, _Reader] = {}

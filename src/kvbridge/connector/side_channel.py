@@ -178,12 +178,14 @@ class SideChannelServer:
     """A prefill rank's ROUTER socket."""
 
     def __init__(self, listen: str = "127.0.0.1:0", *, max_frame_bytes: int = MAX_FRAME_BYTES,
-                 context: zmq.Context | None = None, secret: bytes | None = None, replay_window: float = 300.0):
+                 context: zmq.Context | None = None, secret: bytes | None = None, replay_window: float = 300.0,
+                 heartbeat_seconds: float = 1.0):
         host, port = parse_address(listen)
         self.max_frame_bytes = max_frame_bytes
         self.auth = _auth(secret, b"kvbridge-sc1 s->c", b"kvbridge-sc1 c->s", replay_window)
         self.socket = (context or _context()).socket(zmq.ROUTER)
         _configure(self.socket, host, max_frame_bytes)
+        _keepalive(self.socket, heartbeat_seconds)  # a reader's connection left over a cut link is closed too
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer fails instead of vanishing
         try:
             self.socket.bind(_endpoint(host, "*" if port == 0 else port))
