@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvbridge import EngineLayout, LayerSpec, ModelSpec, RankCache
 from kvbridge.core.plan import Plan, Request, plan_request
-from kvbridge.core.shard import overlapping_ranks
+from kvbridge.core.shard import cp_block_span, overlapping_ranks
 from kvbridge.transport.local import LocalExecutor
 from kvbridge.proofs.verify import (check_case, clone_caches, expected_destination, fill_source, mismatch_report,
                              moved_positions, random_bytes)
@@ -324,7 +324,9 @@ def axes_layouts(draw, spec: ModelSpec, num_tokens: int, prefill: bool) -> Engin
         sizes = tuple(kernel * draw(st.sampled_from([1, 2, 3, 4])) for _ in range(groups))
     else:
         sizes = (kernel * draw(st.sampled_from([1, 2, 3, 4])),) * groups
-    interleave = draw(st.sampled_from([i for i in (1, 2, 4, 8) if all(b % i == 0 for b in sizes)]))
+    # Any interleave: dividing the blocks (vLLM's virtual blocks) or not (pages smaller than the
+    # interleave, vLLM's compact-local pages, as DeepSeek-V4's 64/8/4-token pages under 256).
+    interleave = draw(st.sampled_from([1, 2, 3, 4, 8, 16, 32]))
     kv_dtype = draw(st.sampled_from(KV_DTYPES))
     scales: tuple = ()
     if draw(st.booleans()):
@@ -332,7 +334,7 @@ def axes_layouts(draw, spec: ModelSpec, num_tokens: int, prefill: bool) -> Engin
         scale = st.sampled_from([0.02, 0.125, 0.5, 1.0, 3.0])
         scales = tuple(tuple(tuple(draw(scale) for _ in range(c.heads if per_head else 1)) for c in layer.components)
                        for layer in spec.layers)
-    need = max(-(-num_tokens // (b * pcp * dcp)) for b in sizes)
+    need = max(cp_block_span(0, num_tokens, b, pcp * dcp, interleave)[1] for b in sizes)
     return EngineLayout(
         tp_size=tp, block_size=sizes[0], num_blocks=need + draw(st.integers(1, 3)), kernel_block_size=kernel,
         kv_order=draw(st.sampled_from(["NHD", "HND"])),
@@ -346,11 +348,10 @@ def axes_layouts(draw, spec: ModelSpec, num_tokens: int, prefill: bool) -> Engin
 def axes_block_ids(draw, spec: ModelSpec, lay: EngineLayout, num_tokens: int) -> tuple[tuple[int, ...], ...]:
     out = []
     for g in range(len(spec.groups)):
-        per = lay.tokens_per_block_id(g)
-        ids = tuple(draw(st.permutations(range(lay.num_blocks)))[:-(-num_tokens // per)])
+        ids = tuple(draw(st.permutations(range(lay.num_blocks)))[:lay.block_ids_needed(g, num_tokens)])
         window = spec.group_layer(g).window
         if window is not None and draw(st.booleans()):  # vLLM sends sliding lists clipped to the window
-            ids = ids[spec.group_layer(g).tokens_kept(num_tokens) // per:]
+            ids = ids[lay.block_span(g, spec.group_layer(g).tokens_kept(num_tokens), num_tokens)[0]:]
         out.append(ids)
     return tuple(out)
 
@@ -426,7 +427,7 @@ def test_clipped_window_lists_plan_like_full_ones(case):
     spec, src, dst, req = case
 
     def full(lay: EngineLayout, ids):
-        return tuple(tuple([0] * (-(-req.num_tokens // lay.tokens_per_block_id(g)) - len(x))) + tuple(x)
+        return tuple(tuple([0] * (lay.block_ids_needed(g, req.num_tokens) - len(x))) + tuple(x)
                      for g, x in enumerate(ids))
     padded = Request(full(src, req.src_block_ids), full(dst, req.dst_block_ids), req.num_tokens,
                      req.num_cached_tokens)
@@ -503,8 +504,8 @@ def test_axes_errors_are_one_line():
     with pytest.raises(IncompatibleEngines, match="layer split"):
         plan_request(spec, EngineLayout(pp_size=2, layer_split=(1, 2), num_blocks=4), EngineLayout(num_blocks=4),
                      Request.single_group([0], [0], 4))
-    with pytest.raises(IncompatibleEngines, match="CP interleave 3 must divide"):
-        EngineLayout(block_size=16, cp_interleave=3)
+    with pytest.raises(IncompatibleEngines, match="the CP interleave must be >= 1"):
+        EngineLayout(block_size=16, cp_interleave=0)
     with pytest.raises(InvalidRequest, match=r"need 2 block ids, got 3"):
         plan_request(spec, EngineLayout(block_size=4, dcp_size=2, tp_size=8, num_blocks=8), EngineLayout(num_blocks=4),
                      Request.single_group([0, 1, 2], [0], 16))

@@ -34,7 +34,7 @@ import msgspec
 import numpy as np
 
 from kvbridge.errors import InvalidRequest, IncompatibleEngines, KVBridgeError
-from kvbridge.core.shard import check_dcp, check_shardable, cp_slots, head_range, pp_layer_range
+from kvbridge.core.shard import check_dcp, check_shardable, cp_block_span, cp_slots, head_range, pp_layer_range
 from kvbridge.core.spec import ModelSpec, normalize_dtype
 
 KVOrder = Literal["NHD", "HND"]
@@ -97,10 +97,6 @@ class EngineLayout(msgspec.Struct, frozen=True):
                 msgspec.structs.force_setattr(self, "kv_dtype", normalize_dtype(self.kv_dtype))
             except KVBridgeError as exc:
                 raise IncompatibleEngines(str(exc)) from None
-        for sizes in (self.group_block_sizes or (self.block_size,)):
-            if sizes % self.cp_interleave:
-                raise IncompatibleEngines(
-                    f"CP interleave {self.cp_interleave} must divide every block size, got {sizes}")
         if self.layer_placement == "cross_layer" and len(set(self.group_block_sizes)) > 1:
             raise IncompatibleEngines("a cross_layer region needs one block size for every group")
         if self.kernel_block_size is not None and self.kernel_block_size < 1:
@@ -166,8 +162,25 @@ class EngineLayout(msgspec.Struct, frozen=True):
         return self.num_blocks * (self.group_block_size(group) // self.group_kernel_size(group))
 
     def tokens_per_block_id(self, group: int) -> int:
-        """Tokens one block id of `group` covers across the CP ranks (vLLM's virtual block)."""
+        """Tokens one block id of `group` covers across the CP ranks (vLLM's virtual block): as
+        many on every id only when the block size is a multiple of the CP interleave
+        (`whole_chunks`); count ids with `block_ids_needed` / `block_span`."""
         return self.group_block_size(group) * self.cp_size
+
+    def whole_chunks(self, group: int) -> bool:
+        """Whether each block id of `group` names `tokens_per_block_id` consecutive tokens (no CP,
+        or blocks holding whole interleave chunks); False for pages smaller than the interleave."""
+        return self.cp_size == 1 or self.group_block_size(group) % self.cp_interleave == 0
+
+    def block_span(self, group: int, first: int, stop: int) -> tuple[int, int]:
+        """Block-table indices `[lo, hi)` of `group` holding some token of positions `[first, stop)`
+        on some CP rank (`shard.cp_block_span`)."""
+        return cp_block_span(first, stop, self.group_block_size(group), self.cp_size, self.cp_interleave)
+
+    def block_ids_needed(self, group: int, num_tokens: int) -> int:
+        """Block ids a request of `num_tokens` tokens needs in `group`: the most any CP rank's
+        tokens fill (with pages smaller than the interleave, more than `num_tokens / (B * CP)`)."""
+        return self.block_span(group, 0, num_tokens)[1]
 
     @property
     def kernel_size(self) -> int:

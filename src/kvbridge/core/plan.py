@@ -70,8 +70,9 @@ class Request(msgspec.Struct, frozen=True):
 
     Each id list covers tokens `[0, num_tokens)`: one id per `block size x CP size` tokens of that
     side and group (with context parallel one id names the same block on every CP rank, vLLM's
-    virtual block). The destination already holds the first `num_cached_tokens` tokens (prefix
-    cache), which are not moved. Entries of blocks that hold no token to move (before a sliding
+    virtual block), or, with pages smaller than the CP interleave, as many ids as the CP rank
+    holding the most tokens fills (`EngineLayout.block_ids_needed`). The destination already
+    holds the first `num_cached_tokens` tokens (prefix cache), which are not moved. Entries of blocks that hold no token to move (before a sliding
     window, or cached) are never read and may be any value (vLLM puts its null block there);
     a list may also stop short of them: vLLM sends sliding-window lists clipped to the window, so
     a list with fewer ids than the tokens need is read as its *last* ids (the first ones dropped).
@@ -276,7 +277,7 @@ def _state_segment(g: int, src: EngineLayout, dst: EngineLayout, req: Request) -
 
 def full_block_ids(layout: EngineLayout, group: int, ids: Sequence[int], num_tokens: int) -> np.ndarray:
     """An id list over `[0, num_tokens)`, a clipped one padded in front with -1 (never read)."""
-    need = -(-num_tokens // layout.tokens_per_block_id(group))
+    need = layout.block_ids_needed(group, num_tokens)
     return np.concatenate([np.full(max(0, need - len(ids)), -1, dtype=np.int64), np.asarray(ids, dtype=np.int64)])
 
 
@@ -288,12 +289,12 @@ def _block_ids(side: str, g: int, layout: EngineLayout, ids: Sequence[int], num_
     which only the never-read blocks before `first` get. For a group keeping one row per `rate`
     tokens, positions are rows and `layout` its row layout; a refusal still speaks in tokens.
     """
-    per = layout.tokens_per_block_id(g)
-    need = -(-num_tokens // per)
+    need = layout.block_ids_needed(g, num_tokens)
+    lo = layout.block_span(g, first, num_tokens)[0] if first < num_tokens else need
     arr = np.asarray(ids, dtype=np.int64)
     if len(arr) == need:
         return arr
-    fewest = need - first // per
+    fewest = need - lo
     if fewest <= len(arr) < need:
         return full_block_ids(layout, g, arr, num_tokens)
     window = "" if fewest == need else f" (or at least the last {fewest}, clipped to the tokens kept)"
@@ -301,7 +302,9 @@ def _block_ids(side: str, g: int, layout: EngineLayout, ids: Sequence[int], num_
             f"{num_tokens} complete rows of {rate} tokens")
     raise InvalidRequest(
         f"{side} group {g}: {held} with block size {layout.group_block_size(g) * rate}"
-        f"{f' x CP {layout.cp_size}' if layout.cp_size > 1 else ''} need {need} block ids{window}, got {len(arr)}")
+        f"{f' x CP {layout.cp_size}' if layout.cp_size > 1 else ''}"
+        f"{'' if layout.whole_chunks(g) else f' (interleave {layout.cp_interleave})'} need {need} block ids{window}, "
+        f"got {len(arr)}")
 
 
 class _GroupIds(NamedTuple):
@@ -338,11 +341,10 @@ def _validate(spec: ModelSpec, src: EngineLayout, dst: EngineLayout,
         first = layer.moved_positions(N, cached).start
         sides = []
         for side, layout, ids in (("source", src, req.src_block_ids[g]), ("destination", dst, req.dst_block_ids[g])):
-            per = layout.tokens_per_block_id(g)
-            if rate > 1 and len(ids) == -(-N // (per * rate)):  # one id per block of tokens: the open window's too
-                ids = ids[:-(-rows // per)]
+            if rate > 1 and len(ids) == -(-N // (layout.tokens_per_block_id(g) * rate)):
+                ids = ids[:layout.block_ids_needed(g, rows)]  # one id per block of tokens: the open window's too
             arr = _block_ids(side, g, layout, ids, rows, first, rate)
-            used = arr[first // per:] if first < rows else arr[:0]
+            used = arr[layout.block_span(g, first, rows)[0]:] if first < rows else arr[:0]
             if used.size and (used.min() < 0 or used.max() >= layout.num_blocks):
                 bad = used[(used < 0) | (used >= layout.num_blocks)]
                 raise InvalidRequest(

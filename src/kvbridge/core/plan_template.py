@@ -24,7 +24,8 @@ id, at which id spans two stripes meet, and the runs on both sides of a partial 
 is not ruled out goes through the planner's merge (`plan._coalesce`, which also sorts if
 needed): a costlier plan, never a different one. A pair whose runs do not fit the template's
 form (a region whose blocks have different strides, uneven stripes) has no template and is
-planned token by token.
+planned token by token, and so is a side whose pages are smaller than its CP interleave (one
+block id then names tokens of one CP rank only, not a unit of consecutive tokens).
 """
 
 from __future__ import annotations
@@ -238,6 +239,8 @@ def plan_template(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, d: int,
     that do not fit the template's form: planned token by token)."""
     if spec.group_layer(g).is_recurrent:
         return None
+    if not (src.row_layout(spec).whole_chunks(g) and dst.row_layout(spec).whole_chunks(g)):
+        return None  # pages smaller than the CP interleave: an id names no fixed run of consecutive tokens
     src_unit, unit = src.row_layout(spec).tokens_per_block_id(g), dst.row_layout(spec).tokens_per_block_id(g)
     slots = math.lcm(src_unit, unit) // unit
     if slots > MAX_SLOTS:

@@ -4,9 +4,12 @@ Three axes are sharded, each by its own rule here and nowhere else:
 * heads over TP ranks (below);
 * layers over PP stages: contiguous intervals, even by vLLM's rule or an explicit split
   (`pp_layer_range`, vLLM's `get_pp_indices` with `VLLM_PP_LAYER_PARTITION`);
-* tokens over context-parallel ranks: `interleave` tokens at a time, round robin inside each
-  *virtual block* of `block_size * cp_size` tokens that one block id names on every CP rank
-  (`cp_slots`, vLLM's DCP/PCP slot mapping, cp rank = pcp_rank * dcp_size + dcp_rank).
+* tokens over context-parallel ranks: `interleave` tokens at a time, round robin, each rank
+  keeping its own tokens in order in its pages (block-table entry j of every CP rank holds that
+  rank's local tokens `[j*B, (j+1)*B)`; `cp_slots`, vLLM's DCP/PCP slot mapping, cp rank =
+  pcp_rank * dcp_size + dcp_rank). With B a multiple of the interleave, one block id names a
+  *virtual block* of `B * cp_size` consecutive tokens; with pages smaller than the interleave
+  (DeepSeek-V4's 64-, 8- and 4-token pages under a 256-token interleave) it does not.
 
 Heads are split into contiguous intervals. When TP exceeds the head count each rank holds one
 head and consecutive ranks share it (ranks 0,1 -> head 0 ...), as vLLM partitions GQA weights.
@@ -164,16 +167,36 @@ def pp_layer_range(num_layers: int, pp_size: int, pp_rank: int, split: Sequence[
 
 def cp_slots(positions: np.ndarray, block_size: int, cp_size: int = 1,
              interleave: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(virtual block index, owning CP rank, offset in that rank's block) of each token position.
+    """(block-table index, owning CP rank, offset in that rank's block) of each token position.
 
-    One block id names a virtual block of `block_size * cp_size` tokens; inside it, chunks of
-    `interleave` tokens go round robin to the CP ranks, each filling its own `block_size` block.
-    With `cp_size == 1` this is `(p // block_size, 0, p % block_size)`.
+    vLLM's compact-local mapping: chunks of `interleave` tokens go round robin to the CP ranks;
+    position p is the `(p // (interleave * cp_size)) * interleave + p % interleave`-th token of its
+    rank, which keeps its tokens in order, `block_size` per block: index `local // block_size`,
+    offset `local % block_size`. With `block_size` a multiple of `interleave` this is the
+    virtual-block form (one id per `block_size * cp_size` consecutive tokens, chunks round robin
+    inside it); with pages smaller than the interleave a rank's consecutive pages hold one chunk.
+    With `cp_size == 1` it is `(p // block_size, 0, p % block_size)`.
     """
     p = np.asarray(positions, dtype=np.int64)
     if cp_size == 1:
         return p // block_size, np.zeros_like(p), p % block_size
-    span = block_size * cp_size
-    within = p % span
-    chunk = within // interleave
-    return p // span, chunk % cp_size, (chunk // cp_size) * interleave + within % interleave
+    local = (p // (interleave * cp_size)) * interleave + p % interleave
+    return local // block_size, (p // interleave) % cp_size, local % block_size
+
+
+def cp_block_span(first: int, stop: int, block_size: int, cp_size: int = 1, interleave: int = 1) -> tuple[int, int]:
+    """Block-table indices `[lo, hi)` holding a token of positions `[first, stop)` on some CP rank
+    (`(0, 0)` when empty): `hi` is how many ids a request of `stop` tokens needs, `lo` how many
+    leading ids hold only tokens before `first` (a cached prefix, a sliding window's dropped part).
+
+    Every rank's first and last token of the range lie within one round of `interleave * cp_size`
+    positions of its ends, so only those are looked at."""
+    if stop <= first:
+        return 0, 0
+    if cp_size == 1:
+        return first // block_size, -(-stop // block_size)
+    cycle = interleave * cp_size
+    head = np.arange(first, min(stop, first + cycle), dtype=np.int64)
+    tail = np.arange(max(first, stop - cycle), stop, dtype=np.int64)
+    return (int(cp_slots(head, block_size, cp_size, interleave)[0].min()),
+            int(cp_slots(tail, block_size, cp_size, interleave)[0].max()) + 1)

@@ -1,0 +1,144 @@
+"""Context-parallel pages smaller than the CP interleave (vLLM's compact-local slot mapping).
+
+vLLM's later context-parallel code (DeepSeek-V4's PCP metadata: a 256-token interleave with
+64-, 8- and 4-token pages) places a token on CP rank `(p // I) % C` at the rank's *local*
+position `(p // (I*C)) * I + p % I`, in block-table entry `local // B` at offset `local % B`.
+When B is a multiple of I this is the old virtual-block mapping (one id per `B*C` tokens); when
+B < I it is not, and a rank's pages hold `B` of its own consecutive tokens. The vectors below are
+vLLM's own (`build_pcp_full_slot_mapping` in vLLM's DeepSeek-V4 PCP tests), read through
+`EngineLayout.kernel_slots` / `token_owner`; then pairings and byte-exactness over such engines.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvbridge import EngineLayout, LayerSpec, ModelSpec
+from kvbridge.core.plan import Request, plan_request
+from kvbridge.core.shard import cp_slots
+from kvbridge.errors import InvalidRequest
+from kvbridge.proofs.verify import check_case
+
+PAD = -1
+
+
+def vllm_slots(layout: EngineLayout, cp_rank: int, block_table: list[int], positions: list[int]) -> list[int]:
+    """vLLM's slot mapping of one CP rank: `block * B + offset`, PAD for another rank's tokens."""
+    pos = np.asarray(positions, dtype=np.int64)
+    kb, off = layout.kernel_slots(np.asarray(block_table), pos)
+    mine = layout.token_owner(pos) == cp_rank
+    return np.where(mine, kb * layout.block_size + off, PAD).tolist()
+
+
+def test_vllm_vector_pages_of_64_under_interleave_256():
+    """vLLM: 'Production V4 uses a 256-token CP interleave while SWA stores 64-token pages. Rank 0
+    owns [0, 256) and [512, 768), compacted into local space.'"""
+    lay = EngineLayout(block_size=64, tp_size=2, dcp_size=2, cp_interleave=256, num_blocks=8)
+    got = vllm_slots(lay, 0, [1, 2, 3, 4, 5], [0, 63, 64, 255, 256, 319, 511, 512])
+    assert got == [64, 127, 128, 319, PAD, PAD, PAD, 320]
+
+
+@pytest.mark.parametrize(("cp_rank", "table", "expected"), [
+    (0, [10, 11, 12, 13], [20, 21, 22, 23, PAD, PAD, PAD, PAD, 24, 25, 26, 27, PAD, PAD, PAD, PAD]),
+    (1, [20, 21, 22, 23], [PAD, PAD, PAD, PAD, 40, 41, 42, 43, PAD, PAD, PAD, PAD, 44, 45, 46, 47]),
+])
+def test_vllm_vector_pages_of_2_under_interleave_4(cp_rank, table, expected):
+    """vLLM: block size 2, CP 2, interleave 4, positions 0..15 ('obeys interleaved owner')."""
+    lay = EngineLayout(block_size=2, pcp_size=2, cp_interleave=4, num_blocks=32)
+    assert vllm_slots(lay, cp_rank, table, list(range(16))) == expected
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.parametrize("interleave", [1, 2, 4, 8])
+@pytest.mark.parametrize("multiple", [1, 2, 3])
+def test_compact_local_is_the_virtual_block_mapping_when_blocks_hold_whole_chunks(cp, interleave, multiple):
+    """With B a multiple of I nothing changes: one id per B x C tokens, chunks round robin in it."""
+    block = interleave * multiple
+    p = np.arange(5 * block * cp + 3)
+    span = block * cp
+    chunk = (p % span) // interleave
+    old = (p // span, chunk % cp, (chunk // cp) * interleave + p % interleave)
+    for got, want in zip(cp_slots(p, block, cp, interleave), old):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(("block", "interleave", "cp"), [(64, 256, 2), (8, 256, 2), (4, 256, 4), (3, 8, 2),
+                                                        (16, 24, 3), (5, 1, 2)])
+def test_every_rank_fills_its_pages_densely(block, interleave, cp):
+    """Each CP rank's tokens fill its pages in order, no slot twice, no gap (vLLM's property that
+    the virtual-block form loses when pages are smaller than the interleave)."""
+    p = np.arange(interleave * cp * 5 + 7)
+    vb, rank, off = cp_slots(p, block, cp, interleave)
+    assert off.min() >= 0 and off.max() < block
+    for r in range(cp):
+        local = vb[rank == r] * block + off[rank == r]
+        assert local.tolist() == list(range(len(local)))
+
+
+@pytest.mark.parametrize(("block", "interleave", "cp", "tokens", "ids"), [
+    (64, 256, 2, 300, 4),   # rank 0 holds 256 tokens: 4 pages (not ceil(300 / 128) = 3)
+    (64, 256, 2, 513, 5),   # vLLM's vector: rank 0 holds [0, 256) and 512
+    (8, 256, 2, 1, 1),
+    (4, 256, 4, 1024, 64),
+    (64, 16, 2, 300, 3),    # B a multiple of I: ceil(300 / 128)
+    (16, 16, 1, 33, 3),
+])
+def test_block_ids_a_request_needs(block, interleave, cp, tokens, ids):
+    lay = EngineLayout(block_size=block, tp_size=cp, dcp_size=cp, cp_interleave=interleave, num_blocks=128)
+    assert lay.block_ids_needed(0, tokens) == ids
+    p = np.arange(tokens)
+    assert int(cp_slots(p, block, cp, interleave)[0].max()) + 1 == ids
+
+
+def test_short_id_list_is_refused_in_one_line():
+    spec = ModelSpec.uniform(1, 1, 8)
+    lay = EngineLayout(block_size=64, tp_size=2, dcp_size=2, cp_interleave=256, num_blocks=8)
+    with pytest.raises(InvalidRequest, match=r"x CP 2 \(interleave 256\) need 4 block ids, got 3") as err:
+        plan_request(spec, EngineLayout(block_size=64, num_blocks=8), lay,
+                     Request([tuple(range(5))], [(0, 1, 2)], 300))
+    assert "\n" not in str(err.value)
+
+
+def test_pcp2_pages_pair_one_to_one_with_dcp2_pages():
+    """P (PCP 2) and D (DCP 2), both 64-token pages under a 256 interleave: CP rank r's page j on D
+    is exactly CP rank r's page j on P: every D rank reads only from the P rank of its own CP
+    index, one run per page (MLA, one latent row per token: pages are contiguous)."""
+    spec = ModelSpec((LayerSpec("mla", 1, 16),), "bfloat16", "mla")
+    P = EngineLayout(block_size=64, pcp_size=2, cp_interleave=256, num_blocks=20, kv_order="NHD")
+    D = EngineLayout(block_size=64, tp_size=2, dcp_size=2, cp_interleave=256, num_blocks=20, kv_order="NHD")
+    src_ids, dst_ids = tuple(range(10, 17)), tuple(range(3, 10))
+    plan = plan_request(spec, P, D, Request([src_ids], [dst_ids], 700))
+    page = 64 * 16 * 2  # tokens x latent x bf16
+    for d in range(2):
+        sel = plan.dst_rank == d
+        assert set(plan.src_rank[sel].tolist()) == {d}  # P's flat rank d is PCP rank d (TP 1)
+        pairs = sorted(zip((plan.src_offset[sel] // page).tolist(), (plan.dst_offset[sel] // page).tolist(),
+                           plan.length[sel].tolist()))
+        # rank 0 holds 0-255 and 512-699 (444 tokens: 7 pages, the last 60 tokens), rank 1 256-511 (4 pages)
+        count = {0: 444, 1: 256}[d]
+        want = [(src_ids[j], dst_ids[j], min(64, count - 64 * j) * page // 64) for j in range(-(-count // 64))]
+        merged: list[tuple[int, int, int]] = []
+        for s, t, n in pairs:  # consecutive ids merge into one run; split them back per page
+            while n > 0:
+                merged.append((s, t, min(n, page)))
+                s, t, n = s + 1, t + 1, n - min(n, page)
+        assert merged == want
+
+
+@pytest.mark.parametrize(("p_block", "d_block", "p_inter", "d_inter"), [
+    (64, 8, 256, 256), (8, 4, 256, 256), (4, 64, 256, 256), (64, 64, 256, 16), (16, 8, 4, 32),
+])
+def test_small_pages_move_every_byte_exactly(p_block, d_block, p_inter, d_inter):
+    """PCP 2 -> DCP 2 (and DCP 4) over pages smaller than the interleave on one or both sides,
+    with a prefix hit: every destination byte is its source byte, nothing else changes."""
+    spec = ModelSpec.uniform(2, 1, 8)  # one KV head: DCP 4 over TP 4 holds it on every DCP rank
+    for dcp in (2, 4):
+        n, cached = 600, 130
+        src = EngineLayout(block_size=p_block, tp_size=2, pcp_size=2, cp_interleave=p_inter, num_blocks=n // p_block + 9)
+        dst = EngineLayout(block_size=d_block, tp_size=4, dcp_size=dcp, cp_interleave=d_inter,
+                           num_blocks=n // d_block + 9, kv_order="NHD")
+        rng = np.random.default_rng(p_block + d_block + dcp)
+        ids = [tuple(rng.permutation(lay.num_blocks)[:lay.block_ids_needed(0, n)].tolist()) for lay in (src, dst)]
+        result = check_case(spec, src, dst, Request([ids[0]], [ids[1]], n, cached), seed=dcp)
+        assert result.ok, result.mismatches
