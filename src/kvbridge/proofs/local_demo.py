@@ -144,12 +144,12 @@ def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int
     both engines' memory starts as random bytes, so a copy that lands in the wrong place or
     misses a row shows up as a different cache.
 
-    `num_cached_tokens` (a multiple of the decode block size, below the prompt length) is a
-    prefix-cache hit on the decode engine: before the move, the decode ranks are given that prefix
-    as a serving engine would hold it (the attention K/V of those positions, and for a hybrid model
-    the recurrent state after the prefix in the slot of the prefix's last block), and only the rest
-    is moved: attention positions from `num_cached_tokens` on and the recurrent state after the
-    whole prompt, into the request's slot.
+    `num_cached_tokens` (any count below the prompt length: the planner works per token, so a hit
+    may end inside a block) is a prefix-cache hit on the decode engine: before the move, the decode
+    ranks are given that prefix as a serving engine would hold it (the attention K/V of those
+    positions, and for a hybrid model the recurrent state after the prefix in the slot of the
+    prefix's last block), and only the rest is moved: attention positions from `num_cached_tokens`
+    on and the recurrent state after the whole prompt, into the request's slot.
 
     `device`: where the model and both engines' caches live (e.g. "cuda"; the executor then copies
     with torch on that device).
@@ -173,10 +173,9 @@ def run_demo(model_name_or_dir: str = DEFAULT_MODEL, prompt: Sequence[int] | int
     decode = decode or default_layout(n)
     check_capacity(prefill, n, "prefill")
     check_capacity(decode, n, "decode")
-    if not 0 <= num_cached_tokens < n or num_cached_tokens % decode.block_size:
-        raise InvalidRequest(
-            f"num_cached_tokens must be a multiple of the decode block size {decode.block_size} in [0, {n}) "
-            f"(a prefix hit covers whole blocks and leaves at least one token to move), got {num_cached_tokens}")
+    if not 0 <= num_cached_tokens < n:  # the planner's rule: any token count, one token left to move
+        raise InvalidRequest(f"num_cached_tokens {num_cached_tokens} must be in [0, {n}): the prompt's first tokens, "
+                             f"leaving at least one to move")
 
     _check_runs(model, ids)
     prefill_cache, first = run_prefill(model, ids)
