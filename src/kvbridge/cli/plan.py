@@ -55,7 +55,7 @@ def _request(spec: ModelSpec, prefill: EngineLayout, decode: EngineLayout, token
     def ids(layout: EngineLayout) -> tuple[tuple[int, ...], ...]:
         out, free = [], rng.sample(range(layout.num_blocks), layout.num_blocks)
         for g in range(len(spec.groups)):
-            need = -(-tokens // layout.tokens_per_block_id(g))
+            need = layout.block_ids_needed(g, tokens)
             out.append(tuple(free[:need]))
             free = free[need:]
         return tuple(out)

@@ -22,16 +22,18 @@ _SHOWN = 8  # blocks named in a refusal
 
 
 def written_blocks(block_ids: Sequence[Sequence[int]], num_cached_tokens: int, block_tokens: int | Sequence[int],
-                   recurrent: Sequence[bool]) -> list[int]:
+                   recurrent: Sequence[bool], skips: Sequence[int] | None = None) -> list[int]:
     """Keys of the blocks a transfer writes: full blocks under the cached prefix are skipped.
 
     `block_tokens`: tokens one block id covers (block size x CP size), one for all groups or one per group.
+    `skips`: the leading ids of each group that hold only cached tokens, when given (pages smaller
+    than a CP interleave: `EngineLayout.block_span`); they override `block_tokens`.
     """
     per = [block_tokens] * len(block_ids) if isinstance(block_tokens, int) else list(block_tokens)
     keys: list[int] = []
     for g, group in enumerate(block_ids):
         base = g << _SHIFT
-        skip = max(0, int(num_cached_tokens)) // per[g]
+        skip = skips[g] if skips is not None else max(0, int(num_cached_tokens)) // per[g]
         keys.extend(base | int(b) for b in (group if recurrent[g] else group[skip:]))
     return keys
 

@@ -189,9 +189,13 @@ class Consumer(RankEndpoint):
         budget = timeout or self.config.transfer_timeout
         eng = self._engines[engine]
         req = _Pending(request_id, engine, ids, num_tokens, int(num_cached_tokens), now, now + budget, eng.sources)
-        per_block = [self.cache.layout.tokens_per_block_id(g) for g in range(len(ids))]
-        self._owners.admit(request_id, written_blocks(ids, req.num_cached_tokens, per_block,
-                                                      self._recurrent))
+        # Leading ids holding only cached tokens (on every CP rank; pages may be smaller than the
+        # interleave): up to the request's end, or one interleave round past the prefix if unknown.
+        layout, cached = self.cache.layout, req.num_cached_tokens
+        stop = num_tokens if num_tokens is not None and num_tokens > cached else (
+            cached + layout.cp_interleave * layout.cp_size)
+        skips = [layout.block_span(g, cached, stop)[0] for g in range(len(ids))]
+        self._owners.admit(request_id, written_blocks(ids, req.num_cached_tokens, 1, self._recurrent, skips))
         self._expected.pop(request_id, None)
         self._active[request_id] = req
         self.stats["requests"] += 1

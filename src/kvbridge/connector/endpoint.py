@@ -89,11 +89,10 @@ class RankEndpoint:
                 raise InvalidRequest(f"request {request_id!r} group {g}: block id {int(bad[0])} outside "
                                      f"[0, {layout.num_blocks})")
             if exact and num_tokens is not None and not spec.group_layer(g).is_recurrent:
-                per = layout.tokens_per_block_id(g)
-                need = -(-num_tokens // per)
+                need = layout.block_ids_needed(g, num_tokens)
                 if len(group) != need:
                     raise InvalidRequest(f"request {request_id!r} group {g}: {num_tokens} tokens need {need} blocks "
-                                         f"of {per}, got {len(group)}")
+                                         f"of {layout.group_block_size(g)}{' per CP rank' if layout.cp_size > 1 else ''}, got {len(group)}")
         return ids
 
     def _check_open(self) -> None:

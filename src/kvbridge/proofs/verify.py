@@ -205,12 +205,11 @@ def random_request(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, num_to
     def ids(layout: EngineLayout) -> tuple[tuple[int, ...], ...]:
         out = []
         for g in range(len(spec.groups)):
-            per = layout.tokens_per_block_id(g)
-            need = -(-num_tokens // per)
+            need = layout.block_ids_needed(g, num_tokens)
             chosen = tuple(rng.sample(range(layout.num_blocks), need))
             layer = spec.group_layer(g)
             if clip_windows and layer.window is not None and rng.random() < 0.5:
-                chosen = chosen[layer.tokens_kept(num_tokens) // per:]
+                chosen = chosen[layout.block_span(g, layer.tokens_kept(num_tokens), num_tokens)[0]:]
             out.append(chosen)
         return tuple(out)
     return Request(ids(src), ids(dst), num_tokens, num_cached_tokens)
@@ -309,6 +308,10 @@ def random_case(rng: random.Random, all_axes: bool = False) -> tuple[ModelSpec, 
     if all_axes:
         src, dst = _more_axes(rng, spec, src, True), _more_axes(rng, spec, dst, False)
     max_tokens = min(x.tokens_per_block_id(g) * x.num_blocks for x in (src, dst) for g in range(len(spec.groups))) // 2
+    # Pages smaller than the interleave fill one CP rank's blocks first: keep to what both sides hold.
+    while max_tokens > 1 and any(x.block_ids_needed(g, max_tokens) > x.num_blocks
+                                 for x in (src, dst) for g in range(len(spec.groups))):
+        max_tokens //= 2
     num_tokens = rng.randint(1, max(1, max_tokens))
     cached = rng.choice([0, 0, rng.randint(0, num_tokens)])
     return spec, src, dst, random_request(spec, src, dst, num_tokens, cached, rng, clip_windows=all_axes)
@@ -336,7 +339,9 @@ def _more_axes(rng: random.Random, spec: ModelSpec, layout: EngineLayout, prefil
     if groups > 1 and layout.layer_placement == "per_layer" and rng.random() < 0.5:
         sizes = tuple(kbs * rng.choice([1, 2, 3, 4]) for _ in range(groups))
     blocks = sizes or (layout.block_size,)
-    interleave = rng.choice([i for i in (1, 2, 4, 8, 16) if all(b % i == 0 for b in blocks)])
+    # An interleave dividing the blocks (vLLM's virtual blocks) or larger (pages smaller than the
+    # interleave, vLLM's compact-local pages).
+    interleave = rng.choice([i for i in (1, 2, 4, 8, 16) if all(b % i == 0 for b in blocks)] + [32, 64])
     kv_dtype, scales = None, ()
     if rng.random() < 0.4:
         kv_dtype = rng.choice(["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"])

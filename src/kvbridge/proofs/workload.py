@@ -70,7 +70,7 @@ def sized_layout(layout: EngineLayout | None, spec: ModelSpec, lengths: list[int
     if layout is None:
         need = groups * sum(math.ceil(n / 16) for n in lengths)
         return EngineLayout(tp_size=tp, block_size=16, num_blocks=max(4, 2 * need + 2))
-    need = sum(math.ceil(n / layout.tokens_per_block_id(g)) for n in lengths for g in range(groups))
+    need = sum(layout.block_ids_needed(g, n) for n in lengths for g in range(groups))
     if need > layout.num_blocks:
         raise InvalidRequest(f"{side} layout has {layout.num_blocks} blocks of {layout.block_size} tokens; "
                              f"{len(lengths)} request(s) of {sum(lengths)} tokens over {groups} KV-cache group(s) need "
@@ -81,14 +81,14 @@ def sized_layout(layout: EngineLayout | None, spec: ModelSpec, lengths: list[int
 def block_tables(spec: ModelSpec, layout: EngineLayout, lengths: list[int],
                   rng: random.Random) -> list[tuple[tuple[int, ...], ...]]:
     """Disjoint random block ids for every request and group (one permutation, sliced); a block id
-    covers `block_size x CP size` tokens of its group."""
+    covers `block_size x CP size` tokens of its group (`EngineLayout.block_ids_needed` ids a request)."""
     perm = list(range(layout.num_blocks))
     rng.shuffle(perm)
     out, at = [], 0
     for n in lengths:
         groups = []
         for g in range(len(spec.groups)):
-            per = math.ceil(n / layout.tokens_per_block_id(g))
+            per = layout.block_ids_needed(g, n)
             groups.append(tuple(perm[at:at + per]))
             at += per
         out.append(tuple(groups))
