@@ -169,3 +169,29 @@ def test_transformers_proof_is_bit_exact_with_pages_smaller_than_the_interleave(
     r = run_demo(model, prompt_len=100, new_tokens=3, seed=3, prefill=prefill, decode=decode)
     assert r.match and r.cache_equal and r.replicas_equal, r.cache_differences
     assert r.ok and r.bytes_moved > 0
+
+
+@pytest.mark.oracle
+def test_kvbridge_demo_and_plan_take_pages_smaller_than_the_interleave():
+    """The commands as a user types them (sized by the CLI, not by a test helper): the demo is
+    bit-exact and `plan` counts each CP rank's tokens (1000 tokens, interleave 256: rank 0 holds
+    0-255 and 512-767)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvbridge.cli import app
+    runner = CliRunner()
+    r = runner.invoke(app, ["demo", "--model", "tiny-deepseek-v3", "--prefill-pcp", "2", "--prefill-block-size", "8",
+                            "--prefill-cp-interleave", "32", "--decode-tp", "4", "--decode-dcp", "4",
+                            "--decode-block-size", "4", "--decode-cp-interleave", "16", "--prompt-len", "100",
+                            "--new-tokens", "3", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["match"] is True and out["cache_equal"] is True and out["bytes_moved"] > 0
+    r = runner.invoke(app, ["plan", "tiny-deepseek-v3", "--prefill-pcp", "2", "--prefill-block-size", "64",
+                            "--prefill-cp-interleave", "256", "--decode-tp", "2", "--decode-dcp", "2",
+                            "--decode-block-size", "8", "--decode-cp-interleave", "256", "--tokens", "1000"])
+    assert r.exit_code == 0, r.output
+    rows = [line for line in r.stdout.splitlines() if "(0,0,0)" in line or "(1,0,1)" in line]
+    assert "512" in rows[0] and "488" in rows[1], r.stdout

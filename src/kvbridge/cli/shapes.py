@@ -16,6 +16,7 @@ import typer
 
 from kvbridge.cli.app import BOUNDS
 from kvbridge.core.layout import EngineLayout
+from kvbridge.core.shard import cp_block_span
 from kvbridge.core.spec import ModelSpec, normalize_dtype
 from kvbridge.errors import ConfigError, KVBridgeError
 
@@ -90,7 +91,8 @@ class SideShape(msgspec.Struct, frozen=True, kw_only=True):
         dtype = normalize_dtype(self.kv_dtype) if self.kv_dtype else None
         block = groups[0] if groups else (self.block_size or default_block_size(spec))
         cp = self.pcp * self.dcp
-        per_request = sum(-(-num_tokens // ((groups[g] if groups else block) * cp)) for g in range(len(spec.groups)))
+        per_request = sum(cp_block_span(0, num_tokens, groups[g] if groups else block, cp, self.cp_interleave)[1]
+                          for g in range(len(spec.groups)))
         try:
             layout = EngineLayout(
                 tp_size=self.tp, pp_size=self.pp, layer_split=split, pcp_size=self.pcp, dcp_size=self.dcp,

@@ -69,7 +69,7 @@ class DemoResult(DisaggregationResult):
 
 def check_capacity(layout: EngineLayout, num_tokens: int, side: str) -> None:
     """One clear error before any work when a layout cannot hold the prompt."""
-    need = -(-num_tokens // layout.block_size)
+    need = max(layout.block_ids_needed(g, num_tokens) for g in range(max(1, len(layout.group_block_sizes))))
     if need > layout.num_blocks:
         raise InvalidRequest(
             f"{side} layout has {layout.num_blocks} blocks of {layout.block_size} tokens; a {num_tokens}-token prompt "
