@@ -195,3 +195,19 @@ def test_kvbridge_demo_and_plan_take_pages_smaller_than_the_interleave():
     assert r.exit_code == 0, r.output
     rows = [line for line in r.stdout.splitlines() if "(0,0,0)" in line or "(1,0,1)" in line]
     assert "512" in rows[0] and "488" in rows[1], r.stdout
+
+
+@pytest.mark.oracle
+def test_every_rank_its_own_process_over_shm():
+    """PCP 2 (pages of 8, interleave 32) pushes to DCP 2 (pages of 4, interleave 16), every rank its
+    own process: tokens equal, cache bit-exact, the connector's block-count check and admission
+    take the decode's id lists, each prefill rank releases the request once."""
+    from kvbridge.proofs.connector_demo import run_multiprocess_demo
+    prefill = EngineLayout(tp_size=1, block_size=8, num_blocks=40, pcp_size=2, cp_interleave=32)
+    decode = EngineLayout(tp_size=2, block_size=4, num_blocks=64, dcp_size=2, cp_interleave=16)
+    # 110 tokens: CP rank 0 holds 64 (prefill: 8 ids, not ceil(110 / 16) = 7) and 62 (decode: 16 ids, not 14)
+    r = run_multiprocess_demo("shm", "tiny-deepseek-v3", prompt_len=110, new_tokens=3, seed=5, prefill=prefill,
+                              decode=decode, mode="push", timeout=90)
+    assert r.match and r.cache_equal and r.replicas_equal, r.cache_differences
+    assert r.requests_ok == 1 and r.released_exactly_once and len(r.releases) == 2
+    assert r.bytes_moved > 0 and r.bytes_measured == r.bytes_moved
