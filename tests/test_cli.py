@@ -70,8 +70,9 @@ def test_bench_json_reports_ratio_and_planning_fraction():
     assert out["bytes"] == 128 * 32 * 2 * 8 * 128 * 2
     assert out["ratio"] > 0 and out["plan_fraction"] > 0
     assert out["num_runs"] > 0
-    # Planning beside the bytes' time on the link (default 400 Gbit/s = 50 GB/s), cold and warm.
-    assert out["link_gbps"] == 400 and out["link_seconds"] == pytest.approx(out["bytes"] / 50e9)
+    # Planning beside the bytes' time on the link (default 400 Gbit/s = 50 GB/s per decode rank: the
+    # busiest of the two TP ranks moves half the bytes), cold and warm.
+    assert out["link_gbps"] == 400 and out["link_seconds"] == pytest.approx(out["bytes"] / 2 / 50e9)
     assert out["plan_warm_seconds"] > 0 and out["plan_cold_seconds"] > 0 and out["plan_reference_seconds"] > 0
     assert out["plan_link_percent"] == pytest.approx(100 * out["plan_warm_seconds"] / out["link_seconds"])
 
@@ -80,7 +81,7 @@ def test_bench_link_speed_sets_the_transfer_time():
     r = run("bench", "--tokens", "64", "--repeats", "1", "--link-gbps", "100", "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
-    assert out["link_gbps"] == 100 and out["link_seconds"] == pytest.approx(out["bytes"] / 12.5e9)
+    assert out["link_gbps"] == 100 and out["link_seconds"] == pytest.approx(out["bytes"] / 2 / 12.5e9)
     r = run("bench", "--tokens", "64", "--repeats", "1", "--link-gbps", "0")
     assert r.exit_code == 2
 
@@ -166,7 +167,7 @@ def test_a_local_directory_wins_over_a_preset_of_the_same_name(tmp_path, monkeyp
 
 
 def test_absurd_numbers_exit_2_naming_the_bound():
-    for args in (("plan", "llama-3-8b", "--decode-tp", "1000000"), ("plan", "llama-3-8b", "--tokens", "10000000"),
+    for args in (("plan", "llama-3-8b", "--decode-tp", "1000000"), ("plan", "llama-3-8b", "--tokens", "100000000"),
                  ("verify", "--cases", "100000000"), ("demo", "--transport", "shm", "--requests", "100000")):
         assert "bound" in _one_error_line(run(*args))
 

@@ -71,7 +71,9 @@ def test_per_group_block_sizes_and_kernel_blocks_are_taken():
 def test_kv_dtype_pair_plans_the_conversion_and_vllm_refuses_it():
     out = plan("llama-3-8b", "--decode-kv-dtype", "fp8", "--tokens", "64")
     assert "float8_e4m3fn" in out["decode"]
-    assert out["ranks"][0]["bytes"] == 64 * 32 * 2 * 4 * 128 * 1  # destination bytes, one per element
+    # on the wire: the source's bfloat16, two bytes per element; written: fp8, one per element
+    assert out["ranks"][0]["bytes"] == 64 * 32 * 2 * 4 * 128 * 2
+    assert out["ranks"][0]["dst_bytes"] == 64 * 32 * 2 * 4 * 128 * 1
     nixl, mooncake = out["vllm"]
     assert not nixl["accepts"] and any("KV dtype" in r for r in nixl["reasons"])
     assert not mooncake["accepts"]

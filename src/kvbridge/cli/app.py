@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import re
 import sys
 from collections.abc import Callable
 from enum import Enum
@@ -53,7 +55,8 @@ Role = _choices("Role", "both", "decode")
 BOUNDS: dict[str, int] = {
     "tp": 256,                # TP size of one engine (peers are bounded the same: connector/peer_bounds.py)
     "block_size": 65_536,     # tokens per block
-    "tokens": 65_536,         # tokens of one planned request: ~2 s and ~0.2 GB (per-token figures do not change beyond)
+    "tokens": 16_777_216,     # tokens of one planned request (plan: beyond `plan.CHUNK_TOKENS`, in chunks, summarised)
+    "bench_tokens": 65_536,   # tokens bench allocates and moves in this process (Llama-3-8B: 8 GiB per side)
     "prompt_len": 8_192,      # prompts of the transformers proof (tiny models on CPU)
     "new_tokens": 1_024,
     "requests": 256,          # requests in flight in a demo
@@ -76,6 +79,41 @@ def check_bounds(**values: int | float | None) -> None:
                               f"({key.replace('_', ' ')})")
 
 
+# Library words -> the flags a user of the command line typed (the library names its own fields).
+_CLI_WORDS = (("insecure=True", "--insecure"), ("ConnectorConfig.secret", "--secret-file"),
+              ("secret_file=", "--secret-file"), ("secret_file", "--secret-file"),
+              ("num_cached_tokens", "--num-cached-tokens"))
+
+
+def cli_words(line: str) -> str:
+    """`line` with the library's field names replaced by the command-line flags that set them."""
+    for lib, flag in _CLI_WORDS:
+        line = re.sub(rf"(?<![\w-]){re.escape(lib)}(?![\w])", flag, line)
+    return line
+
+
+_VALIDATION = re.compile(r"Value error, (.+?)(?: \[type=|$)", re.M)
+
+
+def error_summary(message: str, limit: int = 400) -> str:
+    """One line for `message`. A long message of several lines (a foreign failure with its traceback
+    or log tail, e.g. a vLLM instance's) becomes its first line, a validation error (pydantic's
+    "Value error, ...") its sentence, and the whole text goes to a file the line names."""
+    line = " ".join(message.split())
+    if len(line) <= limit or "\n" not in message.strip():
+        return line
+    first = " ".join(message.strip().splitlines()[0].split())
+    found = _VALIDATION.search(message)
+    if found:
+        head = first.split(":")[0] if ":" in first else first
+        first = f"{head}: {' '.join(found.group(1).split())}"
+    import tempfile
+    fd, path = tempfile.mkstemp(prefix="kvbridge-error-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.write(message)
+    return f"{first[:limit]} (the whole message: {path})"
+
+
 def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn kvbridge's own errors into one line on stderr and exit status 2."""
     @functools.wraps(fn)
@@ -83,7 +121,7 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except KVBridgeError as e:
-            line = " ".join(str(e).split())  # one line, whatever the message held
+            line = cli_words(error_summary(str(e)))  # one line, in the command line's words
             err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
     return wrapper
@@ -93,27 +131,56 @@ def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
-def parse_ids(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise InvalidRequest(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+def parse_ints(text: str, flag: str, low: int = 0, high: int | None = None) -> list[int]:
+    """Comma-separated integers in [low, high]; an empty item (`1,,3`, a trailing comma) is refused, not skipped."""
+    items = text.split(",")
+    values = []
+    for item in items:
+        item = item.strip()
+        try:
+            value = int(item)
+        except ValueError:
+            what = "an empty item" if not item else repr(item)
+            raise InvalidRequest(f"{flag} takes comma-separated integers, got {text!r} ({what} is not one)") from None
+        if value < low or (high is not None and value > high):
+            bound = f"[{low:,}, {high:,}]" if high is not None else f"at least {low}"
+            raise InvalidRequest(f"{flag} takes integers {bound}, got {value} in {text!r}")
+        values.append(value)
+    return values
 
 
-def load_spec(model: str):  # -> ModelSpec
-    """A config.json path or model DIR (an existing path wins), else a preset or built-in tiny model NAME."""
+def parse_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
+    """Token ids: non-negative integers, comma-separated."""
+    return parse_ints(text, flag, 0)
+
+
+def _looks_like_path(text: str) -> bool:
+    return text.startswith((".", "/", "~")) or "/" in text or os.sep in text or text.endswith(".json")
+
+
+def load_spec(model: str, flag: str = "MODEL", presets: bool = True):  # -> ModelSpec
+    """A config.json path or model DIR (an existing path wins), else a preset or built-in tiny model NAME.
+
+    `presets=False` for commands that run the model (demo, prefill-server): a preset has a geometry
+    but no weights, so it is neither accepted nor offered; a config.json file is not a model DIR."""
     from kvbridge.models.presets import PRESETS, preset_spec
-    path = Path(model)
+    path = Path(model).expanduser()
     if path.exists():
+        if not presets and not path.is_dir():
+            raise ConfigError(f"{flag} {model}: a file; this command runs a model: give its DIR (config.json and "
+                              f"optional weights) or a built-in model name")
         from kvbridge.models import spec_from_hf_config
         return spec_from_hf_config(path)
-    if model in PRESETS:
+    if presets and model in PRESETS:
         return preset_spec(model)  # stored: no transformers import
     from kvbridge.proofs.tiny_models import BUILTIN_MODELS, spec_for
     if model in BUILTIN_MODELS:
         return spec_for(BUILTIN_MODELS[model]())
-    names = ", ".join(list(PRESETS) + list(BUILTIN_MODELS))
-    raise ConfigError(f"unknown model {model!r}: give a config.json path, a model directory or one of: {names}")
+    if _looks_like_path(model):
+        raise ConfigError(f"{flag} {model}: no such file or directory (the path does not exist)")
+    names = ", ".join((list(PRESETS) if presets else []) + list(BUILTIN_MODELS))
+    what = "a config.json path, a model directory" if presets else "a model directory"
+    raise ConfigError(f"unknown model {model!r} ({flag}): give {what} or one of: {names}")
 
 
 class nullcontext:

@@ -8,14 +8,54 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvbridge.cli.app import (Engine, Mode, Order, Transport, app, check_bounds, console, err_console, friendly_errors,
-                              print_json)
+from kvbridge.bench.planning import DEFAULT_LINK_GBPS
+from kvbridge.cli.app import (BOUNDS, Engine, Mode, Order, Transport, app, check_bounds, console, err_console,
+                              friendly_errors, print_json)
 from kvbridge.core.layout import EngineLayout
+from kvbridge.errors import ConfigError
+
+
+# The options each bench runner reads; one given on the command line to a runner that ignores it
+# exits 2 naming the runner that takes it (as `demo` does).
+_SHAPE = {"prefill_tp", "decode_tp", "prefill_block_size", "decode_block_size", "prefill_layout", "decode_layout"}
+_COMMON = {"as_json", "transport", "offload", "engine", "staged"}
+BENCH_RUNNERS: dict[str, set[str]] = {
+    "local": _COMMON | _SHAPE | {"model", "tokens", "repeats", "link_gbps"},
+    "staged": _COMMON | _SHAPE | {"model", "tokens", "repeats"},
+    "offload": _COMMON | {"model", "tokens", "repeats", "prefill_tp", "prefill_block_size"},
+    "transport": _COMMON | _SHAPE | {"model", "tokens", "repeats", "op"},
+    "vllm": _COMMON | {"prefill_tp", "decode_tp"},
+}
+BENCH_FLAGS = {"local": "the local executor (default)", "staged": "--staged", "offload": "--offload",
+               "transport": "--transport shm|nixl|mooncake", "vllm": "--engine vllm"}
+
+
+def _bench_runner(transport: Any, offload: bool, engine: Any, staged: bool) -> str:
+    if engine == Engine.vllm:
+        return "vllm"
+    if staged:
+        return "staged"
+    if offload:
+        return "offload"
+    return "local" if transport == Transport.local else "transport"
+
+
+def _refuse_ignored(ctx: typer.Context, runner: str) -> None:
+    takes = BENCH_RUNNERS[runner]
+    for name in ctx.params:
+        source = ctx.get_parameter_source(name)
+        if getattr(source, "name", None) != "COMMANDLINE" or name in takes:
+            continue
+        flag = "--json" if name == "as_json" else "--" + name.replace("_", "-")
+        others = [BENCH_FLAGS[r] for r, opts in BENCH_RUNNERS.items() if name in opts and r != runner]
+        raise ConfigError(f"{flag} does not apply to bench with {BENCH_FLAGS[runner]}"
+                          + (f"; it is taken with {' or '.join(others)}" if others else ""))
 
 
 @app.command()
 @friendly_errors
 def bench(
+    ctx: typer.Context,
     model: str = typer.Option("llama-3-8b", help="Preset geometry."),
     tokens: int = typer.Option(4096, min=1),
     prefill_tp: int = typer.Option(1, min=1), decode_tp: int = typer.Option(2, min=1),
@@ -28,16 +68,25 @@ def bench(
     engine: Engine = typer.Option(Engine.kvbridge, help="vllm: KVBridgeConnector vs vLLM's NixlConnector per request."),
     staged: bool = typer.Option(False, help="Device staging (gather / one copy / scatter per rank pair) beside "
                                 "the direct executor and one contiguous copy, with the path each pair took."),
-    link_gbps: float = typer.Option(400.0, min=0.001, help="Link speed in Gbit/s that planning time is set "
-                                    "against (400 Gbit/s = 50 GB/s), as for `kvbridge plan`."),
+    link_gbps: float = typer.Option(DEFAULT_LINK_GBPS, min=0.001, help="Link speed of each decode rank in "
+                                    "Gbit/s that planning time is set against: the request's time is its busiest "
+                                    "decode rank's bytes at this speed, as `kvbridge plan` computes it."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Our copies vs a plain contiguous copy of the same bytes, side by side in one run."""
-    check_bounds(tokens=tokens, prefill_tp=prefill_tp, decode_tp=decode_tp, prefill_block_size=prefill_block_size,
-                 decode_block_size=decode_block_size, repeats=repeats, link_gbps=link_gbps)
     if staged and (offload or transport != Transport.local or engine == Engine.vllm):
-        from kvbridge.errors import ConfigError
         raise ConfigError("--staged compares paths of the local executor: drop --offload, --transport and --engine")
+    if offload and (transport != Transport.local or engine == Engine.vllm):
+        raise ConfigError("--offload measures GPU<->CPU store and load in this process: drop --transport and --engine")
+    if engine == Engine.vllm and transport != Transport.local:
+        raise ConfigError("--engine vllm runs vLLM's own connectors against KVBridgeConnector: drop --transport")
+    _refuse_ignored(ctx, _bench_runner(transport, offload, engine, staged))
+    check_bounds(prefill_tp=prefill_tp, decode_tp=decode_tp, prefill_block_size=prefill_block_size,
+                 decode_block_size=decode_block_size, repeats=repeats, link_gbps=link_gbps)
+    if tokens > BOUNDS["bench_tokens"]:
+        raise ConfigError(f"--tokens {tokens} is above kvbridge's bound of {BOUNDS['bench_tokens']:,} for bench "
+                          f"(it allocates and moves the request's bytes in this process; `kvbridge plan` explains "
+                          f"longer requests)")
     if engine == Engine.vllm:
         from kvbridge.bench.vllm import bench_vllm
         out = bench_vllm(None, prefill_tp, decode_tp)
@@ -45,7 +94,6 @@ def bench(
         return
     from kvbridge.models.presets import PRESETS
     if model not in PRESETS:
-        from kvbridge.errors import ConfigError
         raise ConfigError(f"unknown preset {model!r}; choose one of: {', '.join(PRESETS)}")
     prefill = EngineLayout(prefill_tp, prefill_block_size, kv_order=prefill_layout.value)
     decode = EngineLayout(decode_tp, decode_block_size, kv_order=decode_layout.value)
@@ -90,7 +138,7 @@ def bench(
     table.add_row("ratio (executor / contiguous)", f"{result.ratio:.2f}x")
     table.add_row("planning per request, warm (median)", f"{result.plan_warm_seconds * 1e3:.3f} ms "
                                                          f"({result.plan_fraction:.1%} of the copy)")
-    table.add_row(f"transfer of the bytes at {result.link_gbps:g} Gbit/s ({result.link_gbps / 8:g} GB/s)",
+    table.add_row(f"transfer at {result.link_gbps:g} Gbit/s per decode rank (busiest rank's bytes)",
                   f"{result.link_seconds * 1e3:.2f} ms")
     table.add_row("planning / transfer", f"{result.plan_link_percent:.2f}%")
     table.add_row("planning, cold (the pair's first request)", f"{result.plan_cold_seconds * 1e3:.2f} ms")

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Optional
 import msgspec
 import typer
 
-from kvbridge.cli.app import BOUNDS
+from kvbridge.cli.app import BOUNDS, parse_ints
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.shard import cp_block_span
 from kvbridge.core.spec import ModelSpec, normalize_dtype
@@ -64,13 +64,7 @@ class SideShape(msgspec.Struct, frozen=True, kw_only=True):
     def ints(self, text: str | None, option: str) -> tuple[int, ...]:
         if not text:
             return ()
-        try:
-            values = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
-        except ValueError:
-            raise ConfigError(f"--{self.side}-{option} takes comma-separated integers, got {text!r}") from None
-        if not values or min(values) < 1 or max(values) > BOUNDS["block_size"]:
-            raise ConfigError(f"--{self.side}-{option} needs integers in [1, {BOUNDS['block_size']:,}], got {text!r}")
-        return values
+        return tuple(parse_ints(text, f"--{self.side}-{option}", 1, BOUNDS["block_size"]))
 
     def layout_for(self, spec: ModelSpec, num_tokens: int, requests: int = 1, **extra: Any) -> EngineLayout:
         """The side's layout with room for `requests` requests of `num_tokens` tokens, checked against `spec`."""
