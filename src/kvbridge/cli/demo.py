@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from kvbridge.cli.app import (BOUNDS, Engine, Mode, Order, Role, Transport, app, check_bounds, console,
@@ -20,7 +21,7 @@ from kvbridge.cli.demo_configs import (DEFAULT_MODEL, RUNNER_FLAGS, RUNNERS, Dec
                                        TransportDemo, VllmDemo)
 from kvbridge.cli import shapes as sh
 from kvbridge.cli.shapes import SideShape
-from kvbridge.errors import ConfigError, InvalidRequest
+from kvbridge.errors import ConfigError, InvalidRequest, KVBridgeError
 
 _KEYS = ("model", "transport", "mode", "prefill", "decode", "tokens_reference", "tokens_disaggregated",
          "tokens_offload", "match", "cache_equal", "kv_conversion", "elements_checked", "bytes_moved", "num_runs", "plan_seconds", "transfer_seconds",
@@ -42,6 +43,8 @@ def _show(out: dict[str, Any], title: str) -> None:
                 value = f"{value * 1e3:.2f} ms" if key.endswith("seconds") else f"{value:.3f}"
             table.add_row(key, str(value))
     console.print(table)
+    for w in out.get("warnings") or ():
+        console.print(f"[yellow]warning:[/] {escape(str(w))}", soft_wrap=True, highlight=False)
 
 
 def _runner(engine: Engine, offload: bool, role: Role, transport: Transport) -> str:
@@ -67,6 +70,53 @@ def _refuse_foreign_options(ctx: typer.Context, runner: str) -> None:
         others = [RUNNER_FLAGS[r] for r, cfg in RUNNERS.items() if name in cfg.OPTIONS]
         raise InvalidRequest(f"{flag} does not apply to the {RUNNER_FLAGS[runner]} demo"
                              + (f"; it is taken with {' or '.join(others)}" if others else ""))
+
+
+def _refuse_contradictions(ctx: typer.Context, runner: str, transport: Transport, secret_file: Path | None,
+                           insecure: bool) -> None:
+    """Exit 2 on options given together that the runner cannot honour both of (one would be ignored)."""
+    def given(name: str) -> bool:
+        return getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"
+    if given("prompt_ids") and given("prompt_len"):
+        raise InvalidRequest("--prompt-ids and --prompt-len both give the prompt: drop one")
+    if transport == Transport.local and given("transport") and runner in ("vllm", "decode"):
+        what = "--engine vllm runs each vLLM instance in its own process" if runner == "vllm" else \
+            "--role decode reaches a prefill server in another process"
+        raise InvalidRequest(f"--transport local moves bytes inside one process; {what}: use --transport shm, "
+                             f"nixl or mooncake")
+    if insecure and secret_file:
+        raise ConfigError("--insecure and --secret-file contradict each other: give one")
+
+
+def _check_vllm_shape(model: str | None, prefill_tp: int, decode_tp: int) -> None:
+    """The checks vLLM runs on the shapes (in its config validation, 20 s into an instance's start)
+    and kvbridge's own, before any instance starts."""
+    from kvbridge.core.layout import EngineLayout
+    if model is not None and not Path(model).expanduser().is_dir():
+        load_spec(model, "--model", presets=False)  # says what is wrong: missing path, a file, a name
+        raise ConfigError(f"--model {model}: --engine vllm takes a model DIR (config.json and weights)")
+    if model is None:
+        import inspect
+        from kvbridge.proofs.vllm.model import make_tiny_llama
+        defaults = inspect.signature(make_tiny_llama).parameters
+        heads, what = defaults["num_heads"].default, "the demo's tiny Llama"
+        from kvbridge.core.spec import ModelSpec
+        spec = ModelSpec.uniform(defaults["num_layers"].default, defaults["num_kv_heads"].default,
+                                 defaults["head_dim"].default, "float32", "tiny-llama")
+    else:
+        from kvbridge.proofs.workload import model_config
+        config = model_config(model)
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        heads, what = int(getattr(text, "num_attention_heads", 0) or 0), model
+        spec = load_spec(model, "--model", presets=False)
+    for flag, tp in (("--prefill-tp", prefill_tp), ("--decode-tp", decode_tp)):
+        if heads and heads % tp:  # vLLM's ModelConfig.verify_with_parallel_config, its sentence
+            raise ConfigError(f"{flag} {tp}: vLLM refuses {what}: Total number of attention heads ({heads}) must be "
+                              f"divisible by tensor parallel size ({tp}).")
+        try:
+            EngineLayout(tp, 32).check_model(spec, f"{flag} {tp}")
+        except KVBridgeError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _context_length(model: str) -> int | None:
@@ -125,8 +175,8 @@ def demo(
         "than the model's is proven element by element (lossy by nature). Local runner.", rich_help_panel=SHAPES),
     decode_kv_dtype: sh.DecodeKvDtype = None,
     num_cached_tokens: int = typer.Option(
-        0, min=0, help="Prefix the decode side already holds (a multiple of its block size); only the rest "
-        "moves. Local runner.", rich_help_panel=SHAPES),
+        0, min=0, help="Prefix the decode side already holds (any count below the prompt length, as the "
+        "planner takes it); only the rest moves. Local runner.", rich_help_panel=SHAPES),
     transport: Transport = typer.Option(
         Transport.local, case_sensitive=False, help="local: one process; shm/nixl/mooncake: one process per "
         "rank [default with --role decode: shm, as prefill-server].", rich_help_panel=RUNNER),
@@ -169,6 +219,7 @@ def demo(
     """
     runner = _runner(engine, offload, role, transport)
     _refuse_foreign_options(ctx, runner)
+    _refuse_contradictions(ctx, runner, transport, secret_file, insecure)
     check_bounds(prefill_tp=prefill_tp, decode_tp=decode_tp, prefill_block_size=prefill_block_size,
                  decode_block_size=decode_block_size, prefill_kernel=prefill_kernel_block_size,
                  decode_kernel=decode_kernel_block_size, prompt_len=prompt_len, new_tokens=new_tokens,
@@ -186,6 +237,12 @@ def demo(
         raise InvalidRequest("--role decode needs --prefill HOST:PORT of a running `kvbridge prefill-server`")
     if role == Role.decode and not (secret_file or insecure):
         raise ConfigError("--role decode needs --secret-file FILE (the prefill server's) or --insecure")
+    if runner == "local" and not 0 <= num_cached_tokens < prompt:
+        given = f"--prompt-ids ({prompt} ids)" if ids else f"--prompt-len {prompt}"
+        raise InvalidRequest(f"--num-cached-tokens {num_cached_tokens} must be below {given} (a prefix hit "
+                             f"leaves at least one token to move)")
+    if runner == "vllm":
+        _check_vllm_shape(model, prefill_tp, decode_tp)
     shapes = {side: SideShape(side=side, tp=v[0], block_size=v[1], kernel_block_size=v[2], layout=v[3].value,
                               pp=v[4], layer_split=v[5], pcp=v[6], dcp=v[7], cp_interleave=v[8],
                               group_block_sizes=v[9], kv_dtype=v[10])
@@ -239,10 +296,11 @@ def _config(runner: str, model: str, ids: list[int] | None, prompt_len: int, new
                         transport="shm" if transport == Transport.local else transport.value, mode=mode.value,
                         requests=requests)
     if runner == "offload":
+        load_spec(model, "--model", presets=False)  # a missing path or unknown name: one line, before any work
         return OffloadDemo(model=model, prompt_len=max(prompt_len, 16), new_tokens=new_tokens, seed=seed,
                            store_tp=prefill_tp, load_tp=decode_tp)
     n = (len(ids) if ids else prompt_len) + new_tokens
-    spec = load_spec(model)
+    spec = load_spec(model, "--model", presets=False)
     decode = shapes["decode"].layout_for(spec, n, requests)
     common = {"model": model, "prompt_ids": ids, "prompt_len": prompt_len, "new_tokens": new_tokens, "seed": seed,
               "dump_decode_cache": dump}
