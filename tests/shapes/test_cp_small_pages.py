@@ -211,3 +211,17 @@ def test_every_rank_its_own_process_over_shm():
     assert r.match and r.cache_equal and r.replicas_equal, r.cache_differences
     assert r.requests_ok == 1 and r.released_exactly_once and len(r.releases) == 2
     assert r.bytes_moved > 0 and r.bytes_measured == r.bytes_moved
+
+
+def test_cp_with_a_compressed_row_layer_is_refused_in_one_line_naming_why():
+    """A layer keeping one row per 4 tokens (DeepSeek-V4's compressed caches) under CP: vLLM's rule
+    needs a row interleave per group (I / 4 rows here, I rows for the window group); kvbridge's row
+    layout has one, so the pair is refused before planning, in one line that says so."""
+    from kvbridge.errors import IncompatibleEngines
+    spec = ModelSpec((LayerSpec("mla", 1, 16, window=64), LayerSpec("mla", 1, 16, tokens_per_row=4)),
+                     "bfloat16", "dsv4-like")
+    cp = EngineLayout(block_size=64, tp_size=2, dcp_size=2, cp_interleave=256, num_blocks=8)
+    with pytest.raises(IncompatibleEngines, match=r"one row per 4 tokens: not planned .*256 // 4 rows") as err:
+        plan_request(spec, EngineLayout(block_size=64, num_blocks=8), cp,
+                     Request.single_group([0], [0], 64, num_groups=len(spec.groups)))
+    assert "\n" not in str(err.value)

@@ -21,8 +21,14 @@ caches, vLLM's `tokens_per_state`) keeps its block table in tokens: one block id
 tokens, holding `block_size // r` rows. `row_layout(spec)` is the layout as such a group sees it
 (its block and kernel sizes in rows), and everything that turns positions into slots (the planner,
 rank caches) reads rows through it. Block sizes not divisible by r, a kernel block size of its own,
-and context parallel are refused with such a layer (vLLM's DSV4 runs without CP: which CP rank holds
-a row of r tokens has no rule there).
+and context parallel are refused with such a layer (vLLM's later PCP keeps a row on the CP rank of
+its last token, at that rank's local row, which needs an interleave of I / r rows per group; the
+row layout has one interleave for all groups).
+
+Context parallel. A token's CP rank and its page follow vLLM's compact-local rule (`shard.cp_slots`):
+each CP rank keeps its own tokens in order, `block_size` per page, so pages may be smaller than the
+interleave (DeepSeek-V4's 64-token pages under a 256-token interleave); a request then needs the ids
+the rank holding the most tokens fills (`block_ids_needed`).
 """
 
 from __future__ import annotations
@@ -303,7 +309,9 @@ def _check_rows(spec: ModelSpec, layout: EngineLayout, what: str) -> None:
     most = spec.row_rates[-1]
     if layout.cp_size > 1:
         raise IncompatibleEngines(f"{what}: context parallel (CP {layout.cp_size}) with a layer keeping one row per "
-                                  f"{most} tokens: kvbridge has no rule for which CP rank holds such a row")
+                                  f"{most} tokens: not planned (vLLM keeps such a row on the CP rank of its "
+                                  f"last token, an interleave of {layout.cp_interleave} // {most} rows; kvbridge's row "
+                                  f"layout has one interleave for every group)")
     if layout.layer_placement == "cross_layer":
         raise IncompatibleEngines(f"{what}: a cross_layer region with a layer keeping one row per {most} tokens")
     for g in range(len(spec.groups)):
