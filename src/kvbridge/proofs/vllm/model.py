@@ -98,8 +98,31 @@ def make_tiny_hybrid(path: str | Path, *, kind: str = "nemotron_h", seed: int = 
     return path
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def add_byte_tokenizer(path: str | Path) -> Path:
+    """Write a byte-level tokenizer of 256 ids (one per byte: every tiny model here has a vocabulary
+    of 256) with a plain chat template into model directory `path`, so that `vllm serve` can take
+    text and chat messages. Built with the `tokenizers` library in well under a second, no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+    return Path(path)
+
+
 if __name__ == "__main__":
     import sys
 
     args = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     print(make_tiny_llama(sys.argv[1], **args))
+

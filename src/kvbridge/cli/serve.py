@@ -1,0 +1,127 @@
+"""`kvbridge serve`: a P/D fleet of `vllm serve` instances of any shapes behind `vllm-router`."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kvbridge.cli.app import app, console, err_console, friendly_errors
+
+_EXAMPLE = "e.g. --prefill tp=1,block=64 --prefill tp=2,block=32 --decode tp=2,block=32 --decode tp=1,block=128"
+
+
+@app.command("serve")
+@friendly_errors
+def serve(
+    model: Path = typer.Argument(..., help="A model directory vLLM can serve (config.json, weights, tokenizer)."),
+    prefill: list[str] = typer.Option([], "--prefill", help="One prefill instance: key=value pairs of tp, pp, "
+                                      f"block, transport (shm|nixl|mooncake), mode (pull|push); repeat per instance; "
+                                      f"{_EXAMPLE}."),
+    decode: list[str] = typer.Option([], "--decode", help="One decode instance, as --prefill."),
+    host: str = typer.Option("127.0.0.1", help="Interface the router and the instances' HTTP servers listen on."),
+    port: int = typer.Option(8000, help="The router's port: the fleet's endpoint."),
+    side_channel_host: str = typer.Option("127.0.0.1", help="Interface of kvbridge's side channel (prefill ranks)."),
+    log_dir: Optional[Path] = typer.Option(None, help="Where each instance's log goes [default: a new temporary "
+                                           "directory, printed]."),
+    max_model_len: int = typer.Option(1024, min=16, max=1 << 20),
+    dtype: str = typer.Option("float32", help="vLLM --dtype of every instance."),
+    kv_cache_gib: int = typer.Option(1, min=1, max=4096, help="VLLM_CPU_KVCACHE_SPACE of each instance (CPU)."),
+    router_policy: str = typer.Option("round_robin", help="round_robin, random, power_of_two, consistent_hash or "
+                                      "cache_aware."),
+    startup_timeout: float = typer.Option(1800.0, min=10.0, max=86400.0, help="Seconds to wait for health."),
+    vllm_python: Optional[Path] = typer.Option(None, help="Python of the vLLM environment [default: .venv-vllm]."),
+    stats_path: Optional[Path] = typer.Option(None, help="Append one JSON line per KV transfer (every rank of every "
+                                              "instance) to this file."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check the shapes and print the command lines; start "
+                                 "nothing."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON line (endpoint, instances, logs) when healthy."),
+) -> None:
+    """Start P/D instances (`vllm serve` with KVBridgeConnector) and vLLM's router in front of them.
+
+    Every shape is checked against vLLM's and kvbridge's rules before anything starts. Ctrl-C or
+    SIGTERM stops the whole fleet: router, instances, their workers and sidecars, and their
+    shared-memory segments.
+    """
+    from kvbridge.integrations.vllm.fleet import Fleet, FleetConfig, FleetError, InstanceShape
+
+    config = FleetConfig(
+        model=model, prefill=[InstanceShape.parse(t, "--prefill") for t in prefill],
+        decode=[InstanceShape.parse(t, "--decode") for t in decode],
+        log_dir=log_dir or Path(tempfile.mkdtemp(prefix="kvbridge-serve-")), host=host, port=port,
+        side_channel_host=side_channel_host, max_model_len=max_model_len, dtype=dtype, kv_cache_gib=kv_cache_gib,
+        router_policy=router_policy, vllm_python=str(vllm_python) if vllm_python else None,
+        stats_path=str(stats_path.resolve()) if stats_path else "")
+    fleet = Fleet(config)
+    if dry_run:
+        for m in fleet.everyone():
+            console.print(f"# {m.name} (log {m.log_path})", highlight=False, markup=False)
+            console.print(" ".join(_quote(a) for a in m.argv), highlight=False, markup=False, soft_wrap=True)
+        return
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.set()
+        raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
+    try:
+        fleet.start()
+        with console.status("starting", spinner="dots") if not as_json else _Quiet() as status:
+            fleet.wait_ready(startup_timeout, lambda states: status.update(
+                "waiting for health: " + ", ".join(f"{n} {s}" for n, s in states)))
+        if as_json:
+            sys.stdout.write(json.dumps(fleet.summary()) + "\n")
+            sys.stdout.flush()
+        else:
+            console.print(f"fleet ready at [bold]{fleet.endpoint}[/] (logs in {config.log_dir})", highlight=False)
+            for m in fleet.members:
+                console.print(f"  {m.name:<10} {m.shape.describe():<32} {m.url}", highlight=False, markup=False)
+            console.print(fleet.curl_example(), highlight=False, markup=False, soft_wrap=True)
+            console.print("Ctrl-C stops the fleet.", highlight=False)
+        while not stop.is_set():  # watch: a member that dies is reported, the rest keep serving
+            stop.wait(5.0)
+            fleet.track_segments()
+            for m in fleet.everyone():
+                if m.proc is not None and m.proc.poll() is not None:
+                    err_console.print(f"{m.name} exited (rc {m.proc.returncode}); its log: {m.log_path}",
+                                      highlight=False, markup=False)
+                    m.proc = None
+    except KeyboardInterrupt:
+        pass
+    except FleetError as e:
+        err_console.print(f"error: {e}", highlight=False, markup=False)
+        code = 1
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, signal.SIG_IGN)
+        fleet.stop()
+        for s, h in previous.items():
+            signal.signal(s, h)
+        if not as_json:
+            err_console.print("fleet stopped", highlight=False)
+    if code:
+        raise typer.Exit(code)
+
+
+class _Quiet:
+    def __enter__(self) -> _Quiet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, *_: object) -> None:
+        return None
+
+
+def _quote(arg: str) -> str:
+    import shlex
+    return shlex.quote(arg)
