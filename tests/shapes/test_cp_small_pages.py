@@ -11,8 +11,11 @@ vLLM's own (`build_pcp_full_slot_mapping` in vLLM's DeepSeek-V4 PCP tests), read
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvbridge import EngineLayout, LayerSpec, ModelSpec
 from kvbridge.core.plan import Request, plan_request
@@ -213,15 +216,129 @@ def test_every_rank_its_own_process_over_shm():
     assert r.bytes_moved > 0 and r.bytes_measured == r.bytes_moved
 
 
-def test_cp_with_a_compressed_row_layer_is_refused_in_one_line_naming_why():
-    """A layer keeping one row per 4 tokens (DeepSeek-V4's compressed caches) under CP: vLLM's rule
-    needs a row interleave per group (I / 4 rows here, I rows for the window group); kvbridge's row
-    layout has one, so the pair is refused before planning, in one line that says so."""
-    from kvbridge.errors import IncompatibleEngines
-    spec = ModelSpec((LayerSpec("mla", 1, 16, window=64), LayerSpec("mla", 1, 16, tokens_per_row=4)),
+def _row_spec(rate: int = 4) -> ModelSpec:
+    """DeepSeek-V4-like: a window group, a group keeping one row per `rate` tokens, open-window state."""
+    from kvbridge.core.spec import Component
+    state = LayerSpec("recurrent", state=(Component("compressor_buffer_kv", 1, 16),), recurrent_type="compressed")
+    return ModelSpec((LayerSpec("mla", 1, 16, window=24), LayerSpec("mla", 1, 16, tokens_per_row=rate), state),
                      "bfloat16", "dsv4-like")
-    cp = EngineLayout(block_size=64, tp_size=2, dcp_size=2, cp_interleave=256, num_blocks=8)
-    with pytest.raises(IncompatibleEngines, match=r"one row per 4 tokens: not planned .*256 // 4 rows") as err:
+
+
+@pytest.mark.parametrize(("cp_rank", "table", "expected"), [
+    (0, [3, 4], [192, 255, PAD, PAD, 256]),
+    (1, [7, 8], [PAD, PAD, 448, 511, PAD]),
+])
+def test_vllm_vector_compressed_rows_live_with_their_last_token(cp_rank, table, expected):
+    """vLLM: compress ratio 4, pages of 64 rows, CP 2, interleave 256 ('uses original token owner'):
+    the row of tokens p-3..p is written by token p, on p's CP rank, at its local row."""
+    spec = _row_spec(4)
+    lay = EngineLayout(block_size=256, tp_size=2, dcp_size=2, cp_interleave=256, num_blocks=16)
+    rows = lay.row_layout(spec)
+    g = spec.layer_group[1]
+    tokens = np.array([3, 255, 259, 511, 515])
+    q = tokens // 4
+    kb, off = rows.kernel_slots(np.asarray(table), q, g)
+    mine = rows.token_owner(q, g) == cp_rank
+    assert np.where(mine, kb * 64 + off, PAD).tolist() == expected
+    assert (rows.token_owner(q, g) == lay.token_owner(tokens)).all()  # the row's CP rank is its tokens'
+
+
+@pytest.mark.parametrize(("p_block", "d_block", "p_inter", "d_inter"), [(16, 8, 32, 16), (8, 16, 8, 64),
+                                                                        (32, 32, 32, 32)])
+def test_compressed_rows_under_cp_move_every_byte_exactly(p_block, d_block, p_inter, d_inter):
+    """PCP 2 -> DCP 2 with a window group, a row-per-4-tokens group and open-window state, pages
+    smaller than the interleave or not, a prefix hit: every destination byte right."""
+    spec = _row_spec(4)
+    n, cached = 150, 37
+    src = EngineLayout(block_size=p_block, tp_size=1, pcp_size=2, cp_interleave=p_inter, num_blocks=40)
+    dst = EngineLayout(block_size=d_block, tp_size=2, dcp_size=2, cp_interleave=d_inter, num_blocks=60, kv_order="NHD")
+    rng = np.random.default_rng(p_block + d_block)
+    ids = []
+    for lay in (src, dst):
+        perm = rng.permutation(lay.num_blocks).tolist()
+        ids.append(tuple(tuple(perm[:lay.block_ids_needed(g, n)]) for g in range(len(spec.groups))))
+    result = check_case(spec, src, dst, Request(ids[0], ids[1], n, cached), seed=1, checksum=True)
+    assert result.ok, result.mismatches
+
+
+def test_cp_with_a_row_split_over_two_ranks_is_refused_in_one_line_naming_why():
+    """An interleave that is no multiple of the tokens per row would put one row's tokens on two CP
+    ranks (vLLM refuses it too: 'divisible by compress_ratio')."""
+    from kvbridge.errors import IncompatibleEngines
+    spec = _row_spec(4)
+    cp = EngineLayout(block_size=64, tp_size=2, dcp_size=2, cp_interleave=6, num_blocks=8)
+    with pytest.raises(IncompatibleEngines, match=r"context parallel \(CP 2\) interleave 6 is not a multiple of the 4 tokens per row") as err:
         plan_request(spec, EngineLayout(block_size=64, num_blocks=8), cp,
                      Request.single_group([0], [0], 64, num_groups=len(spec.groups)))
     assert "\n" not in str(err.value)
+
+
+def test_a_peer_declaring_per_group_interleaves_is_refused_at_the_handshake():
+    """Per-group interleaves exist only in a row layout kvbridge derives; a peer's engine has one."""
+    from kvbridge.connector.handshake import make_hello
+    from kvbridge.connector.messages import HandshakeRefused
+    from kvbridge.connector.peer_bounds import check_hello_bounds
+    spec = _row_spec(4)
+    ok = EngineLayout(block_size=64, tp_size=2, dcp_size=2, cp_interleave=256, num_blocks=8)
+    check_hello_bounds(make_hello("p", 0, "prefill", "pull", spec, ok, "shm", "a", b""))
+    bad = EngineLayout(block_size=64, tp_size=2, dcp_size=2, cp_interleave=256, num_blocks=8,
+                       group_cp_interleaves=(256, 64, 256))
+    with pytest.raises(HandshakeRefused, match="per-group CP interleaves"):
+        check_hello_bounds(make_hello("p", 0, "prefill", "pull", spec, bad, "shm", "a", b""))
+
+
+@pytest.mark.oracle
+def test_deepseek_v4_proof_is_bit_exact_under_cp_with_pages_smaller_than_the_interleave():
+    """DeepSeek-V4 (transformers' tiny config: a window of 8, rows per 4 and per 8 tokens, open-window
+    state): PCP 2 with 16-token pages under a 32 interleave -> DCP 2 with 8-token pages under 16
+    (rows of 4 and 8 tokens: interleaves of 8 / 4 and 4 / 2 rows); 100 tokens wrap both."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvbridge.proofs.local_demo import run_demo
+    from kvbridge.proofs.model_sweep import tiny_config
+    config = tiny_config("deepseek_v4")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    prefill = EngineLayout(tp_size=1, block_size=16, num_blocks=64, pcp_size=2, cp_interleave=32)
+    decode = EngineLayout(tp_size=2, block_size=8, num_blocks=128, dcp_size=2, cp_interleave=16, kv_order="NHD")
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        r = run_demo(d, prompt_len=100, new_tokens=3, prefill=prefill, decode=decode)
+    assert r.ok and r.match and r.cache_equal, r.cache_differences[:3]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_compressed_rows_under_any_cp_shape_move_every_byte_exactly(data):
+    """Rows per 4 tokens next to a window and open-window state, PCP x DCP on either side, pages
+    of 4-64 tokens under interleaves of 4-64 (smaller, equal or larger), prefix hits: every
+    destination byte right and the request checksum agrees."""
+    spec = _row_spec(4)
+    n = data.draw(st.integers(1, 160))
+    cached = data.draw(st.one_of(st.just(0), st.integers(0, n)))
+
+    def side(prefill: bool) -> EngineLayout:
+        tp = data.draw(st.sampled_from([1, 2, 4]))
+        dcp = data.draw(st.sampled_from([d for d in (1, 2, 4) if tp % d == 0]))
+        pcp = data.draw(st.sampled_from([1, 2])) if prefill else 1
+        lay = EngineLayout(tp_size=tp, dcp_size=dcp, pcp_size=pcp, block_size=data.draw(st.sampled_from([4, 8, 16, 64])),
+                           cp_interleave=data.draw(st.sampled_from([4, 8, 16, 64])),
+                           kv_order=data.draw(st.sampled_from(["NHD", "HND"])), num_blocks=1)
+        need = sum(lay.block_ids_needed(g, n) for g in range(len(spec.groups)))
+        return msgspec.structs.replace(lay, num_blocks=need + 2)
+
+    src, dst = side(True), side(False)
+    ids = []
+    for lay in (src, dst):
+        perm = data.draw(st.permutations(range(lay.num_blocks)))
+        out, at = [], 0
+        for g in range(len(spec.groups)):
+            k = lay.block_ids_needed(g, n)
+            out.append(tuple(perm[at:at + k]))
+            at += k
+        ids.append(tuple(out))
+    result = check_case(spec, src, dst, Request(ids[0], ids[1], n, cached), seed=n, checksum=True)
+    assert result.ok, (result.mismatches, src.describe(), dst.describe(), n, cached)

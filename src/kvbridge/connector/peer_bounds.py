@@ -43,6 +43,9 @@ def check_hello_bounds(peer: Hello) -> None:
         value = getattr(layout, name, None)
         if isinstance(value, int) and not 1 <= value <= MAX_BLOCK_TOKENS:
             raise HandshakeRefused(f"{who} declares {name} {value}: the bound is {MAX_BLOCK_TOKENS} tokens")
+    if layout.group_cp_interleaves:  # derived for a row layout only; an engine has one interleave
+        raise HandshakeRefused(f"{who} declares per-group CP interleaves {list(layout.group_cp_interleaves)[:8]}: an "
+                               f"engine has one (cp_interleave)")
     if layout.world_size > MAX_WORLD_SIZE:
         raise HandshakeRefused(f"{who} declares {layout.world_size} ranks: the bound is {MAX_WORLD_SIZE}")
     if not 1 <= layout.num_blocks <= MAX_BLOCKS:

@@ -87,7 +87,7 @@ def _rank_rows(cache: RankCache, block_ids: tuple[tuple[int, ...], ...], request
             else:
                 kept = layer.moved_positions(request.num_tokens, request.num_cached_tokens)
                 pos = np.arange(kept.start, kept.stop, dtype=np.int64)
-                pos = pos[layout.token_owner(pos, g) == coords.cp]
+                pos = pos[layout.row_layout(spec).token_owner(pos, g) == coords.cp]  # rows of a rate layer
                 if not len(pos):
                     continue
                 full = full_block_ids(layout, g, ids, request.num_tokens)
@@ -141,7 +141,7 @@ def contribution_checksums(cache: RankCache, request: Request, dst: EngineLayout
                 continue
             sel = mask[row_heads]
             if row_pos is not None:
-                sel &= dst.token_owner(row_pos, spec.layer_group[li]) == d_cp
+                sel &= dst.row_layout(spec).token_owner(row_pos, spec.layer_group[li]) == d_cp
             out[d] = (out[d] + _sum(hashes[sel])) & _MASK
     return out
 

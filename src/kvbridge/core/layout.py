@@ -20,10 +20,11 @@ Rows per block. A layer keeping one row per `tokens_per_row` (r) tokens (DeepSee
 caches, vLLM's `tokens_per_state`) keeps its block table in tokens: one block id per `block_size`
 tokens, holding `block_size // r` rows. `row_layout(spec)` is the layout as such a group sees it
 (its block and kernel sizes in rows), and everything that turns positions into slots (the planner,
-rank caches) reads rows through it. Block sizes not divisible by r, a kernel block size of its own,
-and context parallel are refused with such a layer (vLLM's later PCP keeps a row on the CP rank of
-its last token, at that rank's local row, which needs an interleave of I / r rows per group; the
-row layout has one interleave for all groups).
+rank caches) reads rows through it. Block sizes not divisible by r and a kernel block size of its own
+are refused with such a layer. Under context parallel a row lives on the CP rank of its tokens (the
+interleave must hold whole rows), at that rank's local row (vLLM's later PCP): in rows, the
+compact-local rule with an interleave of I / r, which the row layout keeps per group
+(`group_cp_interleaves`).
 
 Context parallel. A token's CP rank and its page follow vLLM's compact-local rule (`shard.cp_slots`):
 each CP rank keeps its own tokens in order, `block_size` per page, so pages may be smaller than the
@@ -33,6 +34,7 @@ the rank holding the most tokens fills (`block_ids_needed`).
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Literal, NamedTuple
 
@@ -65,6 +67,9 @@ class EngineLayout(msgspec.Struct, frozen=True):
     `kv_dtype` is the attention cache's element type (None: the model's); recurrent state keeps
     the model's. `kv_scales[layer][component]` holds one scale (per tensor, vLLM's k_scale /
     v_scale) or one per KV head; a stored element means `element * scale` (empty: all 1).
+    `group_cp_interleaves` gives each group its own CP interleave (empty: `cp_interleave` for all):
+    only a row layout (`row_layout`) sets it, in rows (`cp_interleave // tokens_per_row`); vLLM has
+    one interleave per engine.
     """
 
     tp_size: int = 1
@@ -82,6 +87,7 @@ class EngineLayout(msgspec.Struct, frozen=True):
     group_block_sizes: tuple[int, ...] = ()
     kv_dtype: str | None = None
     kv_scales: tuple[tuple[tuple[float, ...], ...], ...] = ()
+    group_cp_interleaves: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.block_size < 1 or self.num_blocks < 1:
@@ -98,6 +104,8 @@ class EngineLayout(msgspec.Struct, frozen=True):
             raise IncompatibleEngines(f"layer split {list(self.layer_split)} needs one entry per PP stage ({self.pp_size})")
         if any(b < 1 for b in self.group_block_sizes):
             raise IncompatibleEngines(f"group block sizes must be >= 1, got {list(self.group_block_sizes)}")
+        if any(i < 1 for i in self.group_cp_interleaves):
+            raise IncompatibleEngines(f"group CP interleaves must be >= 1, got {list(self.group_cp_interleaves)}")
         if self.kv_dtype is not None:
             try:
                 msgspec.structs.force_setattr(self, "kv_dtype", normalize_dtype(self.kv_dtype))
@@ -176,12 +184,16 @@ class EngineLayout(msgspec.Struct, frozen=True):
     def whole_chunks(self, group: int) -> bool:
         """Whether each block id of `group` names `tokens_per_block_id` consecutive tokens (no CP,
         or blocks holding whole interleave chunks); False for pages smaller than the interleave."""
-        return self.cp_size == 1 or self.group_block_size(group) % self.cp_interleave == 0
+        return self.cp_size == 1 or self.group_block_size(group) % self.group_interleave(group) == 0
+
+    def group_interleave(self, group: int) -> int:
+        """CP interleave of `group`: tokens, or rows in a row layout."""
+        return self.group_cp_interleaves[group] if self.group_cp_interleaves else self.cp_interleave
 
     def block_span(self, group: int, first: int, stop: int) -> tuple[int, int]:
         """Block-table indices `[lo, hi)` of `group` holding some token of positions `[first, stop)`
         on some CP rank (`shard.cp_block_span`)."""
-        return cp_block_span(first, stop, self.group_block_size(group), self.cp_size, self.cp_interleave)
+        return cp_block_span(first, stop, self.group_block_size(group), self.cp_size, self.group_interleave(group))
 
     def block_ids_needed(self, group: int, num_tokens: int) -> int:
         """Block ids a request of `num_tokens` tokens needs in `group`: the most any CP rank's
@@ -244,14 +256,14 @@ class EngineLayout(msgspec.Struct, frozen=True):
                      group: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Kernel block id and offset inside it of each token position, given logical block ids,
         on the CP rank that holds the token (`token_owner`)."""
-        vb, _, off = cp_slots(positions, self.group_block_size(group), self.cp_size, self.cp_interleave)
+        vb, _, off = cp_slots(positions, self.group_block_size(group), self.cp_size, self.group_interleave(group))
         logical = np.asarray(block_ids, dtype=np.int64)[vb]
         kbs = self.group_kernel_size(group)
         return logical * (self.group_block_size(group) // kbs) + off // kbs, off % kbs
 
     def token_owner(self, positions: np.ndarray, group: int = 0) -> np.ndarray:
         """CP rank holding each token position."""
-        return cp_slots(positions, self.group_block_size(group), self.cp_size, self.cp_interleave)[1]
+        return cp_slots(positions, self.group_block_size(group), self.cp_size, self.group_interleave(group))[1]
 
     def row_layout(self, spec: ModelSpec) -> EngineLayout:
         """This layout with each group's block size in rows (itself when every layer keeps one row
@@ -303,15 +315,16 @@ class Addressing(msgspec.Struct, frozen=True):
 
 def _check_rows(spec: ModelSpec, layout: EngineLayout, what: str) -> None:
     """A layer keeping one row per r tokens needs blocks of whole rows in its group, no kernel block
-    size of its own in any group (the row layout has none) and no context parallel (one line each)."""
+    size of its own in any group (the row layout has none) and, with context parallel, an interleave
+    of whole rows (a row lives on the CP rank of its tokens, vLLM's rule) (one line each)."""
     if not spec.row_rates:
         return
     most = spec.row_rates[-1]
-    if layout.cp_size > 1:
-        raise IncompatibleEngines(f"{what}: context parallel (CP {layout.cp_size}) with a layer keeping one row per "
-                                  f"{most} tokens: not planned (vLLM keeps such a row on the CP rank of its "
-                                  f"last token, an interleave of {layout.cp_interleave} // {most} rows; kvbridge's row "
-                                  f"layout has one interleave for every group)")
+    if layout.cp_size > 1 and layout.cp_interleave % math.lcm(*spec.row_rates):
+        rate = next(r for r in spec.row_rates if layout.cp_interleave % r)
+        raise IncompatibleEngines(f"{what}: context parallel (CP {layout.cp_size}) interleave {layout.cp_interleave} is "
+                                  f"not a multiple of the {rate} tokens per row of a compressed layer: one row's tokens "
+                                  f"would lie on two CP ranks")
     if layout.layer_placement == "cross_layer":
         raise IncompatibleEngines(f"{what}: a cross_layer region with a layer keeping one row per {most} tokens")
     for g in range(len(spec.groups)):
@@ -327,8 +340,13 @@ def _check_rows(spec: ModelSpec, layout: EngineLayout, what: str) -> None:
 @lru_cache(maxsize=64)
 def _row_layout(spec: ModelSpec, layout: EngineLayout) -> EngineLayout:
     _check_rows(spec, layout, "engine")  # every group's kernel block is its whole block: none left to keep
-    sizes = tuple(layout.group_block_size(g) // spec.group_layer(g).tokens_per_row for g in range(len(spec.groups)))
-    return msgspec.structs.replace(layout, group_block_sizes=sizes, kernel_block_size=None, cp_interleave=1)
+    rates = [spec.group_layer(g).tokens_per_row for g in range(len(spec.groups))]
+    sizes = tuple(layout.group_block_size(g) // rate for g, rate in enumerate(rates))
+    # A row of r tokens lives on the CP rank of its tokens (one chunk: the interleave is a multiple
+    # of r), at that rank's local row: in rows, the compact-local rule with an interleave of I / r.
+    interleaves = tuple(layout.cp_interleave // rate for rate in rates) if layout.cp_size > 1 else ()
+    return msgspec.structs.replace(layout, group_block_sizes=sizes, kernel_block_size=None, cp_interleave=1,
+                                   group_cp_interleaves=interleaves)
 
 
 @lru_cache(maxsize=64)

@@ -341,7 +341,7 @@ def _validate(spec: ModelSpec, src: EngineLayout, dst: EngineLayout,
         first = layer.moved_positions(N, cached).start
         sides = []
         for side, layout, ids in (("source", src, req.src_block_ids[g]), ("destination", dst, req.dst_block_ids[g])):
-            if rate > 1 and len(ids) == -(-N // (layout.tokens_per_block_id(g) * rate)):
+            if rate > 1 and len(ids) == layout.block_ids_needed(g, -(-N // rate)):
                 ids = ids[:layout.block_ids_needed(g, rows)]  # one id per block of tokens: the open window's too
             arr = _block_ids(side, g, layout, ids, rows, first, rate)
             used = arr[layout.block_span(g, first, rows)[0]:] if first < rows else arr[:0]

@@ -209,7 +209,7 @@ def _owned(rc: RankCache, spec: ModelSpec, li: int, positions: np.ndarray) -> np
     if rc.layout.cp_size == 1:
         return np.ones(len(positions), dtype=bool)
     cp = rc.layout.rank_coords(rc.rank).cp
-    return rc.layout.token_owner(positions, spec.layer_group[li]) == cp
+    return rc.layout.row_layout(spec).token_owner(positions, spec.layer_group[li]) == cp  # positions may be rows
 
 
 def _ids(rc: RankCache, spec: ModelSpec, block_ids: BlockIds, li: int, num_tokens: int) -> np.ndarray:

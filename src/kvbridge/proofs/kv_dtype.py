@@ -77,7 +77,7 @@ def conversion_mismatches(spec: ModelSpec, src: Sequence[RankCache], dst: Sequen
             kept = lspec.moved_positions(n, cached)  # tokens, or rows of a layer keeping one per several tokens
             positions = np.arange(kept.start, kept.stop, dtype=np.int64)
             if rc.layout.cp_size > 1:
-                positions = positions[rc.layout.token_owner(positions, g) == coords.cp]
+                positions = positions[rc.layout.row_layout(spec).token_owner(positions, g) == coords.cp]
             if not len(positions):
                 continue
             ids = full_block_ids(rc.layout, g, request.dst_block_ids[g], n)

@@ -77,7 +77,7 @@ def _held(cache: RankCache, group: int, positions: np.ndarray) -> tuple[range, n
     """Layers of this rank's PP stage, and which of `positions` its CP rank holds."""
     layout, coords = cache.layout, cache.layout.rank_coords(cache.rank)
     layers = range(*layout.stage_layers(cache.spec.num_layers, coords.pp))
-    return layers, positions[layout.token_owner(positions, group) == coords.cp]
+    return layers, positions[layout.row_layout(cache.spec).token_owner(positions, group) == coords.cp]
 
 
 def moved_positions(spec: ModelSpec, group: int, request: Request) -> np.ndarray:
