@@ -226,3 +226,29 @@ def test_library_field_names_become_the_flags_the_user_typed():
     assert cli_words("insecure=True and a secret_file contradict each other") == \
         "--insecure and a --secret-file contradict each other"
     assert "--secret-file" in cli_words("configure the same ConnectorConfig.secret on both engines")
+
+
+def test_offload_refuses_a_prompt_it_would_have_lengthened():
+    """--offload took --prompt-len 4 as 16 without a word; the offload demo runs any prompt longer
+    than one offloaded block (8 tokens) and refuses a shorter one naming the flag."""
+    line = one_error_line(run("demo", "--offload", "--prompt-len", "4"))
+    assert "--prompt-len 4" in line and "9" in line
+    from kvbridge.cli import demo_configs
+    seen = {}
+    import pytest as _pytest
+    with _pytest.MonkeyPatch.context() as m:
+        m.setattr(demo_configs.OffloadDemo, "run", lambda self: seen.setdefault("len", self.prompt_len) and 1 / 0)
+        run("demo", "--offload", "--prompt-len", "9")
+    assert seen["len"] == 9
+
+
+def test_a_secret_file_others_can_read_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    from kvbridge.cli import demo, server
+    for mod in (server, demo):
+        monkeypatch.setattr(mod, "load_spec", lambda *a, **k: pytest.fail("model built before --secret-file"))
+    key = tmp_path / "key"
+    key.write_bytes(b"k" * 32)
+    key.chmod(0o644)
+    for args in (("prefill-server", "--listen", "127.0.0.1:0"), ("demo", "--role", "decode", "--prefill", "127.0.0.1:1")):
+        line = one_error_line(run(*args, "--secret-file", str(key)))
+        assert f"--secret-file {key}" in line and "0644" in line

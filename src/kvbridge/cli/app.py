@@ -154,6 +154,18 @@ def parse_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
     return parse_ints(text, flag, 0)
 
 
+def check_secret_file(path: Path | None) -> None:
+    """Read `--secret-file` as the side channel will (a 0600 regular file of this user, bounded):
+    refused in one line before any work, not after the model is built."""
+    if path is None:
+        return
+    from kvbridge.connector.secrets import read_secret_file
+    try:
+        read_secret_file(path)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("secret file ", "--secret-file ", 1)) from None
+
+
 def _looks_like_path(text: str) -> bool:
     return text.startswith((".", "/", "~")) or "/" in text or os.sep in text or text.endswith(".json")
 

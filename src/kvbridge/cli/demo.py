@@ -15,8 +15,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from kvbridge.cli.app import (BOUNDS, Engine, Mode, Order, Role, Transport, app, check_bounds, console,
-                              friendly_errors, load_spec, nullcontext, parse_ids, print_json)
+from kvbridge.cli.app import (BOUNDS, Engine, Mode, Order, Role, Transport, app, check_bounds, check_secret_file,
+                              console, friendly_errors, load_spec, nullcontext, parse_ids, print_json)
 from kvbridge.cli.demo_configs import (DEFAULT_MODEL, RUNNER_FLAGS, RUNNERS, DecodeClient, LocalDemo, OffloadDemo,
                                        TransportDemo, VllmDemo)
 from kvbridge.cli import shapes as sh
@@ -237,6 +237,7 @@ def demo(
         raise InvalidRequest("--role decode needs --prefill HOST:PORT of a running `kvbridge prefill-server`")
     if role == Role.decode and not (secret_file or insecure):
         raise ConfigError("--role decode needs --secret-file FILE (the prefill server's) or --insecure")
+    check_secret_file(secret_file)
     if runner == "local" and not 0 <= num_cached_tokens < prompt:
         given = f"--prompt-ids ({prompt} ids)" if ids else f"--prompt-len {prompt}"
         raise InvalidRequest(f"--num-cached-tokens {num_cached_tokens} must be below {given} (a prefix hit "
@@ -297,7 +298,14 @@ def _config(runner: str, model: str, ids: list[int] | None, prompt_len: int, new
                         requests=requests)
     if runner == "offload":
         load_spec(model, "--model", presets=False)  # a missing path or unknown name: one line, before any work
-        return OffloadDemo(model=model, prompt_len=max(prompt_len, 16), new_tokens=new_tokens, seed=seed,
+        import inspect
+        from kvbridge.proofs.offload_demo import run_offload_demo
+        defaults = inspect.signature(run_offload_demo).parameters
+        block = defaults["block_size"].default * defaults["block_size_factor"].default
+        if prompt_len <= block:
+            raise InvalidRequest(f"--prompt-len {prompt_len}: --offload stores a prefix of whole {block}-token blocks "
+                                 f"and computes the rest, so the prompt needs at least {block + 1} tokens")
+        return OffloadDemo(model=model, prompt_len=prompt_len, new_tokens=new_tokens, seed=seed,
                            store_tp=prefill_tp, load_tp=decode_tp)
     n = (len(ids) if ids else prompt_len) + new_tokens
     spec = load_spec(model, "--model", presets=False)

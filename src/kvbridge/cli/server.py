@@ -15,6 +15,7 @@ from kvbridge.cli.app import (
     Transport,
     app,
     check_bounds,
+    check_secret_file,
     console,
     err_console,
     friendly_errors,
@@ -74,7 +75,6 @@ def prefill_server(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """The prefill half of the two-host demo: prefill, lease the blocks, serve one decode engine."""
-    from kvbridge.proofs.connector_demo import run_prefill_server
     check_bounds(prefill_tp=prefill_tp, prefill_block_size=prefill_block_size, prompt_len=prompt_len,
                  requests=requests, timeout=timeout)
     if transport == Transport.local:
@@ -87,12 +87,14 @@ def prefill_server(
         raise ConfigError("prefill-server needs --secret-file FILE (a 0600 file the decode side gets too) or "
                           "--insecure")
     ids = parse_ids(prompt_ids) if prompt_ids else None
-    check_listen(listen)  # before the model is built and the prompt prefilled
+    check_secret_file(secret_file)  # before the model is built and the prompt prefilled
+    check_listen(listen)
     n = (len(ids) if ids else prompt_len) + 8
     spec = load_spec(model, "--model", presets=False)
     block = prefill_block_size or default_block_size(spec)
     shape = EngineLayout(prefill_tp, block, (-(-n // block) + 8) * requests, kv_order=prefill_layout.value)
     shape.check_model(spec, "prefill engine")
+    from kvbridge.proofs.connector_demo import run_prefill_server
     result = run_prefill_server(listen, transport=transport.value, model=model, prompt_ids=ids,
                                 prompt_len=None if ids else prompt_len, seed=seed, prefill=shape, mode=mode.value,
                                 num_requests=requests, timeout=timeout, secret_file=secret_file, insecure=insecure,
