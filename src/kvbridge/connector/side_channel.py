@@ -140,13 +140,19 @@ def _keepalive(sock: zmq.Socket, seconds: float) -> None:
     sock.setsockopt(zmq.TCP_MAXRT, 4 * whole * 1000)
 
 
+_SAME_SECRET = ("configure the same secret on both engines: the kvbridge command's --secret-file, or ConnectorConfig's "
+                "secret or secret file")
+"""How a user fixes a one-sided secret, in the words of both ways to run an engine (its log is read
+by people who typed flags and by people who wrote a vLLM config)."""
+
+
 def _decode_parts(peer: bytes, parts: list[bytes], max_frame_bytes: int, auth: FrameAuth | None = None) -> Received:
     size = sum(len(p) for p in parts)
     if auth is not None:
         if len(parts) == 1:
             return Received(peer, None, AuthenticationError(
                 "unauthenticated frame refused: a shared secret is configured on this side channel and the peer "
-                "sent no HMAC (configure the same ConnectorConfig.secret on both engines)"), size)
+                f"sent no HMAC ({_SAME_SECRET})"), size)
         if len(parts) != 2:
             return Received(peer, None, ProtocolError(f"expected a frame and its HMAC, got {len(parts)} parts"), size)
         if len(parts[0]) > max_frame_bytes:
@@ -160,7 +166,7 @@ def _decode_parts(peer: bytes, parts: list[bytes], max_frame_bytes: int, auth: F
     elif len(parts) == 2 and len(parts[1]) == AUTH_BYTES:
         return Received(peer, None, AuthenticationError(
             "authenticated frame refused: the peer signs its frames with a shared secret (HMAC) but none is "
-            "configured on this side (configure the same ConnectorConfig.secret on both engines)"), size)
+            f"configured on this side ({_SAME_SECRET})"), size)
     if len(parts) != 1:
         return Received(peer, None, ProtocolError(f"expected one frame per message, got {len(parts)} parts"),
                         sum(len(p) for p in parts))
