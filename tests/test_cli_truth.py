@@ -252,3 +252,20 @@ def test_a_secret_file_others_can_read_is_refused_before_the_model_is_built(tmp_
     for args in (("prefill-server", "--listen", "127.0.0.1:0"), ("demo", "--role", "decode", "--prefill", "127.0.0.1:1")):
         line = one_error_line(run(*args, "--secret-file", str(key)))
         assert f"--secret-file {key}" in line and "0644" in line
+
+
+@pytest.mark.parametrize("args,flag", [
+    (("plan", "llama-3-8b", "--tokens", "0"), "--tokens"),
+    (("plan", "llama-3-8b", "--bogus"), "--bogus"),
+    (("plan",), "model"),
+    (("demo", "--prefill-layout", "XYZ"), "--prefill-layout"),
+])
+def test_usage_errors_are_one_line_too(args, flag):
+    assert flag in one_error_line(run(*args))
+
+
+def test_an_unwritable_dump_path_is_refused_before_the_run(tmp_path):
+    (tmp_path / "f").write_text("")
+    line = one_error_line(run("demo", "--dump-decode-cache", str(tmp_path / "f" / "x.safetensors")))
+    assert "--dump-decode-cache" in line
+    assert "directory" in one_error_line(run("demo", "--dump-decode-cache", str(tmp_path)))

@@ -19,10 +19,45 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
+
+try:  # typer >= 0.2x carries its own click; older ones use click's
+    from typer._click import exceptions as _click_errors
+except ImportError:  # pragma: no cover
+    from click import exceptions as _click_errors  # type: ignore[no-redef]
 
 from kvbridge.errors import ConfigError, InvalidRequest, KVBridgeError
 
+class _OneLineErrors(TyperGroup):
+    """The command group with click's usage errors (a bad value, a missing argument, an unknown
+    option) as one line naming the option, exit 2, like kvbridge's own errors."""
+
+    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None, standalone_mode: bool = True,
+             **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, False, **extra)
+        except _click_errors.NoArgsIsHelpError as e:  # no arguments: the help, as click shows it
+            e.show()
+            sys.exit(e.exit_code)
+        except _click_errors.UsageError as e:
+            where = e.ctx.command_path if e.ctx else "kvbridge"
+            line = " ".join(e.format_message().split())
+            err_console.print(f"[bold red]error:[/] {escape(line)} (`{escape(where)} --help` lists the options)",
+                              highlight=False, soft_wrap=True)
+            sys.exit(2)
+        except _click_errors.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except _click_errors.Abort:
+            err_console.print("aborted")
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
+                  cls=_OneLineErrors,
                   context_settings={"max_content_width": 80},
                   help="Move LLM KV caches between engines of any TP size, block size and layout, byte-exact.")
 console = Console()

@@ -8,6 +8,7 @@ exits 2 naming the runner that does, so nothing is silently ignored.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -86,6 +87,17 @@ def _refuse_contradictions(ctx: typer.Context, runner: str, transport: Transport
                              f"nixl or mooncake")
     if insecure and secret_file:
         raise ConfigError("--insecure and --secret-file contradict each other: give one")
+
+
+def _check_writable(path: Path, flag: str) -> None:
+    """Refuse, before the run, a file the run could not write at its end."""
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path}: a directory; give a file name (.safetensors)")
+    parent = path.expanduser().absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: cannot write there ({parent} is not a writable directory)")
 
 
 def _check_vllm_shape(model: str | None, prefill_tp: int, decode_tp: int) -> None:
@@ -238,6 +250,8 @@ def demo(
     if role == Role.decode and not (secret_file or insecure):
         raise ConfigError("--role decode needs --secret-file FILE (the prefill server's) or --insecure")
     check_secret_file(secret_file)
+    if dump_decode_cache is not None:
+        _check_writable(dump_decode_cache, "--dump-decode-cache")
     if runner == "local" and not 0 <= num_cached_tokens < prompt:
         given = f"--prompt-ids ({prompt} ids)" if ids else f"--prompt-len {prompt}"
         raise InvalidRequest(f"--num-cached-tokens {num_cached_tokens} must be below {given} (a prefix hit "
