@@ -100,10 +100,17 @@ def _check_writable(path: Path, flag: str) -> None:
         raise ConfigError(f"{flag} {path}: cannot write there ({parent} is not a writable directory)")
 
 
-def _check_vllm_shape(model: str | None, prefill_tp: int, decode_tp: int) -> None:
+def _check_vllm_shape(model: str | None, prefill_tp: int, decode_tp: int, prefill_block_size: int | None = None,
+                      decode_block_size: int | None = None) -> None:
     """The checks vLLM runs on the shapes (in its config validation, 20 s into an instance's start)
     and kvbridge's own, before any instance starts."""
     from kvbridge.core.layout import EngineLayout
+    from kvbridge.proofs.vllm.cluster import check_block_size
+    for flag, size in (("--prefill-block-size", prefill_block_size), ("--decode-block-size", decode_block_size)):
+        try:
+            check_block_size(size)
+        except KVBridgeError as e:
+            raise ConfigError(f"{flag} {size}: {str(e).split(' (e.g.')[0]}") from None
     if model is not None and not Path(model).expanduser().is_dir():
         load_spec(model, "--model", presets=False)  # says what is wrong: missing path, a file, a name
         raise ConfigError(f"--model {model}: --engine vllm takes a model DIR (config.json and weights)")
@@ -257,7 +264,7 @@ def demo(
         raise InvalidRequest(f"--num-cached-tokens {num_cached_tokens} must be below {given} (a prefix hit "
                              f"leaves at least one token to move)")
     if runner == "vllm":
-        _check_vllm_shape(model, prefill_tp, decode_tp)
+        _check_vllm_shape(model, prefill_tp, decode_tp, prefill_block_size, decode_block_size)
     shapes = {side: SideShape(side=side, tp=v[0], block_size=v[1], kernel_block_size=v[2], layout=v[3].value,
                               pp=v[4], layer_split=v[5], pcp=v[6], dcp=v[7], cp_interleave=v[8],
                               group_block_sizes=v[9], kv_dtype=v[10])
