@@ -54,6 +54,9 @@ CHUNK_TOKENS = 4_096
 chunks are planned once and counted for all (`_figures`): memory and time stay those of a few
 chunks at any length (Gemma-2-9B NHD -> HND at 1M tokens: 22 GB and 51 s as one plan)."""
 
+RUNS_PER_CHUNK = 2_000_000
+"""Runs one chunk may hold at most (a few hundred MB of run arrays while it is planned)."""
+
 
 def _block_ids(spec: ModelSpec, layout: EngineLayout, start: int, stop: int) -> tuple[np.ndarray, ...]:
     """Per group, the block ids a chunk `[start, stop)` of the request reads: the table's entries
@@ -103,10 +106,16 @@ def _tail_layers(spec: ModelSpec, tokens: int, cached: int) -> tuple[np.ndarray,
     return tail, first
 
 
-def _chunks(tokens: int, cached: int, step: int, tail_first: int) -> list[tuple[int, int, int]]:
+def _chunk_size(spec: ModelSpec, step: int) -> int:
+    """Tokens per chunk: at most `CHUNK_TOKENS`, and few enough that a chunk holds at most
+    `RUNS_PER_CHUNK` runs when every (token, head) row is a run of its own (NHD -> HND); a multiple of `step`."""
+    rows = sum(c.heads for layer in spec.layers if layer.is_attention for c in layer.components)
+    return max(step, min(CHUNK_TOKENS, RUNS_PER_CHUNK // max(1, rows)) // step * step)
+
+
+def _chunks(tokens: int, cached: int, size: int, tail_first: int) -> list[tuple[int, int, int]]:
     """`(start, stop, count)`: the first chunk, the middle chunks (one of `count` equal ones) and the
     last one, which holds every token a windowed or recurrent layer moves."""
-    size = max(step, CHUNK_TOKENS // step * step)
     last = min(tokens - 1, tail_first) // size * size
     if tokens - cached <= size or last <= cached:
         return [(cached, tokens, 1)]
@@ -148,7 +157,7 @@ def _figures(spec: ModelSpec, prefill: EngineLayout, decode: EngineLayout, token
     from kvbridge.core.plan import Request, plan_request
     prefill, decode = (msgspec.structs.replace(x, num_blocks=2 * x.num_blocks + 2) for x in (prefill, decode))
     tail, tail_first = _tail_layers(spec, tokens, cached)
-    chunks = _chunks(tokens, cached, _alignment(spec, prefill, decode), tail_first)
+    chunks = _chunks(tokens, cached, _chunk_size(spec, _alignment(spec, prefill, decode)), tail_first)
     regions = [decode.addressing(spec, d).region for d in range(decode.world_size)]
     is_tail = np.zeros((decode.world_size, 1 + max(int(r.max()) for r in regions)), dtype=bool)
     for d, region in enumerate(regions):
