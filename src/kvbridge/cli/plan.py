@@ -146,8 +146,19 @@ class _Figures:
         self.wire += count * np.bincount(plan.dst_rank, weights=plan.src_length, minlength=world).astype(np.int64)
         self.written += count * np.bincount(plan.dst_rank, weights=plan.length, minlength=world).astype(np.int64)
         self.runs += count * np.bincount(plan.dst_rank, minlength=world)
-        for d in np.unique(plan.dst_rank):
-            self.warnings[d].update(plan.select(plan.dst_rank == d).stats.warnings)
+        for d in np.unique(plan.dst_rank):  # the planner's warnings but its mean run size: that is the request's
+            self.warnings[d].update(w for w in plan.select(plan.dst_rank == d).stats.warnings
+                                    if not w.startswith("runs average"))
+
+    def rank_warnings(self, d: int, src: EngineLayout, dst: EngineLayout) -> list[str]:
+        """Rank `d`'s warnings, the tiny-run one (`core.plan`'s rule) from the whole request's runs."""
+        from kvbridge.core.plan import TINY_RUN_BYTES
+        out = set(self.warnings[d])
+        if self.runs[d] and self.written[d] / self.runs[d] < TINY_RUN_BYTES:
+            out.add(f"runs average {self.written[d] / self.runs[d]:.0f} B (below {TINY_RUN_BYTES} B): source "
+                    f"{src.describe()} and destination {dst.describe()} share little contiguity; expect slow "
+                    f"transfers")
+        return sorted(out)
 
 
 def _figures(spec: ModelSpec, prefill: EngineLayout, decode: EngineLayout, tokens: int,
@@ -326,7 +337,7 @@ def _rank(spec: ModelSpec, prefill: EngineLayout, decode: EngineLayout, d: int, 
         "runs_per_block_layer": runs / max(1, -(-tokens // decode.block_size) * spec.num_layers),
         "mean_run_bytes": written / runs if runs else 0.0, "ms_per_request": seconds * 1e3,
         "ms_per_1k_tokens": seconds * 1e3 * 1000 / max(1, tokens - cached),
-        "warnings": sorted(figures.warnings[d]),
+        "warnings": figures.rank_warnings(d, prefill, decode),
     }
 
 
