@@ -29,6 +29,13 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Seconds to wait for a transfer to stop (or a push writer to confirm it stopped) after an abort."""
     announcement_ttl: float | None = None
     """Seconds an unclaimed RequestReady is kept on a decode rank (default: its lease)."""
+    remote_engine_ttl: float = 600.0
+    """Seconds a remote engine that no request needs stays known (vLLM's transfer topology keeps
+    remote engines with a TTL too): a decode rank forgets an idle prefill engine unused this long,
+    or at once when all its sources came back as another incarnation; a prefill rank forgets a
+    decode engine silent twice this long. Forgetting closes its connections and drops its transport peer and topology
+    entry, so fleets whose instances come and go keep bounded state; an engine that comes back
+    handshakes anew."""
     max_frame_bytes: int = MAX_FRAME_BYTES
     """Bound of one side-channel frame; larger frames are refused on both ends."""
     max_pending: int = 65536
@@ -62,7 +69,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         for name in ("handshake_timeout", "transfer_timeout", "lease_seconds", "abort_timeout",
-                     "side_channel_heartbeat"):
+                     "side_channel_heartbeat", "remote_engine_ttl"):
             value = getattr(self, name)
             if not 0 < value < 7 * 24 * 3600:
                 raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value}")

@@ -150,6 +150,30 @@ class Consumer(RankEndpoint):
         """The layout prefill engine `engine_id` declared at the handshake."""
         return self._engines[engine_id].layout
 
+    def forget(self, engine_id: str) -> bool:
+        """Forget prefill engine `engine_id` (it left): its connections, transport peer and topology
+        entry go, its requests here fail. False when it was not connected. Idle engines are
+        forgotten by `progress` on their own (`ConnectorConfig.remote_engine_ttl`)."""
+        for req in list(self._active.values()):
+            if req.engine == engine_id:
+                self._fail(req, f"prefill engine {engine_id!r} was forgotten (it left)")
+        for rid in [r for r, (e, _) in self._expected.items() if e == engine_id]:
+            del self._expected[rid]
+        return self._links.forget(engine_id)
+
+    def _forget_idle(self) -> None:
+        """Forget prefill engines no request needs: at once when every source came back as another
+        incarnation (it will never answer again), else after `remote_engine_ttl` unused (a lost
+        engine keeps re-handshaking until then: a cut link may come back)."""
+        now = self.clock()
+        busy = {r.engine for r in self._active.values()} | {e for e, _ in self._expected.values()}
+        for eng in list(self._engines.values()):
+            if eng.engine_id not in busy and (eng.replaced_whole or
+                                              now - eng.last_used > self.config.remote_engine_ttl):
+                log.info("decode rank %d: forgetting prefill engine %r (%s)", self.rank, eng.engine_id,
+                         "replaced" if eng.replaced_whole else f"unused for {now - eng.last_used:.0f} s")
+                self._links.forget(eng.engine_id)
+
     def touch(self, engine_id: str) -> tuple[int, ...]:
         """Send an empty `Heartbeat` to every reachable source rank of `engine_id`: a frame of ours
         after the handshake tells the producer this rank is past it (`Producer.confirmed_ranks`).
@@ -188,6 +212,7 @@ class Consumer(RankEndpoint):
         now = self.clock()
         budget = timeout or self.config.transfer_timeout
         eng = self._engines[engine]
+        eng.last_used = now
         req = _Pending(request_id, engine, ids, num_tokens, int(num_cached_tokens), now, now + budget, eng.sources)
         # Leading ids holding only cached tokens (on every CP rank; pages may be smaller than the
         # interleave): up to the request's end, or one interleave round past the prefix if unknown.
@@ -202,6 +227,8 @@ class Consumer(RankEndpoint):
         cancelled = self._cancelled.pop(request_id, None)
         if cancelled is not None:
             self._fail(req, cancelled)
+        else:
+            self._claim(eng, request_id)
         claimed = self._unclaimed.pop(request_id, None)
         if claimed is not None:
             for ann in claimed[1].values():
@@ -234,6 +261,17 @@ class Consumer(RankEndpoint):
         self._expected[request_id] = (engine, self.clock() + (timeout or self.config.transfer_timeout))
         self._expected.move_to_end(request_id)
         self._bounded(self._expected)
+        self._engines[engine].last_used = self.clock()
+        self._claim(self._engines[engine], request_id)
+
+    def _claim(self, eng: SourceEngine, request_id: str) -> None:
+        """Name `request_id` to the engine's reachable source ranks at once (a heartbeat): a prefill
+        rank serving several decode engines learns which one reads a request nobody named to it
+        (`Producer.claimant`), and its lease is extended."""
+        hb = m.Heartbeat(self.engine_id, self.rank, (request_id,))
+        for s, client in eng.clients.items():
+            if s not in eng.lost and client.send(hb):
+                self.stats["heartbeats_sent"] += 1
 
     def abort(self, request_id: str, reason: str = "aborted by the decode engine") -> bool:
         """Cancel a request; its result (a failure) comes from `progress` once its transfers stopped.
@@ -581,6 +619,7 @@ class Consumer(RankEndpoint):
             return
         self._next_heartbeat = now + self.config.heartbeat_every
         self._expire_unclaimed()
+        self._forget_idle()
         while self._expected and next(iter(self._expected.values()))[1] <= now:
             self._expected.popitem(last=False)
             self.stats["expectations_expired"] += 1

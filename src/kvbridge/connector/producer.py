@@ -110,8 +110,14 @@ class Producer(RankEndpoint):
         self._peer_addresses = tuple(peer_addresses)
         self._readers: dict[bytes, _Reader] = {}
         self._engines: dict[str, dict[int, bytes]] = {}
+        self._heard: dict[str, float] = {}  # decode engine -> when a frame of it last arrived
+        self._next_forget = 0.0
         self._leases: dict[str, _Lease] = {}
         self._early: OrderedDict[str, tuple[float, dict[int, m.DestinationReady]]] = OrderedDict()
+        # request id -> (since, decode engine): a decode rank's heartbeat named a request this rank
+        # has not leased yet, so that engine will read it (`claimant`: which of several decode
+        # engines a request the router did not name belongs to)
+        self._claims: OrderedDict[str, tuple[float, str]] = OrderedDict()
         self._early_aborts: OrderedDict[str, tuple[float, str]] = OrderedDict()
         self._history: OrderedDict[str, str] = OrderedDict()
         self._confirmed: set[tuple[str, int]] = set()  # readers heard from after their Hello
@@ -147,10 +153,18 @@ class Producer(RankEndpoint):
         frames that arrive with the reply)."""
         return tuple(sorted(r for e, r in self._confirmed if e == engine_id))
 
+    def claimant(self, request_id: str) -> str | None:
+        """The decode engine whose heartbeat named `request_id` before it was leased here, if any."""
+        claim = self._claims.get(request_id)
+        return claim[1] if claim is not None else None
+
     def add_request(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int,
                     first_token: int | None = None, *, to_engine: str | None = None,
                     lease_seconds: float | None = None) -> None:
-        """Lease `block_ids` (per KV-cache group) holding the request's `num_tokens` tokens."""
+        """Lease `block_ids` (per KV-cache group) holding the request's `num_tokens` tokens.
+
+        `to_engine` names the decode engine that reads it; without it, the engine that claimed
+        the request (its heartbeat named it, `claimant`), else the only connected one."""
         self._check_open()
         if request_id in self._leases or request_id in self._history:
             raise InvalidRequest(f"request id {request_id!r} is already known to prefill rank {self.rank} "
@@ -160,6 +174,9 @@ class Producer(RankEndpoint):
         if not 0 < lease < 7 * 24 * 3600:
             raise InvalidRequest(f"lease_seconds must be a finite number of seconds > 0, got {lease}")
         now = self.clock()
+        claimed = self._claims.pop(request_id, None)
+        if to_engine is None and claimed is not None:
+            to_engine = claimed[1]
         req = _Lease(request_id, ids, int(num_tokens), first_token, lease, now + lease, to_engine)
         self._leases[request_id] = req
         self.stats["requests"] += 1
@@ -200,6 +217,7 @@ class Producer(RankEndpoint):
             else:
                 self._advance(req)
         self._expire_early(now)
+        self._forget_silent(now)
 
     def run_until(self, predicate: Callable[[], bool], timeout: float, step: float = 0.01) -> bool:
         """Call `progress` until `predicate()` holds or `timeout` s pass; returns the predicate."""
@@ -255,6 +273,7 @@ class Producer(RankEndpoint):
         if (msg.engine_id, msg.rank) == (reader.engine_id, reader.rank) \
                 and self._engines.get(reader.engine_id, {}).get(reader.rank) == rec.peer:
             self._confirmed.add((reader.engine_id, reader.rank))
+        self._heard[reader.engine_id] = self.clock()
         self._on_message(msg, reader)
 
     def _on_message(self, msg: m.Message, reader: _Reader | None) -> None:
@@ -297,6 +316,7 @@ class Producer(RankEndpoint):
             self._readers.pop(old, None)
         self._readers[peer] = _Reader(hello.engine_id, hello.rank, hello.agent_name, peer)
         self._engines[hello.engine_id][hello.rank] = peer
+        self._heard[hello.engine_id] = self.clock()
         self.stats["handshakes"] += 1
         self._reply(peer, mine)
         for req in list(self._leases.values()):
@@ -329,6 +349,9 @@ class Producer(RankEndpoint):
             req = self._leases.get(rid)
             if req is not None and req.ending is None and req.engine in (None, hb.engine_id):
                 req.expiry = max(req.expiry, horizon)
+            elif req is None and rid not in self._history and rid not in self._claims:
+                self._claims[rid] = (self.clock(), hb.engine_id)
+                self._bounded(self._claims, "claims_dropped")
 
     def _on_abort(self, msg: m.Abort) -> None:
         req = self._leases.get(msg.request_id)
@@ -553,8 +576,49 @@ class Producer(RankEndpoint):
             self.stats["send_failures"] += 1
         return ok
 
+    def forget(self, engine_id: str) -> bool:
+        """Forget decode engine `engine_id` (it left): its readers, its transport agents and its
+        topology entry. Leases bound to it end first. False when it was not connected."""
+        for req in list(self._leases.values()):
+            if req.engine == engine_id and req.ending is None:
+                self._end(req, f"decode engine {engine_id!r} was forgotten (it left)", ok=False)
+        peers = self._engines.pop(engine_id, None)
+        self._heard.pop(engine_id, None)
+        if peers is None:
+            return False
+        agents = {self._readers.pop(p).agent for p in peers.values() if p in self._readers}
+        self._confirmed = {(e, r) for e, r in self._confirmed if e != engine_id}
+        for agent in agents:
+            try:
+                self.transport.disconnect(agent)
+            except Exception as e:  # noqa: BLE001 - a transport that already dropped the peer
+                log.debug("disconnect %s: %s", agent, e)
+        self.topology.unregister_remote_engine(engine_id)
+        self.stats["engines_forgotten"] += 1
+        return True
+
+    def _forget_silent(self, now: float) -> None:
+        """Forget decode engines silent for twice `remote_engine_ttl` that no lease is bound to
+        (twice: a decode rank forgets an unused prefill engine after one TTL and handshakes anew
+        when it needs it again, so it never sends to a prefill rank that forgot it). Runs once a
+        second at most."""
+        if now < self._next_forget:
+            return
+        self._next_forget = now + 1.0
+        bound = {req.engine for req in self._leases.values()}
+        for engine, heard in list(self._heard.items()):
+            if engine not in bound and now - heard > 2 * self.config.remote_engine_ttl:
+                log.info("prefill rank %d: forgetting decode engine %r (silent for %.0f s)", self.rank, engine,
+                         now - heard)
+                self.forget(engine)
+
     def _expire_early(self, now: float) -> None:
         ttl = self.config.announcement_ttl or self.config.lease_seconds
+        while self._claims:
+            since, _ = next(iter(self._claims.values()))
+            if now - since < ttl:
+                break
+            self._claims.popitem(last=False)
         while self._early_aborts:
             since, _ = next(iter(self._early_aborts.values()))
             if now - since < ttl:

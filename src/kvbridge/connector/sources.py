@@ -45,6 +45,12 @@ class SourceEngine:
     rejoins: dict[int, tuple[SideChannelClient, float]] = field(default_factory=dict)  # (client, deadline)
     next_rejoin: dict[int, float] = field(default_factory=dict)
     replaced: dict[int, str] = field(default_factory=dict)  # sources that came back as another incarnation
+    last_used: float = 0.0  # when a request last named this engine (connect, receive, expect)
+
+    @property
+    def replaced_whole(self) -> bool:
+        """Every source came back as another incarnation: this engine will never answer again."""
+        return set(self.sources) <= set(self.replaced)
 
 
 class SourceLinks:
@@ -112,6 +118,7 @@ class SourceLinks:
                 c.close()
         for s, c in eng.clients.items():
             self._client_of[id(c)] = (engine_id, s)
+        eng.last_used = ep.clock()
         self.engines[engine_id] = eng
         return engine_id
 
@@ -128,6 +135,26 @@ class SourceLinks:
             if eng.lost:
                 self._rejoin(eng)
         return out
+
+    def forget(self, engine_id: str) -> bool:
+        """Drop a prefill engine: close its connections and re-handshakes, disconnect its transport
+        agents and unregister it from the topology. False when it was not connected."""
+        eng = self.engines.pop(engine_id, None)
+        if eng is None:
+            return False
+        for s in list(eng.rejoins):
+            self._drop_rejoin(eng, s)
+        for c in eng.clients.values():
+            self._client_of.pop(id(c), None)
+            c.close()
+        for agent in set(eng.agents.values()):
+            try:
+                self.ep.transport.disconnect(agent)
+            except Exception as e:  # noqa: BLE001 - a transport that already dropped the peer
+                log.debug("disconnect %s: %s", agent, e)
+        self.ep.topology.unregister_remote_engine(engine_id)
+        self.ep.stats["engines_forgotten"] += 1
+        return True
 
     def close(self) -> None:
         for eng in self.engines.values():

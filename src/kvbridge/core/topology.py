@@ -174,6 +174,10 @@ class TransferTopology:
         self._remotes[engine_id] = info
         return info
 
+    def unregister_remote_engine(self, engine_id: str) -> bool:
+        """Forget a remote engine (it left, or its TTL ran out); False when it was not registered."""
+        return self._remotes.pop(engine_id, None) is not None
+
     def get_engine_info(self, engine_id: str) -> EngineTransferInfo:
         if engine_id == self.engine_id:
             return self.local

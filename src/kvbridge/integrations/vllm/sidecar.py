@@ -290,7 +290,13 @@ class Sidecar:
         engines = self.producer.decode_engines
         for rid, (req, deadline) in list(self._held.items()):
             named = req.to_engine
-            target = named if named in engines else (engines[0] if named is None and len(engines) == 1 else None)
+            if named is None:  # the router named no decode engine: the one that claimed it reads it
+                claimant = self.producer.claimant(rid)
+                target = claimant if claimant in engines else None
+                if target is None and engines and all(not self.producer.topology.reader_ranks(e) for e in engines):
+                    target = engines[0]  # no decode engine reads this rank (GQA de-duplication, MLA): release now
+            else:
+                target = named if named in engines else None
             confirmed = set(self.producer.confirmed_ranks(target)) if target is not None else set()
             waiting = (None if target is None else [r for r in self.producer.topology.reader_ranks(target)
                                                     if r not in confirmed])
