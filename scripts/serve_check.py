@@ -1,0 +1,73 @@
+"""`make serve-check`: kvbridge serve's fleet through edge cases, churn, faults and starvation
+(kvbridge.testing.serve_check), then the serving benchmark beside vLLM's NixlConnector
+(`kvbridge bench --serve`); prints the tables and writes JSON next to them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="serve-check.json")
+    parser.add_argument("--quick", action="store_true", help="edge cases and one load only")
+    parser.add_argument("--work", default=None, help="keep the fleet's logs here")
+    parser.add_argument("--skip-faults", action="store_true", help="only the benchmark")
+    parser.add_argument("--skip-bench", action="store_true", help="only the fleet scenarios")
+    args = parser.parse_args(argv)
+    console = Console(width=160)
+    report: dict = {}
+    bad = False
+    if not args.skip_faults:
+        from kvbridge.testing.serve_check import run
+        result = run(Path(args.work) / "faults" if args.work else None, quick=args.quick)
+        report["faults"] = result
+        table = Table(title="kvbridge serve: 2 prefill x 2 decode instances of four shapes behind vllm-router")
+        cols = ("phase", "requests", "completed", "equal", "wrong", "errors", "kv_loads", "recomputed", "seconds")
+        for col in cols:
+            table.add_column(col)
+        for r in result["rows"]:
+            table.add_row(*(str(r[c]) if r[c] is not None else "-" for c in cols))
+        console.print(table)
+        console.print(f"after stop: {result['leaks']}  (logs: {result['work']})")
+        bad |= any(r["wrong"] for r in result["rows"]) or any(result["leaks"].get(k) for k in
+                                                             ("processes_left", "segments_left", "ports_left"))
+    if not args.skip_bench:
+        from kvbridge.bench.serving import bench_serve
+        report["bench"] = []
+        for p, d in (("tp=1,block=32", "tp=2,block=32"), ("tp=1,block=64", "tp=2,block=32")):
+            b = bench_serve(prefill=p, decode=d, work=Path(args.work) / f"bench-{p}-{d}" if args.work else None)
+            report["bench"].append(b)
+            table = Table(title=f"vllm bench serve through vllm-router: prefill {b['prefill']} -> decode "
+                          f"{b['decode']}, {b['prompts']} prompts, {b['concurrency']} in flight, median of "
+                          f"{b['rounds']} rounds")
+            for col in ("dataset", "connector", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+                        "out tok/s", "completed", "failed"):
+                table.add_column(col)
+            for row in b["table"]:
+                for c in ("kvbridge", "nixl", "ratios"):
+                    v = row.get(c)
+                    if v is None:
+                        continue
+                    if "refused" in v:
+                        table.add_row(row["dataset"], c, f"refused: {v['refused'][:60]}", *[""] * 6)
+                        continue
+                    keys = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput")
+                    cells = [f"{v[k]:.2f}" if isinstance(v.get(k), (int, float)) else "-" for k in keys]
+                    extra = [str(v.get("completed", "")), str(v.get("failed", ""))] if c != "ratios" else ["", ""]
+                    table.add_row(row["dataset"], c if c != "ratios" else "ratio (NIXL/kvb; tok/s kvb/NIXL)",
+                                  *cells, *extra)
+            console.print(table)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"JSON: {args.out}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

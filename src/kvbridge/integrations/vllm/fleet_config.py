@@ -1,0 +1,174 @@
+"""What a P/D fleet is (`kvbridge serve`'s shapes and settings) and the checks that refuse, before
+anything starts, a fleet vLLM or kvbridge cannot run. The processes are `fleet.py`'s."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.integrations.vllm.fleet_processes import port_free
+
+MAX_INSTANCES = 16  # per role: each instance is at least three processes
+MAX_TP, MAX_PP = 64, 16
+MAX_BLOCK = 4096
+TRANSPORTS = ("shm", "nixl", "mooncake")
+ROUTER_POLICIES = ("round_robin", "random", "power_of_two", "consistent_hash", "cache_aware")
+
+
+class FleetError(KVBridgeError, RuntimeError):
+    """A fleet member failed to start or died; the message names it and its log file."""
+
+
+class InstanceShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One instance's shape, as `--prefill tp=2,block=32,transport=shm,mode=pull` writes it."""
+
+    tp: int = 1
+    pp: int = 1
+    block: int = 32
+    transport: str = "shm"
+    mode: str = "pull"
+
+    @classmethod
+    def parse(cls, text: str, flag: str) -> InstanceShape:
+        """`key=value[,key=value...]` with keys tp, pp, block, transport, mode; refused in one line."""
+        fields: dict[str, Any] = {}
+        for item in text.split(","):
+            key, eq, value = item.strip().partition("=")
+            if not eq or not key or not value:
+                raise ConfigError(f"{flag} {text!r}: expected key=value pairs such as tp=2,block=32 (keys: tp, pp, "
+                                  "block, transport, mode)")
+            if key not in cls.__struct_fields__:
+                raise ConfigError(f"{flag} {text!r}: unknown key {key!r} (keys: tp, pp, block, transport, mode)")
+            if key in fields:
+                raise ConfigError(f"{flag} {text!r}: {key} given twice")
+            if key in ("tp", "pp", "block"):
+                if not value.isdigit() or len(value) > 6:
+                    raise ConfigError(f"{flag} {text!r}: {key} must be a positive integer, got {value!r}")
+                fields[key] = int(value)
+            else:
+                fields[key] = value
+        shape = cls(**fields)
+        for key, top in (("tp", MAX_TP), ("pp", MAX_PP), ("block", MAX_BLOCK)):
+            if not 1 <= getattr(shape, key) <= top:
+                raise ConfigError(f"{flag} {text!r}: {key} must be in 1..{top}, got {getattr(shape, key)}")
+        if shape.transport not in TRANSPORTS:
+            raise ConfigError(f"{flag} {text!r}: transport must be one of {', '.join(TRANSPORTS)}, got "
+                              f"{shape.transport!r}")
+        if shape.mode not in ("pull", "push"):
+            raise ConfigError(f"{flag} {text!r}: mode must be pull or push, got {shape.mode!r}")
+        return shape
+
+    def describe(self) -> str:
+        pp = f" PP={self.pp}" if self.pp > 1 else ""
+        return f"TP={self.tp}{pp} block {self.block} {self.transport}/{self.mode}"
+
+
+@dataclass
+class FleetConfig:
+    """Everything `kvbridge serve` takes; `Fleet` checks it before anything starts."""
+
+    model: Path
+    prefill: Sequence[InstanceShape]
+    decode: Sequence[InstanceShape]
+    log_dir: Path
+    host: str = "127.0.0.1"  # where the router and the instances' HTTP servers listen
+    port: int = 8000  # the router's
+    side_channel_host: str = "127.0.0.1"
+    max_model_len: int = 1024
+    dtype: str = "float32"
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE per instance
+    router_policy: str = "round_robin"
+    vllm_python: str | None = None  # the vLLM environment's interpreter (default: .venv-vllm)
+    request_timeout_s: int = 600  # the router's per-request bound: generous, a starved instance is slow, not dead
+    extra_env: dict[str, str] = field(default_factory=dict)
+    stats_path: str = ""  # KVBridgeConnector's per-transfer JSON lines (tests, benchmarks)
+    connector: str = "kvbridge"  # or "nixl": vLLM's own NixlConnector (kv_buffer_device cpu), for benchmarks
+
+
+def check_shapes(config: FleetConfig) -> list[str]:
+    """Refuse, before anything starts, a fleet vLLM or kvbridge cannot run; returns notes."""
+    from kvbridge.core.layout import EngineLayout
+    from kvbridge.core.topology import TransferTopology
+    from kvbridge.models import spec_from_hf_config
+
+    if not config.prefill or not config.decode:
+        raise ConfigError("a P/D fleet needs at least one --prefill and one --decode instance")
+    for role, shapes in (("--prefill", config.prefill), ("--decode", config.decode)):
+        if len(shapes) > MAX_INSTANCES:
+            raise ConfigError(f"{role} given {len(shapes)} times; at most {MAX_INSTANCES} instances per role")
+    model = Path(config.model)
+    if not model.exists():
+        raise ConfigError(f"model directory {model} does not exist")
+    if not (model / "config.json").is_file():
+        raise ConfigError(f"{model} is not a model directory (no config.json)")
+    if not any((model / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ConfigError(f"{model} has no tokenizer (tokenizer.json / tokenizer_config.json): vllm serve takes text")
+    everyone = [*config.prefill, *config.decode]
+    kinds = {(s.transport, s.mode) for s in everyone}
+    if len(kinds) > 1:
+        raise ConfigError("every instance of a fleet must use the same transport and mode (a prefill and a decode "
+                          f"instance of different ones cannot pair); got {', '.join(sorted(map('/'.join, kinds)))}")
+    spec = spec_from_hf_config(str(model))
+    heads = {layer.num_kv_heads for layer in spec.layers if layer.is_attention and layer.kind != "mla"}
+    layers = len(spec.layers)
+    cpu = _is_cpu_build(config)
+    for role, shapes in (("--prefill", config.prefill), ("--decode", config.decode)):
+        for s in shapes:
+            if cpu and s.block % 32:
+                raise ConfigError(f"{role} {s.describe()}: vLLM's CPU attention takes block sizes that are multiples "
+                                  "of 32")
+            if s.pp > layers:
+                raise ConfigError(f"{role} {s.describe()}: PP {s.pp} is more than the model's {layers} layers")
+            q_heads = _query_heads(model)
+            if q_heads and q_heads % s.tp:
+                raise ConfigError(f"{role} {s.describe()}: vLLM splits the model's {q_heads} attention heads evenly "
+                                  f"over TP ranks; TP {s.tp} does not divide them")
+            for h in heads:
+                if h % s.tp and s.tp % h:
+                    raise ConfigError(f"{role} {s.describe()}: TP {s.tp} neither divides nor is a multiple of the "
+                                      f"model's {h} KV heads (vLLM shards or replicates them)")
+    for p in config.prefill:
+        for d in config.decode:
+            dst = EngineLayout(tp_size=d.tp, pp_size=d.pp, block_size=d.block)
+            topo = TransferTopology("decode", spec, dst, tp_rank=0)
+            try:
+                topo.register_remote_engine("prefill", EngineLayout(tp_size=p.tp, pp_size=p.pp, block_size=p.block),
+                                            spec)
+            except KVBridgeError as e:
+                raise ConfigError(f"prefill {p.describe()} -> decode {d.describe()}: {str(e).splitlines()[0]}") \
+                    from None
+    if config.router_policy not in ROUTER_POLICIES:
+        raise ConfigError(f"--router-policy must be one of {', '.join(ROUTER_POLICIES)}, got {config.router_policy!r}")
+    if not 1 <= config.port < 65536:
+        raise ConfigError(f"--port must be in 1..65535, got {config.port}")
+    if not port_free(config.host, config.port):
+        raise ConfigError(f"--port {config.port}: {config.host}:{config.port} is in use or cannot be bound")
+    return [f"{len(config.prefill)} prefill x {len(config.decode)} decode instances of {model.name}, "
+            f"{layers} layers"]
+
+
+def _query_heads(model: Path) -> int | None:
+    try:
+        cfg = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = cfg.get("num_attention_heads") if isinstance(cfg, dict) else None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _is_cpu_build(config: FleetConfig) -> bool:
+    """Whether the vLLM environment holds vLLM's CPU wheel (block sizes in multiples of 32)."""
+    python = Path(config.vllm_python or "")
+    root = python.parent.parent if python.name else None
+    if root is None or not root.is_dir():
+        return True
+    return any(root.glob("lib/python3*/site-packages/vllm_cpu-*.dist-info"))
+
+
+__all__ = ["FleetConfig", "FleetError", "InstanceShape", "check_shapes"]

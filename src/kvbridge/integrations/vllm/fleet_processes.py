@@ -1,0 +1,192 @@
+"""The processes of a fleet: the vLLM environment, free ports, health, `vllm serve` command lines,
+process sessions and the shared-memory segments they map. No policy here: `fleet.py` decides."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvbridge.errors import ConfigError, KVBridgeError
+
+if TYPE_CHECKING:
+    from kvbridge.integrations.vllm.fleet_config import FleetConfig, InstanceShape
+
+REPO = Path(__file__).resolve().parents[4]
+
+
+class PortsExhausted(KVBridgeError, RuntimeError):
+    """No run of free ports was found."""
+
+
+def vllm_python(python: str | os.PathLike | None = None) -> str:
+    """The interpreter that runs vLLM: `python`, $KVBRIDGE_VLLM_PYTHON, .venv-vllm, or this one."""
+    for cand in (python, os.environ.get("KVBRIDGE_VLLM_PYTHON"), REPO / ".venv-vllm" / "bin" / "python"):
+        if cand and Path(cand).is_file():
+            return str(cand)
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    raise ConfigError("no vLLM environment: run `make vllm-env` (creates .venv-vllm) or set KVBRIDGE_VLLM_PYTHON")
+
+
+def free_ports(count: int = 1, exclude: set[int] | None = None) -> int:
+    """A base port such that `count` consecutive ports are free on 127.0.0.1, below the kernel's
+    ephemeral range (an ephemeral port that is free now may be taken by any outgoing connection
+    before the side channel binds it: seen as "Address already in use"), none of them in
+    `exclude` (ports promised to instances that have not bound them yet)."""
+    rng = random.Random()
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    top = max(20000 + 1000, min(low, 60000))
+    for _ in range(200):
+        base = rng.randrange(20000, top - count)
+        if exclude and exclude.intersection(range(base, base + count)):
+            continue
+        socks = []
+        try:
+            for p in range(base, base + count):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise PortsExhausted(f"no {count} consecutive free ports found")
+
+
+@dataclass
+class Member:
+    """One process of the fleet: an instance (`prefill-0`, `decode-1`) or the router."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    http_port: int
+    shape: InstanceShape | None = None
+    engine_id: str | None = None
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{_url_host(self.argv_host)}:{self.http_port}"
+
+    argv_host: str = "127.0.0.1"
+
+    def state(self) -> str:
+        """'stopped', 'exited (rc N)', 'ready' or 'starting' (health not yet 200)."""
+        if self.proc is None:
+            return "stopped"
+        rc = self.proc.poll()
+        if rc is not None:
+            return f"exited (rc {rc})"
+        return "ready" if healthy(self.url) else "starting"
+
+    def log_tail(self, lines: int = 5) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else ("127.0.0.1" if host in ("0.0.0.0", "") else host)
+
+
+def healthy(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on host:port now (with SO_REUSEADDR, as servers bind: a
+    closed server's connections in TIME_WAIT do not hold its port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def find_tool(python: str, name: str) -> str | None:
+    """`name` (an executable) beside the vLLM environment's interpreter, or on PATH."""
+    beside = Path(python).parent / name
+    return str(beside) if beside.is_file() else shutil.which(name)
+
+
+def vllm_serve_member(c: FleetConfig, vllm: str, name: str, shape: InstanceShape, http_port: int, log_dir: Path,
+                      kv: dict[str, Any] | None) -> Member:
+    """One `vllm serve` instance of the fleet's model and settings; `kv` None: a plain instance
+    (no connector: the reference every fleet answer must equal)."""
+    argv = [vllm, "serve", str(Path(c.model).resolve()), "--host", c.host, "--port", str(http_port),
+            "--served-model-name", "model", "--dtype", c.dtype, "--max-model-len", str(c.max_model_len),
+            "--block-size", str(shape.block), "--tensor-parallel-size", str(shape.tp),
+            "--pipeline-parallel-size", str(shape.pp), "--enforce-eager"]
+    if kv is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": str(c.kv_cache_gib),
+           "TORCHINDUCTOR_CACHE_DIR": str(log_dir / f"inductor-{name}"), **c.extra_env}
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # see proofs/vllm/cluster._instance_config
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return Member(name, argv, env, log_dir / f"{name}.log", http_port, shape, argv_host=c.host)
+
+
+def _all_pids() -> list[int]:
+    return [int(d) for d in os.listdir("/proc") if d.isdigit()]
+
+
+def _pids_in_groups(groups: set[int]) -> list[int]:
+    """Processes whose process group is one of `groups` (each member leads its own session)."""
+    out = []
+    for pid in _all_pids():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) in groups:
+            out.append(pid)
+    return out
+
+
+def _mapped_segments(pid: int) -> set[str]:
+    """Names of /dev/shm files process `pid` maps."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return {line.split("/dev/shm/", 1)[1].split(" (deleted)")[0].strip() for line in f if "/dev/shm/" in line}
+    except OSError:
+        return set()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+__all__ = ["Member", "PortsExhausted", "find_tool", "free_ports", "healthy", "port_free", "vllm_python",
+           "vllm_serve_member"]
