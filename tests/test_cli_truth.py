@@ -271,3 +271,13 @@ def test_an_unwritable_dump_path_is_refused_before_the_run(tmp_path):
     line = one_error_line(run("demo", "--dump-decode-cache", str(tmp_path / "f" / "x.safetensors")))
     assert "--dump-decode-cache" in line
     assert "directory" in one_error_line(run("demo", "--dump-decode-cache", str(tmp_path)))
+
+
+@pytest.mark.parametrize("args,names", [
+    (("--prefill-block-size", "32", "--prefill-group-block-sizes", "16"), ("--prefill-block-size", "--prefill-group-block-sizes")),
+    (("--decode-cp-interleave", "4"), ("--decode-cp-interleave", "--decode-pcp")),
+])
+def test_plan_shape_options_one_would_ignore_are_refused(args, names):
+    line = one_error_line(run("plan", "llama-3-8b", "--tokens", "64", *args))
+    for name in names:
+        assert name in line, line

@@ -79,6 +79,12 @@ class SideShape(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"--{self.side}-layer-split {self.layer_split} names {len(split)} stages, "
                               f"--{self.side}-pp is {self.pp}")
         groups = self.ints(self.group_block_sizes, "group-block-sizes")
+        if groups and self.block_size is not None:  # one of them would be ignored
+            raise ConfigError(f"--{self.side}-block-size and --{self.side}-group-block-sizes both give the block "
+                              f"size: drop one")
+        if self.cp_interleave > 1 and self.pcp * self.dcp == 1:
+            raise ConfigError(f"--{self.side}-cp-interleave {self.cp_interleave} takes effect with context parallel "
+                              f"only: add --{self.side}-pcp or --{self.side}-dcp above 1, or drop it")
         if groups and len(groups) != len(spec.groups):
             raise ConfigError(f"--{self.side}-group-block-sizes gives {len(groups)} sizes; {spec.name} has "
                               f"{len(spec.groups)} KV-cache group(s)")
