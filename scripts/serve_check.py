@@ -40,30 +40,12 @@ def main(argv: list[str] | None = None) -> int:
                                                              ("processes_left", "segments_left", "ports_left"))
     if not args.skip_bench:
         from kvbridge.bench.serving import bench_serve
+        from kvbridge.cli.bench import serve_table
         report["bench"] = []
         for p, d in (("tp=1,block=32", "tp=2,block=32"), ("tp=1,block=64", "tp=2,block=32")):
             b = bench_serve(prefill=p, decode=d, work=Path(args.work) / f"bench-{p}-{d}" if args.work else None)
             report["bench"].append(b)
-            table = Table(title=f"vllm bench serve through vllm-router: prefill {b['prefill']} -> decode "
-                          f"{b['decode']}, {b['prompts']} prompts, {b['concurrency']} in flight, median of "
-                          f"{b['rounds']} rounds")
-            for col in ("dataset", "connector", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-                        "out tok/s", "completed", "failed"):
-                table.add_column(col)
-            for row in b["table"]:
-                for c in ("kvbridge", "nixl", "ratios"):
-                    v = row.get(c)
-                    if v is None:
-                        continue
-                    if "refused" in v:
-                        table.add_row(row["dataset"], c, f"refused: {v['refused'][:60]}", *[""] * 6)
-                        continue
-                    keys = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput")
-                    cells = [f"{v[k]:.2f}" if isinstance(v.get(k), (int, float)) else "-" for k in keys]
-                    extra = [str(v.get("completed", "")), str(v.get("failed", ""))] if c != "ratios" else ["", ""]
-                    table.add_row(row["dataset"], c if c != "ratios" else "ratio (NIXL/kvb; tok/s kvb/NIXL)",
-                                  *cells, *extra)
-            console.print(table)
+            serve_table(b)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     console.print(f"JSON: {args.out}")
     return 1 if bad else 0

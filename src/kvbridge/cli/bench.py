@@ -18,19 +18,22 @@ from kvbridge.errors import ConfigError
 # The options each bench runner reads; one given on the command line to a runner that ignores it
 # exits 2 naming the runner that takes it (as `demo` does).
 _SHAPE = {"prefill_tp", "decode_tp", "prefill_block_size", "decode_block_size", "prefill_layout", "decode_layout"}
-_COMMON = {"as_json", "transport", "offload", "engine", "staged"}
+_COMMON = {"as_json", "transport", "offload", "engine", "staged", "serve"}
 BENCH_RUNNERS: dict[str, set[str]] = {
     "local": _COMMON | _SHAPE | {"model", "tokens", "repeats", "link_gbps"},
     "staged": _COMMON | _SHAPE | {"model", "tokens", "repeats"},
     "offload": _COMMON | {"model", "tokens", "repeats", "prefill_tp", "prefill_block_size"},
     "transport": _COMMON | _SHAPE | {"model", "tokens", "repeats", "op"},
     "vllm": _COMMON | {"prefill_tp", "decode_tp"},
+    "serve": _COMMON | {"prefill_tp", "decode_tp", "prefill_block_size", "decode_block_size"},
 }
 BENCH_FLAGS = {"local": "the local executor (default)", "staged": "--staged", "offload": "--offload",
-               "transport": "--transport shm|nixl|mooncake", "vllm": "--engine vllm"}
+               "transport": "--transport shm|nixl|mooncake", "vllm": "--engine vllm", "serve": "--serve"}
 
 
-def _bench_runner(transport: Any, offload: bool, engine: Any, staged: bool) -> str:
+def _bench_runner(transport: Any, offload: bool, engine: Any, staged: bool, serve: bool = False) -> str:
+    if serve:
+        return "serve"
     if engine == Engine.vllm:
         return "vllm"
     if staged:
@@ -71,9 +74,28 @@ def bench(
     link_gbps: float = typer.Option(DEFAULT_LINK_GBPS, min=0.001, help="Link speed of each decode rank in "
                                     "Gbit/s that planning time is set against: the request's time is its busiest "
                                     "decode rank's bytes at this speed, as `kvbridge plan` computes it."),
+    serve: bool = typer.Option(False, help="Serving: `vllm bench serve` (random and prefix-repetition) through "
+                               "vllm-router against a fleet of one prefill and one decode instance of the "
+                               "--prefill-/--decode- TP and block sizes (block default 32), with KVBridgeConnector "
+                               "and with vLLM's NixlConnector in turns; needs `make vllm-env`."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Our copies vs a plain contiguous copy of the same bytes, side by side in one run."""
+    if serve:
+        _refuse_ignored(ctx, "serve")
+        if transport != Transport.local or offload or staged or engine == Engine.vllm:
+            raise ConfigError("--serve runs its own fleets: drop --transport, --offload, --staged and --engine")
+        blocks = [b if ctx.get_parameter_source(n).name == "COMMANDLINE" else 32
+                  for n, b in (("prefill_block_size", prefill_block_size), ("decode_block_size", decode_block_size))]
+        from kvbridge.bench.serving import bench_serve
+        with console.status("starting both fleets, then vllm bench serve in turns", spinner="dots") \
+                if not as_json else _nothing():
+            out = bench_serve(prefill=f"tp={prefill_tp},block={blocks[0]}", decode=f"tp={decode_tp},block={blocks[1]}")
+        if as_json:
+            print_json(out)
+        else:
+            serve_table(out)
+        return
     if staged and (offload or transport != Transport.local or engine == Engine.vllm):
         raise ConfigError("--staged compares paths of the local executor: drop --offload, --transport and --engine")
     if offload and (transport != Transport.local or engine == Engine.vllm):
@@ -145,3 +167,35 @@ def bench(
     table.add_row("planning token by token (reference)", f"{result.plan_reference_seconds * 1e3:.3f} ms")
     console.print(table)
     console.print(f"medians of {repeats} interleaved repetitions; compare ratios, not absolute times")
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def serve_table(out: dict[str, Any]) -> None:
+    """The serving benchmark as a table: both connectors' figures and the ratios per dataset."""
+    table = Table(title=f"vllm bench serve through vllm-router: prefill {out['prefill']} -> decode {out['decode']}, "
+                  f"{out['prompts']} prompts, {out['concurrency']} in flight, median of {out['rounds']} rounds")
+    keys = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput")
+    for col in ("dataset", "connector", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "out tok/s",
+                "completed", "failed"):
+        table.add_column(col)
+    for row in out["table"]:
+        for c in ("kvbridge", "nixl", "ratios"):
+            v = row.get(c)
+            if v is None:
+                continue
+            if "refused" in v:
+                table.add_row(row["dataset"], "nixl", "refused: " + str(v["refused"]), *[""] * 6)
+                continue
+            cells = [f"{v[k]:.2f}" if isinstance(v.get(k), (int, float)) else "-" for k in keys]
+            tail = ["", ""] if c == "ratios" else [str(v.get("completed")), str(v.get("failed"))]
+            table.add_row(row["dataset"], "NIXL / kvbridge (tok/s: kvbridge / NIXL)" if c == "ratios" else c,
+                          *cells, *tail)
+    console.print(table)
+    console.print("compare the ratios, measured side by side in one run; absolute times on a shared host are noise")
