@@ -48,13 +48,15 @@ class Fleet:
         if router is None:
             raise ConfigError("no `vllm-router` command: `pip install 'kvbridge[serve]'` into the vLLM environment "
                               "(make vllm-env does)")
-        self.log_dir = Path(config.log_dir)
+        self.log_dir = Path(config.log_dir).resolve()  # instances run in it: every path they get is absolute
+        config.log_dir = self.log_dir
         self.secret_file = self.log_dir / "fleet.secret"  # written by `start`, removed by `stop`
         self.tag = os.urandom(4).hex()
         self.segments: set[str] = set()  # /dev/shm names the fleet's processes mapped (`track_segments`)
         self._vllm, self._router_bin = vllm, router
         self._promised: set[int] = {config.port}
         self._incarnation = 0
+        self._started = float("inf")  # `start` time: segments of vLLM's kinds made since then, unmapped at stop, go
         self.members: list[Member] = []
         for role, shapes in (("prefill", config.prefill), ("decode", config.decode)):
             for i, shape in enumerate(shapes):
@@ -112,6 +114,7 @@ class Fleet:
 
     def start(self) -> None:
         """Start every instance (together: their imports overlap), then the router."""
+        self._started = time.time()
         from kvbridge.connector.secrets import write_secret_file
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.secret_file.exists():
@@ -229,7 +232,7 @@ class Fleet:
         from kvbridge.transport.shm import reap_stale_segments
         reap_stale_segments()
         still_used = {name for pid in _all_pids() for name in _mapped_segments(pid)}
-        for name in self.segments - still_used:
+        for name in (self.segments | _created_since(self._started)) - still_used:
             with contextlib.suppress(OSError):
                 os.unlink(f"/dev/shm/{name}")
         try:
@@ -249,6 +252,21 @@ class Fleet:
     def curl_example(self) -> str:
         body = json.dumps({"model": "model", "prompt": "Hello", "max_tokens": 16, "temperature": 0})
         return f"curl -s {self.endpoint}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
+
+
+_SEGMENT_KINDS = ("psm_", "vllm_", "sem.mp-", "kvbridge-")  # Python's multiprocessing, vLLM's TP channels, ours
+
+
+def _created_since(t0: float) -> set[str]:
+    """Segments of the kinds a fleet's processes make, created at or after `t0`: a process that
+    crashes before `track_segments` saw it map one leaves it behind too."""
+    out = set()
+    for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else ():
+        if name.startswith(_SEGMENT_KINDS):
+            with contextlib.suppress(OSError):
+                if os.stat(f"/dev/shm/{name}").st_ctime >= t0:
+                    out.add(name)
+    return out
 
 
 __all__ = ["Fleet", "FleetConfig", "FleetError", "InstanceShape", "Member", "check_shapes", "healthy", "port_free",
