@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, healthy, port_free, vllm_serve_member
+from kvbridge.integrations.vllm.fleet_processes import remove_unused_segments, session_segments, stop_session
 from kvbridge.proofs.vllm.cluster import free_ports
 from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
 from kvbridge.testing.serving import edge_cases, transfer_events
@@ -92,7 +93,9 @@ def test_serve_fleet_answers_as_one_instance_and_stops_clean(vllm_env, tmp_path)
         try:
             rc = serve.wait(120)
         finally:
-            os.killpg(ref.proc.pid, signal.SIGKILL)
+            ref_segments = session_segments(ref.proc)
+            stop_session(ref.proc)
+            remove_unused_segments(ref_segments)
     assert rc == 0, serve.stderr.read()[-2000:]
     left = [p for p in pids if os.path.exists(f"/proc/{p}")]
     from kvbridge.integrations.vllm.fleet import _pids_in_groups

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.integrations.vllm.fleet import Fleet, FleetConfig, InstanceShape, healthy, port_free, vllm_serve_member
+from kvbridge.integrations.vllm.fleet_processes import remove_unused_segments, session_segments, stop_session
 from kvbridge.testing.serving import edge_cases, prompt_text, request, transfer_events
 
 SHAPES = {"prefill": ["tp=1,block=64", "tp=2,block=32"], "decode": ["tp=2,block=32", "tp=1,block=128"]}
@@ -174,8 +175,9 @@ def run(work: Path | None = None, python: str | None = None, quick: bool = False
             check.load("load after the join", 16, 8)
     finally:
         leaks = check.leaks()
-        if check.ref.proc is not None:
-            os.killpg(check.ref.proc.pid, 9)
+        ref_segments = session_segments(check.ref.proc)
+        stop_session(check.ref.proc)
+        remove_unused_segments(ref_segments)
     return {"work": str(work), "rows": check.rows, "leaks": leaks}
 
 

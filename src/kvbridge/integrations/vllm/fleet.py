@@ -28,9 +28,10 @@ from typing import Any
 
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.fleet_config import FleetConfig, FleetError, InstanceShape, check_shapes
-from kvbridge.integrations.vllm.fleet_processes import (Member, _all_pids, _group_alive, _mapped_segments,
+from kvbridge.integrations.vllm.fleet_processes import (Member, _group_alive, _mapped_segments,
                                                         _pids_in_groups, find_tool, free_ports, healthy, port_free,
-                                                        vllm_python, vllm_serve_member)
+                                                        remove_unused_segments, stop_session, vllm_python,
+                                                        vllm_serve_member)
 
 
 class Fleet:
@@ -144,20 +145,7 @@ class Fleet:
 
     def stop_member(self, m: Member, timeout: float = 20.0) -> None:
         """SIGTERM the member's process session, then SIGKILL what is left of it after `timeout`."""
-        if m.proc is None:
-            return
-        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(m.proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                break
-            end = time.monotonic() + wait
-            while time.monotonic() < end and _group_alive(m.proc.pid):
-                m.proc.poll()
-                time.sleep(0.1)
-            if not _group_alive(m.proc.pid):
-                break
-        m.proc.poll()
+        stop_session(m.proc, timeout)
         m.proc = None
 
     def member(self, name: str) -> Member:
@@ -231,10 +219,7 @@ class Fleet:
             self.stop_member(m)
         from kvbridge.transport.shm import reap_stale_segments
         reap_stale_segments()
-        still_used = {name for pid in _all_pids() for name in _mapped_segments(pid)}
-        for name in (self.segments | _created_since(self._started)) - still_used:
-            with contextlib.suppress(OSError):
-                os.unlink(f"/dev/shm/{name}")
+        remove_unused_segments(self.segments | _created_since(self._started))
         try:
             self.secret_file.unlink()
         except OSError:

@@ -8,9 +8,11 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -188,5 +190,43 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
-__all__ = ["Member", "PortsExhausted", "find_tool", "free_ports", "healthy", "port_free", "vllm_python",
-           "vllm_serve_member"]
+def stop_session(proc: subprocess.Popen | None, timeout: float = 20.0) -> None:
+    """SIGTERM the process session `proc` leads, then SIGKILL what is left of it after `timeout`."""
+    if proc is None:
+        return
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        end = time.monotonic() + wait
+        while time.monotonic() < end and _group_alive(proc.pid):
+            proc.poll()
+            time.sleep(0.1)
+        if not _group_alive(proc.pid):
+            break
+    proc.poll()
+
+
+def session_segments(proc: subprocess.Popen | None) -> set[str]:
+    """The /dev/shm names the processes of `proc`'s session map now."""
+    if proc is None:
+        return set()
+    return {name for pid in _pids_in_groups({proc.pid}) for name in _mapped_segments(pid)}
+
+
+def remove_unused_segments(names: set[str]) -> int:
+    """Unlink those of `names` that no live process maps (killed vLLM processes leave theirs)."""
+    still_used = {name for pid in _all_pids() for name in _mapped_segments(pid)}
+    removed = 0
+    for name in names - still_used:
+        try:
+            os.unlink(f"/dev/shm/{name}")
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+__all__ = ["Member", "PortsExhausted", "find_tool", "free_ports", "healthy", "port_free", "remove_unused_segments",
+           "session_segments", "stop_session", "vllm_python", "vllm_serve_member"]
