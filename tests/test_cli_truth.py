@@ -4,6 +4,7 @@ line naming what the user typed, before expensive work."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 
@@ -281,3 +282,20 @@ def test_plan_shape_options_one_would_ignore_are_refused(args, names):
     line = one_error_line(run("plan", "llama-3-8b", "--tokens", "64", *args))
     for name in names:
         assert name in line, line
+
+
+def test_a_foreign_failure_of_many_lines_becomes_its_sentence_and_a_file():
+    """A vLLM instance's validation error arrives with its traceback and log tail (kilobytes); the
+    line keeps vLLM's sentence and names a file holding the whole text."""
+    from kvbridge.cli.app import error_summary
+    message = ("vLLM instance decode: ValidationError: 1 validation error for ParallelConfig\n"
+               "  Value error, Total number of attention heads (4) must be divisible by tensor parallel size (3). "
+               "[type=value_error, input_value=ArgsKwargs((), {}), input_type=ArgsKwargs]\n"
+               + "Traceback (most recent call last):\n" + "  frame\n" * 200)
+    line = error_summary(message)
+    assert line.startswith("vLLM instance decode: Total number of attention heads (4) must be divisible")
+    assert "Traceback" not in line and len(line) < 400
+    path = line.rsplit("(the whole message: ", 1)[1].rstrip(")")
+    assert open(path).read() == message
+    os.unlink(path)
+    assert error_summary("short\nmessage") == "short message"
