@@ -110,7 +110,8 @@ def _chunked_equals_whole(model: str, *args: str, tokens: int = 3000, chunk: int
     for a, b in zip(whole["ranks"], chunked["ranks"]):
         for key in ("bytes", "dst_bytes", "tokens", "bytes_per_token", "state_bytes_per_request"):
             assert a[key] == b[key], key
-        assert a["runs"] == b["runs"] and a["warnings"] == b["warnings"]  # no two blocks side by side: no run spans a chunk edge
+        # no two blocks side by side: no run spans a chunk edge
+        assert a["runs"] == b["runs"] and a["warnings"] == b["warnings"]
 
 
 @pytest.mark.parametrize("model,args", [
@@ -252,7 +253,8 @@ def test_a_secret_file_others_can_read_is_refused_before_the_model_is_built(tmp_
     key = tmp_path / "key"
     key.write_bytes(b"k" * 32)
     key.chmod(0o644)
-    for args in (("prefill-server", "--listen", "127.0.0.1:0"), ("demo", "--role", "decode", "--prefill", "127.0.0.1:1")):
+    for args in (("prefill-server", "--listen", "127.0.0.1:0"),
+                 ("demo", "--role", "decode", "--prefill", "127.0.0.1:1")):
         line = one_error_line(run(*args, "--secret-file", str(key)))
         assert f"--secret-file {key}" in line and "0644" in line
 
@@ -275,7 +277,8 @@ def test_an_unwritable_dump_path_is_refused_before_the_run(tmp_path):
 
 
 @pytest.mark.parametrize("args,names", [
-    (("--prefill-block-size", "32", "--prefill-group-block-sizes", "16"), ("--prefill-block-size", "--prefill-group-block-sizes")),
+    (("--prefill-block-size", "32", "--prefill-group-block-sizes", "16"),
+     ("--prefill-block-size", "--prefill-group-block-sizes")),
     (("--decode-cp-interleave", "4"), ("--decode-cp-interleave", "--decode-pcp")),
 ])
 def test_plan_shape_options_one_would_ignore_are_refused(args, names):

@@ -190,7 +190,8 @@ def kvbridge_verdicts(spec: ModelSpec, prefill: EngineLayout, decode: EngineLayo
     from kvbridge.core.topology import TransferTopology
     converts = pair_conversions(spec, prefill, decode)
     src, dst = prefill.engine_spec(spec).dtype, decode.engine_spec(spec).dtype
-    local = Verdict("kvbridge local executor", (), (f"a conversion {src} -> {dst} on its copy path",) if converts else ())
+    conditions = (f"a conversion {src} -> {dst} on its copy path",) if converts else ()
+    local = Verdict("kvbridge local executor", (), conditions)
     try:
         TransferTopology("decode", spec, decode, 0, converts=False).register_remote_engine("prefill", prefill, spec)
         reasons: tuple[str, ...] = ()
