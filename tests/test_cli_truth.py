@@ -223,6 +223,7 @@ def test_demo_engine_vllm_refuses_a_shape_vllm_cannot_run_before_any_instance(tm
     assert "--prefill-tp 4" in line
     assert "does not exist" in one_error_line(run("demo", "--engine", "vllm", "--model", str(tmp_path / "nope")))
     assert "--decode-block-size 16" in one_error_line(run("demo", "--engine", "vllm", "--decode-block-size", "16"))
+    assert "--decode-tp 3" in one_error_line(run("bench", "--engine", "vllm", "--decode-tp", "3"))
 
 
 def test_library_field_names_become_the_flags_the_user_typed():

@@ -110,6 +110,8 @@ def bench(
                           f"(it allocates and moves the request's bytes in this process; `kvbridge plan` explains "
                           f"longer requests)")
     if engine == Engine.vllm:
+        from kvbridge.cli.demo import _check_vllm_shape
+        _check_vllm_shape(None, prefill_tp, decode_tp)  # before any instance starts, as demo --engine vllm
         from kvbridge.bench.vllm import bench_vllm
         out = bench_vllm(None, prefill_tp, decode_tp)
         print_json(out) if as_json else console.print(out)
