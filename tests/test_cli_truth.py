@@ -209,11 +209,12 @@ def test_demo_names_a_missing_model_path_and_lists_only_what_demo_runs(tmp_path)
     assert "tiny-llama" in line and "llama-3-70b" not in line
 
 
-def test_demo_engine_vllm_refuses_a_shape_vllm_cannot_run_before_any_instance(tmp_path):
-    t0 = time.monotonic()
+def test_demo_engine_vllm_refuses_a_shape_vllm_cannot_run_before_any_instance(tmp_path, monkeypatch):
+    from kvbridge.proofs.vllm import cluster
+    monkeypatch.setattr(cluster.Cluster, "start", lambda *a, **k: pytest.fail("a vLLM instance was started"))
+    monkeypatch.setattr(cluster, "vllm_python", lambda *a, **k: pytest.fail("the vLLM environment was looked up"))
     line = one_error_line(run("demo", "--engine", "vllm", "--decode-tp", "3"))
     assert "--decode-tp 3" in line and "divisible" in line
-    assert time.monotonic() - t0 < 10
     d = tmp_path / "m"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({
