@@ -59,7 +59,7 @@ def bench_serve(model: Path | None = None, prefill: str = "tp=1,block=32", decod
                 prompts: int = 32, concurrency: int = 8, rounds: int = 2, python: str | None = None,
                 work: Path | None = None) -> dict[str, Any]:
     """Run both fleets (or kvbridge's alone where NIXL refuses the shape) and return the table."""
-    work = Path(work or tempfile.mkdtemp(prefix="kvbridge-bench-serve-"))
+    work = Path(work or tempfile.mkdtemp(prefix="kvbridge-bench-serve-")).resolve()
     if model is None:
         from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
         model = add_byte_tokenizer(make_tiny_llama(work / "tiny-llama", seed=3))

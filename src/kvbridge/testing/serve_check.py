@@ -150,7 +150,7 @@ class Check:
 
 
 def run(work: Path | None = None, python: str | None = None, quick: bool = False) -> dict[str, Any]:
-    work = Path(work or tempfile.mkdtemp(prefix="kvbridge-serve-check-"))
+    work = Path(work or tempfile.mkdtemp(prefix="kvbridge-serve-check-")).resolve()
     check = Check(work, python)
     with open(check.ref.log_path, "wb") as log:
         check.ref.proc = subprocess.Popen(check.ref.argv, env=check.ref.env, stdout=log, stderr=subprocess.STDOUT,

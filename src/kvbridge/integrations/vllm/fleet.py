@@ -51,6 +51,8 @@ class Fleet:
                               "(make vllm-env does)")
         self.log_dir = Path(config.log_dir).resolve()  # instances run in it: every path they get is absolute
         config.log_dir = self.log_dir
+        if config.stats_path:
+            config.stats_path = str(Path(config.stats_path).resolve())
         self.secret_file = self.log_dir / "fleet.secret"  # written by `start`, removed by `stop`
         self.tag = os.urandom(4).hex()
         self.segments: set[str] = set()  # /dev/shm names the fleet's processes mapped (`track_segments`)

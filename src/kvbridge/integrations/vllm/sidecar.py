@@ -389,8 +389,12 @@ class Sidecar:
             return
         line = json.dumps({"event": event, "engine_id": self.init.engine_id, "rank": self.init.rank,
                            "tp_size": self.cache.layout.tp_size, "time": time.time(), **fields})
-        with open(path, "a") as f:
-            f.write(line + "\n")
+        try:
+            with open(path, "a") as f:
+                f.write(line + "\n")
+        except OSError as e:  # figures are optional: a stats file that cannot be written never stops a transfer
+            log.error("stats_path %s cannot be written (%s); transfer events are no longer recorded", path, e)
+            self.settings = msgspec.structs.replace(self.settings, stats_path="")
 
 
 def _raise_priority(nice: int = -10) -> None:
