@@ -87,7 +87,7 @@ def test_plan_explains_a_million_token_request():
     0.66 GB, where one plan took 51 s and 22 GB)."""
     t0 = time.monotonic()
     out = ok_json("plan", "llama-3-8b", "--tokens", "1000000", "--num-cached-tokens", "1000")
-    assert time.monotonic() - t0 < 60  # seconds here; one plan of the whole request: minutes
+    assert time.monotonic() - t0 < 60  # a few seconds here; a loose bound for a shared 2-core runner
     assert out["bytes_total"] == 999_000 * 32 * 2 * 8 * 128 * 2 and out["chunks"] > 100 and out["chunks_planned"] <= 3
     assert out["ranks"][0]["tokens"] == 999_000
     r = run("plan", "llama-3-8b", "--tokens", "1000000")
