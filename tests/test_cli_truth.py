@@ -304,3 +304,10 @@ def test_a_foreign_failure_of_many_lines_becomes_its_sentence_and_a_file():
     assert open(path).read() == message
     os.unlink(path)
     assert error_summary("short\nmessage") == "short message"
+
+
+def test_a_malformed_prefill_address_is_refused_before_the_model_is_built(monkeypatch):
+    from kvbridge.cli import demo
+    monkeypatch.setattr(demo, "load_spec", lambda *a, **k: pytest.fail("model built before --prefill was checked"))
+    line = one_error_line(run("demo", "--role", "decode", "--prefill", "nonsense", "--insecure"))
+    assert "--prefill nonsense" in line and "HOST:PORT" in line

@@ -257,6 +257,12 @@ def demo(
     if role == Role.decode and not (secret_file or insecure):
         raise ConfigError("--role decode needs --secret-file FILE (the prefill server's) or --insecure")
     check_secret_file(secret_file)
+    if role == Role.decode and prefill:
+        from kvbridge.connector.side_channel import parse_address
+        try:
+            parse_address(prefill)
+        except KVBridgeError as e:
+            raise InvalidRequest(f"--prefill {prefill}: {str(e).split(': ', 1)[-1]}") from None
     if dump_decode_cache is not None:
         _check_writable(dump_decode_cache, "--dump-decode-cache")
     if runner == "local" and not 0 <= num_cached_tokens < prompt:
