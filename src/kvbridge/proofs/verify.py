@@ -262,7 +262,7 @@ def random_case(rng: random.Random, all_axes: bool = False) -> tuple[ModelSpec, 
 
     `all_axes` also draws PP (even or uneven splits), DCP/PCP with interleaves, per-group block
     sizes, KV dtypes with per-tensor or per-head scales, and clipped sliding-window lists (the
-    TP-only draw stays the default: the request checksum covers TP-only pairs).
+    TP-only draw stays the default here; `kvbridge verify` draws every axis, request checksums included).
     """
     kind = rng.choice(["gqa", "gqa", "mqa", "mla", "hybrid-window", "mixed-dims", "hybrid-state"])
     heads = 1 if kind in ("mqa", "mla") else rng.choice([2, 3, 4, 6, 8])
