@@ -162,3 +162,28 @@ def test_engines_that_leave_are_forgotten_and_state_stays_bounded():
         _bounded(figures)
     finally:
         _close(producer)
+
+
+def test_a_prefill_engine_restarted_on_the_same_address_is_handshaken():
+    """A prefill instance killed and started again on its ports under a new engine id (a new
+    incarnation): the decode rank's connection to the old one keeps reconnecting there, and the
+    new handshake must still be answered (it shared the old connection's routing id, which the new
+    ROUTER ignored: 'no reply within 120 s')."""
+    from connector_harness import SPEC
+
+    from kvbridge.connector.transports import allocate_cache
+    from kvbridge.proofs.vllm.cluster import free_ports
+    consumer = _endpoint(Consumer, "stays-d2", 0)
+    address = f"127.0.0.1:{free_ports(1)}"
+    try:
+        for incarnation in range(2):
+            cache = allocate_cache("shm", SPEC, LAYOUT, 0, f"test-fleet-x{incarnation}")
+            producer = Producer(f"prefill-x-{incarnation}", 0, cache,
+                                make_transport("shm", f"x{incarnation}/0", timeout_s=10), config=CHURN, listen=address)
+            try:
+                _one_request(producer, consumer, f"x{incarnation}")
+            finally:
+                _close(producer)
+            consumer.progress(0.05)  # the side channel to the dead incarnation is now lost
+    finally:
+        _close(consumer)

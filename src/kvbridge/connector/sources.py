@@ -59,7 +59,6 @@ class SourceLinks:
     def __init__(self, endpoint: RankEndpoint):
         self.ep = endpoint
         self.engines: dict[str, SourceEngine] = {}
-        self._identity = self._new_identity()
         self._client_of: dict[int, tuple[str, int]] = {}  # id(client) -> (engine, source rank)
         self._rejoining: dict[int, tuple[str, int]] = {}  # id(re-handshake client) -> (engine, source rank)
 
@@ -76,7 +75,11 @@ class SourceLinks:
         mine = ep.hello
         opened: list[SideChannelClient] = []
         try:
-            boot = self._client(address, opened)
+            # A fresh routing id per engine: a lost engine's connection keeps reconnecting under its
+            # id, and when another incarnation listens at the same address its ROUTER ignores a
+            # second connection with that id (a restarted prefill instance never answered).
+            identity = self._new_identity()
+            boot = self._client(address, opened, identity)
             reply = self._exchange(boot, mine, timeout)
             validate_peer(ep.topology, mine, reply)
             engine_id = reply.engine_id
@@ -97,7 +100,7 @@ class SourceLinks:
                 if s == reply.rank:
                     client, hello = boot, reply
                 else:
-                    client = self._client(addresses[s], opened)
+                    client = self._client(addresses[s], opened, identity)
                     hello = self._exchange(client, mine, timeout)
                     if (hello.engine_id, hello.rank) != (engine_id, s):
                         raise m.HandshakeRefused(f"{addresses[s]} answered as {hello.engine_id!r} rank {hello.rank}, "
@@ -170,7 +173,7 @@ class SourceLinks:
     def _client(self, address: str, opened: list[SideChannelClient],
                 identity: bytes | None = None) -> SideChannelClient:
         cfg = self.ep.config
-        client = SideChannelClient(address, identity or self._identity, max_frame_bytes=cfg.max_frame_bytes,
+        client = SideChannelClient(address, identity or self._new_identity(), max_frame_bytes=cfg.max_frame_bytes,
                                    heartbeat_seconds=cfg.side_channel_heartbeat, secret=cfg.secret,
                                    replay_window=cfg.replay_window)
         opened.append(client)
