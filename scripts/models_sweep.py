@@ -3,6 +3,10 @@ and write docs/models.md (see `kvbridge.proofs.model_sweep`). `make models` runs
 
     python scripts/models_sweep.py [--only llama,mistral] [--out docs/models.md] [--json rows.json]
     python scripts/models_sweep.py --only mamba,dbrx --merge   # re-run a few, keep the other rows of --out
+
+After the proofs, every moved architecture is swept again with stray fields (a sibling
+architecture's fields added to its config, `kvbridge.proofs.stray_sweep`): plan's geometry must be
+what the model builds. `--no-strays` skips that; a stray case that differs fails the run.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ def main() -> int:
     ap.add_argument("--merge", action="store_true",
                     help="with --only: replace those rows in the existing --out, keep the others")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per architecture")
+    ap.add_argument("--no-strays", action="store_true",
+                    help="skip the stray-field sweep (every moved architecture with a sibling's fields added)")
     args = ap.parse_args()
 
     warnings.filterwarnings("ignore")
@@ -44,6 +50,8 @@ def main() -> int:
         rows = [SweepRow(**r) for r in saved["rows"]]
         t0 -= saved["seconds"]
         archs = []
+        from kvbridge.proofs.stray_sweep import StrayRow
+        saved_strays = [StrayRow(**r) for r in saved.get("strays", [])]
     for arch in archs:
         row = sweep_one(arch, timeout=args.timeout)
         rows.append(row)
@@ -54,11 +62,20 @@ def main() -> int:
         ran = {r.arch: r for r in rows}
         rows = [ran.pop(r.arch, r) for r in kept] + list(ran.values())
         seconds += kept_seconds - sum(r.seconds for r in kept if r.arch in archs)
+    strays = saved_strays if args.from_json else []
+    if not args.no_strays and not args.from_json:  # the geometry plan prints must be what the model builds, whatever fields it carries
+        from kvbridge.proofs.stray_sweep import sweep_strays
+        only = set(args.only.split(",")) if args.only else None  # --only: those architectures' cases alone
+        strays = sweep_strays([r.arch for r in rows if r.status == "moved" and (only is None or r.arch in only)],
+                              echo=lambda r: print(
+            f"{r.arch:28s} +{r.group:10s} {r.status:11s} {r.seconds:6.1f}s {r.detail}", flush=True))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(render_markdown(rows, transformers.__version__, seconds))
+    Path(args.out).write_text(render_markdown(rows, transformers.__version__, seconds, strays))
     if args.json:
-        Path(args.json).write_text(json.dumps({"seconds": seconds, "rows": [r.to_dict() for r in rows]}, indent=1))
+        Path(args.json).write_text(json.dumps({"seconds": seconds, "rows": [r.to_dict() for r in rows],
+                                               "strays": [r.to_dict() for r in strays]}, indent=1))
     bad = [r.arch for r in rows if r.status == "mismatch"]
+    bad += [f"{r.arch}+{r.group}" for r in strays if r.status in ("mismatch", "refused", "error")]
     print(f"{len(rows)} architectures in {seconds:.0f} s; wrote {args.out}", file=sys.stderr)
     return 1 if bad else 0
 

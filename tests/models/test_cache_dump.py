@@ -55,9 +55,10 @@ def test_recurrent_states_are_always_indexed(tmp_path):
 def test_deepseek_v4_dump_reads_back_bit_exact(tmp_path):
     """DeepSeek-V4's window layers keep K and V as one tensor: the dump ended in a safetensors
     traceback ("Some tensors share memory")."""
-    from kvbridge.proofs.model_sweep import PAIRS, check_dump, tiny_config
-    from kvbridge.proofs.local_demo import run_demo
     from transformers import AutoModelForCausalLM
+
+    from kvbridge.proofs.local_demo import run_demo
+    from kvbridge.proofs.model_sweep import PAIRS, check_dump, tiny_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v4"), dtype=torch.float32).eval()

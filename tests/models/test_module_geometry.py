@@ -22,9 +22,10 @@ def test_module_geometry_agrees_with_the_config_for_plain_attention():
     assert module_kv_geometry(text, ("full_attention", "full_attention")) == {0: (2, 16, 16), 1: (2, 16, 16)}
 
 
-def test_fused_qkv_modules_keep_the_config_numbers():
+def test_fused_qkv_modules_are_read_too():
+    """GPT-2's fused c_attn (a Conv1D of 3 x n_embd) holds one KV head per query head."""
     from transformers import GPT2Config
-    assert module_kv_geometry(GPT2Config(n_layer=1, n_head=4, n_embd=64), ("full_attention",)) == {}
+    assert module_kv_geometry(GPT2Config(n_layer=1, n_head=4, n_embd=64), ("full_attention",)) == {0: (4, 16, 16)}
     assert spec_from_hf_config({"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64}).layers[0].num_kv_heads == 4
 
 

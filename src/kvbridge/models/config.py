@@ -47,13 +47,25 @@ list of model types, so a new plain-attention architecture needs nothing here:
   `mems` / LSH buckets instead of K/V (GPT-1, XLNet, Reformer: `no_cache.py`), is refused in one
   line after its layers are read.
 
+Head counts, head widths and state shapes come from the modules transformers builds for the config
+(the whole model on the meta device, `modules.py`): each attention module's key / value projections
+(or MLA latent), each recurrent mixer's sizes. The config's fields, read as below, are the fallback
+where no module answers (a model transformers cannot build on meta, a projection or mixer of
+another shape) and are compared with the modules everywhere else: a field the architecture ignores
+(a sibling's `num_key_value_heads`, `kv_lora_rank` or `linear_*` sizes copied into config.json) or a
+size the modeling code derives (MiMo-V2's doubled sliding KV heads) is planned as the module builds
+it, with one warning line naming the fields and the module. A recurrent mixer's kind is named by
+signal fields of the config's own class only (`recurrent.without_stray_signals`).
+
 The config is untrusted (`untrusted.py` checks it first). A cache-sizing field that config.json
-omits and transformers fills from its class default is named on stderr.
+omits and transformers fills from its class default (attention and recurrent sizes alike: a gated
+delta net without its `linear_*` sizes plans on the flagship's) is named on stderr, in one line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -61,6 +73,7 @@ from typing import Any, Literal
 from kvbridge.core.spec import LayerSpec, ModelSpec, normalize_dtype
 from kvbridge.errors import ConfigError
 from kvbridge.models.compressed import COMPRESSED_TYPES, compressed_layers
+from kvbridge.models.modules import BuiltAttention, BuiltMixer, built_spec, geometry_words, span, state_words
 from kvbridge.models.untrusted import _NESTED, error_line, load_config, safe_text
 
 # The cache layer classes transformers builds, by the layer-type name `get_layer_types_and_kwargs`
@@ -86,6 +99,10 @@ def spec_from_hf_config(config: dict[str, Any] | str | Path, *, dtype: str | Non
     latent and the rotated rope part), conv states with `kernel` columns.
     `mla_view="heads"` alone selects the transformers view of MLA. `state_dtype` is the SSM /
     recurrent state dtype when it differs from the KV dtype (vLLM's mamba_ssm_cache_dtype).
+
+    Warnings (`warn`), one line each on stderr, each once per process for a config.json file: sizes
+    config.json leaves to the config class's defaults, and layers whose modules cache another
+    geometry than the config's fields describe (planned with the module's).
     """
     if view == "transformers":
         mla_view = "heads"
@@ -105,7 +122,10 @@ def spec_from_hf_config(config: dict[str, Any] | str | Path, *, dtype: str | Non
     dtype = normalize_dtype(dtype or raw.get("torch_dtype") or raw.get("dtype") or raw_text.get("torch_dtype")
                             or raw_text.get("dtype") or "bfloat16")
     try:
-        layers = _layers(text, reader, raw_text, arch, mla_view, view, state_dtype)
+        # the modules are built from the config itself where it is the text model's own (a
+        # derived text config can differ: Blenderbot's keeps the class's 24 decoder layers)
+        layers = _layers(text, reader, raw_text, arch, mla_view, view, state_dtype,
+                         obj if type(obj) is type(text) else text)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - untrusted input never ends in a traceback
@@ -117,10 +137,30 @@ def spec_from_hf_config(config: dict[str, Any] | str | Path, *, dtype: str | Non
     refusal = no_kv_cache_refusal(obj)  # after the layers: a draft model's shared layers say more
     if refusal:
         raise ConfigError(refusal)
-    if warn and reader.filled:
-        sys.stderr.write(f"warning: {name}: config.json omits {', '.join(reader.filled)}; using transformers' "
-                         f"{type(text).__name__} defaults\n")
+    if warn:
+        lines = reader.conflict_lines()
+        if reader.filled:
+            lines.insert(0, f"config.json omits {', '.join(reader.filled)}; using transformers' "
+                            f"{type(text).__name__} defaults")
+        source = None
+        if isinstance(config, (str, Path)):  # a model directory and its config.json are one source
+            path = Path(config)
+            source = str((path / "config.json" if path.is_dir() else path).resolve())
+        for line in lines:
+            _warn(f"warning: {name}: {line}", source)
     return ModelSpec(layers, dtype, name)
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn(line: str, source: str | None) -> None:
+    """One warning line on stderr; about a config.json file (`source`), once per process and file
+    (a demo reads the same file several times: its checks, then its model)."""
+    if source is None or (source, line) not in _WARNED:
+        if source is not None:
+            _WARNED.add((source, line))
+        sys.stderr.write(line + "\n")
 
 
 def hf_config(raw: dict[str, Any]) -> Any:
@@ -180,12 +220,17 @@ def _check_layer_types(raw: dict[str, Any]) -> None:
         raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {n}")
 
 
-def _class_default(text: Any) -> Any:
-    """The architecture's config class with its own defaults (None when it cannot be built bare)."""
+@functools.lru_cache(maxsize=64)
+def _class_default_of(cls: type) -> Any:
     try:
-        return type(text)()
+        return cls()
     except Exception:  # noqa: BLE001 - classes whose defaults fail their own validation
         return None
+
+
+def _class_default(text: Any) -> Any:
+    """The architecture's config class with its own defaults (None when it cannot be built bare)."""
+    return _class_default_of(type(text))
 
 
 class _Reader:
@@ -196,6 +241,25 @@ class _Reader:
         # attribute_map: the standard name -> the architecture's own (num_hidden_layers -> n_layer)
         self.own_name = dict(getattr(text, "attribute_map", {}) or {})
         self.filled: list[str] = []
+        # (what the fields say, the module, what it caches) -> the layers where they differ
+        self.conflicts: dict[tuple[str, str, str, str], list[int]] = {}
+
+    def conflict(self, i: int, lt: str, fields: str, module: str, built: str) -> None:
+        """Layer `i`'s config fields describe `fields`, transformers' `module` caches `built`."""
+        self.conflicts.setdefault((lt, fields, module, built), []).append(i)
+
+    def conflict_lines(self) -> list[str]:
+        return [f"{span(layers)} ({lt}): the config's fields give {fields}, but transformers' {module} caches "
+                f"{built}; planning with the module's" for (lt, fields, module, built), layers in self.conflicts.items()]
+
+    def read(self, key: str, value: Any) -> None:
+        """A recurrent rule read `key` from the config (with its class defaults): noted as filled
+        when config.json omits it and the value is the class default (not derived from other fields)."""
+        if key in self.filled or self.given(key) or value is None:
+            return
+        default = getattr(_class_default(self.text), key, None)
+        if default is not None and default == value:
+            self.filled.append(key)
 
     def given(self, key: str) -> bool:
         return any(self.raw.get(k) is not None for k in (key, self.own_name.get(key)) if k)
@@ -227,7 +291,7 @@ class _Reader:
 
 
 def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view: str, view: str,
-            state_dtype: str | None) -> tuple[LayerSpec, ...]:
+            state_dtype: str | None, model_config: Any = None) -> tuple[LayerSpec, ...]:
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     num_layers = reader.int(text, "num_hidden_layers", _layer_pattern_length(raw))
@@ -251,14 +315,12 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
     if len(types) != num_layers:
         raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {num_layers}")
     per_layer = text.per_layer_config
-    modules: dict[int, tuple[int, int, int]] = {}
-    if any(t in _ATTENTION_TYPES or t in _HYBRID_TYPES for t in types) and not _global(text, "kv_lora_rank", True):
-        from kvbridge.models.modules import module_kv_geometry
-        modules = module_kv_geometry(text, tuple(types))
+    # what the modules transformers builds cache, layer by layer (`modules.py`): they win over fields
+    from kvbridge.models.modules import BuiltLayers, built_layers, module_indexer_dims
+    built = BuiltLayers() if state_list else built_layers(model_config or text, num_layers)
     indexers: dict[int, int] = {}
     if "indexed_attention" in types:
-        from kvbridge.models.modules import module_indexer_dims
-        indexers = module_indexer_dims(text, tuple(types))
+        indexers = module_indexer_dims(text, tuple(types), built)
     out: list[LayerSpec] = []
     # recurrent geometries derived so far, by what they depend on besides the config: the attention
     # part of the same cache layer (Inkling's K/V convs) and the number of conv states
@@ -270,7 +332,7 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
             parts = (_HYBRID_TYPES[lt], "linear_attention") if lt in _HYBRID_TYPES else (lt,)
             if lt == "indexed_attention":  # the attention, then its indexer key cache (see the module doc)
                 out.append(_layer(text, reader, per_layer[i], "full_attention", kw, i, mla_view, view, state_dtype,
-                                  recurrent, modules.get(i)))
+                                  recurrent, built.attention.get(i)))
                 parts = ()
                 # the indexer transformers builds (none: the layer reuses another's selection, no keys of its own)
                 dim = indexers[i] if i in indexers else reader.int(per_layer[i], "index_head_dim")
@@ -282,7 +344,7 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
             for part in parts:
                 attention = out[-1] if part == "linear_attention" and len(parts) == 2 else None
                 out.append(_layer(text, reader, per_layer[i], part, kw, i, mla_view, view, state_dtype, recurrent,
-                                  modules.get(i), lt, attention))
+                                  built.attention.get(i), lt, attention, built.mixers.get(i)))
         except ConfigError as e:  # every refusal names the layer and its kind
             if str(e).startswith("layer "):
                 raise
@@ -297,10 +359,12 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
 
 
 def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], i: int, mla_view: str, view: str,
-           state_dtype: str | None, previous: dict[Any, LayerSpec],
-           built: tuple[int, int, int] | None, shown: str = "", attention: LayerSpec | None = None) -> LayerSpec:
+           state_dtype: str | None, previous: dict[Any, LayerSpec], built: BuiltAttention | None,
+           shown: str = "", attention: LayerSpec | None = None, mixer: BuiltMixer | None = None) -> LayerSpec:
     """One spec layer for transformers layer type `lt` (`shown`: the type to name in a refusal, when
-    `lt` is one part of it; `attention`: the attention part when `lt` is the recurrent part)."""
+    `lt` is one part of it; `attention`: the attention part when `lt` is the recurrent part;
+    `built` / `mixer`: what the attention / mixer module transformers builds caches, which wins
+    over the config's fields, a difference noted by `reader.conflict`)."""
     if lt in _ATTENTION_TYPES:
         window = None
         if lt != "full_attention":
@@ -310,20 +374,40 @@ def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], 
                                   f"{'sliding_window' if lt == 'sliding_attention' else 'attention_chunk_size'}")
             if isinstance(window, bool) or not isinstance(window, int) or window < 2:
                 raise ConfigError(f"layer {i} is {lt} with window {safe_text(repr(window))}; needs an integer >= 2")
-        spec = _attention_layer(layer, reader, mla_view, window, i)
-        if built is not None and spec.kind != "mla" and built != (spec.num_kv_heads, spec.key_dim, spec.value_dim):
-            if built[0] > reader.int(layer, "num_attention_heads"):
-                raise ConfigError(f"layer {i}: transformers builds {built[0]} KV heads, more than the query heads")
-            # what transformers builds wins over what the config says (MiMo-V2 sliding layers)
-            spec = LayerSpec(spec.kind, built[0], built[1], built[2], spec.window)
-        return spec
+        if built is None:  # no module answers: the config's fields (the documented fallback)
+            return _attention_layer(layer, reader, mla_view, window, i)[0]
+        if not built.mla and built.heads > (built.q_heads or built.heads):
+            raise ConfigError(f"layer {i}: {built.heads} KV heads but only {built.q_heads} query heads "
+                              f"(transformers' {built.module})")
+        module = built_spec(built, mla_view, window, lt)
+        try:
+            spec, fields = _attention_layer(layer, reader, mla_view, window, i)
+        except ConfigError:  # the fields cannot even be read: the module says what is cached
+            return module
+        if spec != module:
+            reader.conflict(i, shown or lt, geometry_words(spec, fields), built.module, geometry_words(module, {}))
+        return module
     if lt in ("linear_attention", "conv"):
         states = kw.get("number_of_states", 1)
-        key = (attention, states)
+        key = (attention, states, None if mixer is None else (mixer.kind, tuple(sorted(mixer.sizes.items()))))
         if key not in previous:
-            from kvbridge.models.recurrent import recurrent_layer
-            previous[key] = recurrent_layer(_with_derived(text), -1 if view == "engine" else 0, state_dtype, i,
-                                            shown or lt, attention, states)
+            from kvbridge.models.recurrent import recurrent_layer, without_stray_signals
+            rows_extra = -1 if view == "engine" else 0
+            try:
+                spec = recurrent_layer(without_stray_signals(_with_derived(text), text), rows_extra, state_dtype, i, shown or lt, attention, states,
+                                       reads=reader.read)
+                err = None
+            except ConfigError as e:
+                spec, err = None, e
+            if mixer is not None:
+                module = recurrent_layer(dict(mixer.sizes), rows_extra, state_dtype, i, shown or lt, attention,
+                                         states, kind=mixer.kind)
+                if spec is not None and spec != module:
+                    reader.conflict(i, shown or lt, state_words(spec), mixer.module, state_words(module))
+                spec = module
+            elif err is not None:
+                raise err
+            previous[key] = spec
         return previous[key]
     if lt in _STATELESS_TYPES:  # transformers' DummyLayer (or an old name for it) stores no cache for this layer
         return LayerSpec("stateless")
@@ -356,46 +440,51 @@ def _with_derived(text: Any) -> dict[str, Any]:
     return out
 
 
-def _attention_layer(layer: Any, reader: _Reader, mla_view: str, window: int | None, i: int) -> LayerSpec:
+def _attention_layer(layer: Any, reader: _Reader, mla_view: str, window: int | None,
+                     i: int) -> tuple[LayerSpec, dict[str, str]]:
+    """The attention layer the config's fields describe, and the field each size came from."""
     kv_lora = getattr(layer, "kv_lora_rank", None)
     if kv_lora:  # with a window: the same rows for the last window - 1 tokens (vLLM's SlidingWindowMLASpec)
         lora = reader.int(layer, "kv_lora_rank")
         rope = reader.int(layer, "qk_rope_head_dim")
+        fields = {"mla": "kv_lora_rank", "rope": "qk_rope_head_dim"}
         if mla_view == "latent":
-            return LayerSpec("mla", 1, lora + rope, window=window)
-        return LayerSpec("mla", 1, lora, rope, window)
+            return LayerSpec("mla", 1, lora + rope, window=window), fields
+        return LayerSpec("mla", 1, lora, rope, window), fields
     q_heads = reader.int(layer, "num_attention_heads")
-    kv_heads = _kv_heads(layer, reader, q_heads)
+    kv_heads, heads_field = _kv_heads(layer, reader, q_heads)
     if kv_heads > q_heads:
         raise ConfigError(f"layer {i}: {kv_heads} KV heads but only {q_heads} query heads")
     hidden = getattr(layer, "hidden_size", None)
     derived = hidden // q_heads if isinstance(hidden, int) and not isinstance(hidden, bool) else None
+    dim_field = "head_dim"
     head_dim = reader.get(layer, "head_dim", derived)
     for spelling in ("dim_head", "attention_head_dim"):  # CPM-Ant's, Zamba's spelling
         if head_dim is None and getattr(layer, spelling, None) is not None:
-            head_dim = reader.get(layer, spelling, derived)
+            head_dim, dim_field = reader.get(layer, spelling, derived), spelling
     if head_dim is None:
-        head_dim = reader.int(layer, "hidden_size") // q_heads
+        head_dim, dim_field = reader.int(layer, "hidden_size") // q_heads, "hidden_size / num_attention_heads"
         if head_dim < 1:
             raise ConfigError(f"layer {i}: hidden_size {hidden} is smaller than {q_heads} heads")
     elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
         raise ConfigError(f"layer {i}: head_dim must be a positive integer, got {safe_text(repr(head_dim))}")
-    value_dim = head_dim
+    value_dim, value_field = head_dim, dim_field
     if getattr(layer, "v_head_dim", None) is not None:  # values narrower or wider than keys (MiMo-V2)
-        value_dim = reader.int(layer, "v_head_dim", head_dim)
+        value_dim, value_field = reader.int(layer, "v_head_dim", head_dim), "v_head_dim"
     kind = "full" if window is None else "sliding"
-    return LayerSpec(kind, kv_heads, head_dim, value_dim, window)
+    return (LayerSpec(kind, kv_heads, head_dim, value_dim, window),
+            {"heads": heads_field, "dim": dim_field, "value": value_field})
 
 
-def _kv_heads(layer: Any, reader: _Reader, q_heads: int) -> int:
-    """KV heads as the architecture spells them: Falcon's `num_kv_heads` under its new decoder
-    architecture, else `multi_query` (one KV head, GPT-BigCode / Falcon), else num_key_value_heads
-    (or its attribute_map alias), else one per query head."""
+def _kv_heads(layer: Any, reader: _Reader, q_heads: int) -> tuple[int, str]:
+    """KV heads as the architecture spells them, and the field: Falcon's `num_kv_heads` under its
+    new decoder architecture, else `multi_query` (one KV head, GPT-BigCode / Falcon), else
+    num_key_value_heads (or its attribute_map alias), else one per query head."""
     if getattr(layer, "new_decoder_architecture", False) is True and getattr(layer, "num_kv_heads", None):
-        return reader.int(layer, "num_kv_heads", q_heads)
+        return reader.int(layer, "num_kv_heads", q_heads), "num_kv_heads"
     if getattr(layer, "multi_query", False) is True:
-        return 1
+        return 1, "multi_query"
     for key in ("num_key_value_heads", "num_kv_heads"):
         if getattr(layer, key, None) is not None:
-            return reader.int(layer, key, q_heads)
-    return q_heads
+            return reader.int(layer, key, q_heads), key
+    return q_heads, "num_attention_heads"

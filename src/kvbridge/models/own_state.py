@@ -57,7 +57,7 @@ def moved_outside_cache(config: Any) -> bool:
     mixer of `STATE_LIST_KINDS` or `STATE_DICT_KINDS`."""
     from kvbridge.models.recurrent import recurrent_kind
 
-    if recurrent_kind(config.to_dict()) not in STATE_LIST_KINDS + STATE_DICT_KINDS:
+    if recurrent_kind(config.to_dict(), config) not in STATE_LIST_KINDS + STATE_DICT_KINDS:
         return False
     cls = causal_lm_class(config)
     return cls is not None and keeps_state_outside_cache(cls)

@@ -89,18 +89,30 @@ flat split of the concatenation would hand rank 0 all of x and none of B or C.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from kvbridge.errors import ConfigError
 from kvbridge.core.spec import Component, LayerSpec
+from kvbridge.errors import ConfigError
 
 
 def _get(cfg: dict[str, Any], *keys: str) -> int:
     for key in keys:
         value = cfg.get(key)
         if value is not None and value != "auto":
+            if isinstance(cfg, _Noted):
+                cfg.note(key, value)
             return int(value)
     raise ConfigError(f"config lacks {' / '.join(keys)}")
+
+
+class _Noted(dict):  # type: ignore[type-arg]
+    """A config dict that tells `note(key, value)` each size a rule reads from it (so that sizes
+    config.json left to the class's defaults can be named)."""
+
+    def __init__(self, cfg: dict[str, Any], note: Any) -> None:
+        super().__init__(cfg)
+        self.note = note
 
 
 def mamba2_state(cfg: dict[str, Any], rows: int, state_dtype: str | None) -> tuple[Component, ...]:
@@ -238,9 +250,37 @@ _SIGNALS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
 )
 
 
-def recurrent_kind(cfg: dict[str, Any]) -> str | None:
-    """The mixer kind the config's signal fields name, None when none does."""
+def recurrent_kind(cfg: dict[str, Any], config: Any = None) -> str | None:
+    """The mixer kind the config's signal fields name, None when none does (`config`: the config
+    object, whose class's own fields alone may name it: `without_stray_signals`)."""
+    if config is not None:
+        cfg = without_stray_signals(cfg, config)
     return next((kind for kind, signals, _ in _SIGNALS if _given(cfg, *signals)), None)
+
+
+@functools.lru_cache(maxsize=128)
+def _class_fields(cls: type) -> frozenset[str] | None:
+    """The fields a config class defines: its defaults' keys, its attribute_map names and its own
+    attributes and properties (None when the class cannot be built bare)."""
+    try:
+        fields = set(cls().to_dict())
+    except Exception:  # noqa: BLE001 - classes whose defaults fail their own validation
+        return None
+    fields |= set(getattr(cls, "attribute_map", {}) or {})
+    fields |= {name for klass in cls.__mro__ if klass.__module__.startswith("transformers.models.")
+               for name in vars(klass)}
+    return frozenset(fields)
+
+
+def without_stray_signals(cfg: dict[str, Any], config: Any) -> dict[str, Any]:
+    """`cfg` without the signal fields of `_SIGNALS` that `config`'s class does not define: a field
+    copied from a sibling architecture's config.json (Qwen3-Next's `linear_num_key_heads` beside a
+    Mamba2 mixer) is not read by this architecture, and would name another mixer."""
+    known = _class_fields(type(config))
+    if known is None:
+        return cfg
+    stray = {k for _, signals, _ in _SIGNALS for k in signals if k in cfg and k not in known}
+    return {k: v for k, v in cfg.items() if k not in stray} if stray else cfg
 
 
 def _kernel(cfg: dict[str, Any], kind: str, keys: tuple[str, ...]) -> int:
@@ -251,14 +291,23 @@ def _kernel(cfg: dict[str, Any], kind: str, keys: tuple[str, ...]) -> int:
 
 
 def recurrent_layer(cfg: dict[str, Any], conv_rows_extra: int, state_dtype: str | None, index: int,
-                    layer_type: str, attention: LayerSpec | None = None, states: int = 1) -> LayerSpec:
+                    layer_type: str, attention: LayerSpec | None = None, states: int = 1, *,
+                    kind: str | None = None, reads: Any = None) -> LayerSpec:
     """The state of a recurrent layer (`cfg`: the text config with transformers' defaults);
     `conv_rows_extra` is -1 (engine view: kernel - 1 columns) or 0 (transformers: kernel).
     `attention`: the attention part of the same cache layer (hybrid layers), `states`: the conv
-    states transformers gives the layer (`number_of_states`)."""
+    states transformers gives the layer (`number_of_states`). `kind`: the mixer kind when the
+    module transformers builds says it (`modules.mixer_geometry`), else the config's signal fields
+    choose; `reads(key, value)` is told each size read from `cfg`."""
+    if reads is not None:
+        cfg = _Noted(cfg, reads)
+    wanted = kind
     for kind, signals, kernel in _SIGNALS:
-        if _given(cfg, *signals):
-            if kind == "mamba2" and not _given(cfg, "mamba_n_groups", "mamba_ngroups", "n_groups"):
+        if wanted is not None and kind != {"mamba1_heads": "mamba2"}.get(wanted, wanted):
+            continue
+        if wanted is not None or _given(cfg, *signals):
+            if kind == "mamba2" and (wanted == "mamba1_heads" or wanted is None and not _given(
+                    cfg, "mamba_n_groups", "mamba_ngroups", "n_groups")):
                 kind = "mamba1_heads"  # heads but no B/C groups: Mamba1's scan split by heads (Zamba)
             if not kernel:  # no conv state
                 state = (rwkv_state(cfg, state_dtype) if kind == "rwkv" else mlstm_state(cfg, state_dtype)

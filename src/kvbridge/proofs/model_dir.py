@@ -58,13 +58,15 @@ def has_weights(directory: Path) -> bool:
 def checked_config(directory: str | Path) -> PretrainedConfig:
     """The directory's transformers config, after kvbridge's own checks of the untrusted config.json
     (types, bounds, the cache geometry: one line on any failure, where transformers would raise a
-    traceback or build whatever the file asks for)."""
+    traceback or build whatever the file asks for). Its warnings (sizes config.json leaves to the
+    class's defaults, fields the modules transformers builds do not follow) go to stderr here, once:
+    the spec the demos plan with is read from the loaded config, where every default is filled in."""
     from kvbridge.models import spec_from_hf_config
 
     d = Path(directory)
     if not (d / "config.json").is_file():
         raise ConfigError(f"{d} is a directory without config.json")
-    spec_from_hf_config(d / "config.json", warn=False)
+    spec_from_hf_config(d / "config.json")
     try:
         return AutoConfig.from_pretrained(d, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - what kvbridge's checks let through and transformers still rejects

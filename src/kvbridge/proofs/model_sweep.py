@@ -328,6 +328,7 @@ def check_dump(path: Path, model: Any, prompt: list[int]) -> None:
     from kvbridge.proofs.proof import prefill
 
     dumped = load_file(str(path))
+    model.eval()  # as the proof runs it (a model fresh from its config is in training mode: dropout)
     reference, _ = prefill(model, prompt)
     want = dump_names(reference)
     if sorted(dumped) != sorted(want):
@@ -435,7 +436,7 @@ def parse_markdown(text: str) -> tuple[list[SweepRow], float]:
     import re
     seconds = float(m.group(1)) if (m := re.search(r"MAPPING_NAMES`\) in (\d+) s", text)) else 0.0
     rows = []
-    for m in re.finditer(r"^\| (\S+) \| ([^|]*) \| (moved|refused|mismatch|error|unbuildable|skipped) \| (.*) \|$", text, re.M):
+    for m in re.finditer(r"^\| (\S+) \| ([^|]*) \| (moved|refused|mismatch|error|unbuildable|skipped) \| (.*) \|$", text, re.MULTILINE):
         arch, kinds, status, why = m.groups()
         moved = status == "moved"
         rows.append(SweepRow(arch, status, "" if kinds == "-" else kinds, "" if moved else why,
@@ -443,7 +444,7 @@ def parse_markdown(text: str) -> tuple[list[SweepRow], float]:
     return rows, seconds
 
 
-def render_markdown(rows: list[SweepRow], version: str, seconds: float) -> str:
+def render_markdown(rows: list[SweepRow], version: str, seconds: float, strays: list[Any] | None = None) -> str:
     counts = Counter(r.status for r in rows)
     lines = [
         "# Models: every causal LM of the installed transformers",
@@ -471,4 +472,8 @@ def render_markdown(rows: list[SweepRow], version: str, seconds: float) -> str:
     for r in rows:
         why = ", ".join(r.pairs) if r.status == "moved" else r.detail.replace("|", "/")
         lines.append(f"| {r.arch} | {r.kinds or '-'} | {r.status} | {why} |")
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    if strays:
+        from kvbridge.proofs.stray_sweep import render_strays
+        text += "\n" + render_strays(strays)
+    return text

@@ -200,7 +200,7 @@ def model_cache(cache: DynamicCache, model: Any, tokens: int | None = None) -> A
     """The standard `cache` in the class the model's forward takes (inverse of `standard_cache`);
     `tokens`: how many tokens it holds, for a state object that counts them."""
     if moved_outside_cache(model.config):
-        if recurrent_kind(model.config.to_dict()) in STATE_DICT_KINDS:
+        if recurrent_kind(model.config.to_dict(), model.config) in STATE_DICT_KINDS:
             return _to_layer_dict(cache, model, tokens)
         return _to_state_list(cache)
     cls = own_cache_class(model)

@@ -133,11 +133,12 @@ def load_model(name_or_dir: str, seed: int = 0) -> tuple[PreTrainedModel, Pretra
 def spec_for(config: PretrainedConfig, dtype: str | torch.dtype | None = None,
              state_dtype: str | torch.dtype | None = None) -> ModelSpec:
     """The KV geometry as transformers caches it (MLA as the replicated latent and rope part, conv states
-    with `kernel` values per channel), in the model's dtype; `state_dtype` when the recurrent state differs."""
+    with `kernel` values per channel), in the model's dtype; `state_dtype` when the recurrent state differs.
+    No warnings: a model directory's were written when its config.json was read (`model_dir.checked_config`)."""
     if dtype is None:
         dtype = getattr(config, "dtype", None) or "float32"
     spec = spec_from_hf_config(config.to_dict(), view="transformers", dtype=normalize_dtype(str(dtype)),
-                               state_dtype=normalize_dtype(str(state_dtype)) if state_dtype else None)
+                               state_dtype=normalize_dtype(str(state_dtype)) if state_dtype else None, warn=False)
     name = Path(str(getattr(config, "name_or_path", "") or "")).name
     return msgspec.structs.replace(spec, name=name) if name else spec
 

@@ -1,0 +1,180 @@
+"""Stray fields: does `kvbridge plan` describe what transformers builds when a config.json carries
+fields its architecture does not read (copied from a sibling architecture's config)?
+
+For each causal-LM architecture (its sweep tiny config, `model_sweep.tiny_config`) and each group
+of `STRAYS` whose fields the architecture's config class does not define, the fields are added,
+the tiny model is built from that config and runs a prefill, and the spec kvbridge reads from the
+same config.json must hold that cache exactly: every layer's KV heads, head widths and recurrent
+state shapes are checked by exporting the prefill cache into one rank's paged cache (the proof's
+own bridge, `hf_cache.export_cache`, which refuses any shape the spec does not describe). The
+outcome per (architecture, group) is a `StrayRow`: `ok` (the spec holds the cache), `mismatch`
+(kvbridge planned another geometry than the model builds: a bug), `refused` (kvbridge refused the
+config in one line although transformers runs it: a bug unless the stray field truly changes the
+model) or `unbuildable` (transformers itself cannot build or run the model with that field).
+`scripts/models_sweep.py --strays` runs every architecture; tests run a bounded sample.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+import signal
+import time
+from contextlib import redirect_stderr
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# Fields that sibling architectures define, grouped so that each group is one plausible copy: values
+# that differ from the tiny configs' own (12 query heads of 8 over a hidden size of 96).
+STRAYS: dict[str, dict[str, Any]] = {
+    "gqa": {"num_key_value_heads": 6},  # Llama-family GQA, into an MHA or fused-QKV architecture
+    "kv_heads": {"num_kv_heads": 4},  # Falcon's spelling
+    "head_dim": {"head_dim": 16},  # Gemma/Qwen3's explicit width, into one that derives hidden / heads
+    "mqa": {"multi_query": True},  # GPT-BigCode / Falcon-7B's flag
+    "v_head_dim": {"v_head_dim": 16},  # MLA / MiMo's value width
+    "mla": {"kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16},  # DeepSeek's latent
+    "gdn": {"linear_num_key_heads": 6, "linear_num_value_heads": 12, "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4},  # Qwen3-Next's mixer sizes
+    "mamba2": {"mamba_n_heads": 12, "mamba_n_groups": 6, "mamba_d_state": 8, "mamba_d_head": 16,
+               "mamba_d_conv": 4},  # Nemotron-H / Bamba's mixer sizes
+}
+PROMPT_LEN = 12
+SECONDS = 120
+
+
+@dataclass
+class StrayRow:
+    arch: str
+    group: str
+    status: str  # ok | mismatch | refused | unbuildable | skipped | error
+    detail: str = ""
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def stray_groups(arch: str) -> list[str]:
+    """The groups of `STRAYS` whose every field the architecture's config class leaves undefined."""
+    from transformers import CONFIG_MAPPING
+    cls = CONFIG_MAPPING[arch]
+    try:
+        own = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}) or {})
+    except Exception:  # noqa: BLE001 - classes that cannot be built bare: the tiny config says
+        return []
+    return [g for g, fields in STRAYS.items() if not own & set(fields) and not any(hasattr(cls, f) for f in fields)]
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(signum: int, frame: Any) -> None:
+    raise _Timeout()
+
+
+def check_stray(arch: str, group: str, seed: int = 0, timeout: int = SECONDS) -> StrayRow:
+    """The tiny `arch` with the fields of `STRAYS[group]` added: does kvbridge's spec hold its cache?"""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvbridge.core.layout import EngineLayout
+    from kvbridge.errors import ConfigError, KVBridgeError
+    from kvbridge.models import spec_from_hf_config
+    from kvbridge.proofs.hf_cache import export_cache
+    from kvbridge.proofs.model_sweep import _one_line, _Skip, _Unbuildable, tiny_config
+    from kvbridge.proofs.proof import prefill
+    from kvbridge.proofs.verify import random_request
+    from kvbridge.transport.cache import RankCache
+
+    t0 = time.perf_counter()
+    row = StrayRow(arch, group, "error")
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(timeout)
+    try:
+        base = tiny_config(arch)
+        raw = {**base.to_dict(), **STRAYS[group]}
+        config = type(base)(**{k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")})
+        try:
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+            vocab = int(config.get_text_config(decoder=True).vocab_size)
+            special = {getattr(config, "pad_token_id", None)}
+            ids = [t for t in random.Random(seed).sample(range(vocab), PROMPT_LEN + 2) if t not in special][:PROMPT_LEN]
+            cache, _ = prefill(model, ids)
+        except (_Timeout, KVBridgeError):
+            raise
+        except Exception as e:  # noqa: BLE001 - transformers cannot run the model with this field
+            raise _Unbuildable(_one_line(e)) from None
+        with redirect_stderr(io.StringIO()):  # the warnings are the CLI's business; the geometry is checked here
+            spec = spec_from_hf_config(raw, view="transformers", dtype="float32")
+        layout = EngineLayout(tp_size=1, block_size=16, num_blocks=max(4, 2 * len(spec.groups) + 2))
+        ranks = RankCache.allocate_engine(spec, layout, fill=None)
+        request = random_request(spec, layout, layout, PROMPT_LEN, 0, random.Random(seed))
+        try:
+            export_cache(cache, spec, ranks, request.src_block_ids, PROMPT_LEN)
+        except KVBridgeError as e:
+            row.status, row.detail = "mismatch", _one_line(e)
+            return row
+        row.status = "ok"
+    except _Skip as e:
+        row.status, row.detail = "skipped", str(e)
+    except _Unbuildable as e:
+        row.status, row.detail = "unbuildable", str(e)
+    except _Timeout:
+        row.status, row.detail = "error", f"over {timeout} s"
+    except ConfigError as e:
+        row.status, row.detail = "refused", _one_line(e)
+    except Exception as e:  # noqa: BLE001 - a row, not a crash
+        row.status, row.detail = "error", _one_line(e)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+        row.seconds = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def sweep_strays(archs: list[str], echo: Any = None) -> list[StrayRow]:
+    rows = []
+    for arch in archs:
+        for group in stray_groups(arch):
+            row = check_stray(arch, group)
+            rows.append(row)
+            if echo:
+                echo(row)
+    return rows
+
+
+def render_strays(rows: list[StrayRow]) -> str:
+    """The docs/models.md section of a stray-field sweep: counts, then every row that is not ok."""
+    from collections import Counter
+
+    counts = Counter(r.status for r in rows)
+    archs = len({r.arch for r in rows})
+    lines = [
+        "## Stray fields: does plan describe what transformers builds?",
+        "",
+        (f"Each moved architecture's tiny config with the fields of a sibling architecture added (only fields its "
+         f"class does not define; {len(rows)} cases over {archs} architectures), the model built and run from that "
+         "config, and its prefill cache exported through the spec kvbridge reads from the same config "
+         "(`kvbridge.proofs.stray_sweep`): **ok** the spec holds the cache exactly, **mismatch** kvbridge planned "
+         "another geometry (a bug), **refused** kvbridge refused a config transformers runs, **unbuildable** "
+         "transformers itself cannot run the model with that field."),
+        "",
+        "| stray fields | copied from |", "|---|---|",
+        *[f"| {g}: {', '.join(f'`{k}`' for k in fields)} | {_FROM[g]} |" for g, fields in STRAYS.items()],
+        "",
+        "| result | count |", "|---|---|",
+        *[f"| {k} | {counts.get(k, 0)} |" for k in ("ok", "mismatch", "refused", "error", "unbuildable", "skipped")],
+        "",
+    ]
+    rest = [r for r in rows if r.status != "ok"]
+    if rest:
+        lines += ["| architecture | stray | fields | result | detail |", "|---|---|---|---|---|"]
+        lines += [f"| {r.arch} | {r.group} | {len(STRAYS[r.group])} fields | {r.status} | "
+                  f"{r.detail.replace('|', '/')} |" for r in rest]
+    return "\n".join(lines) + "\n"
+
+
+_FROM = {"gqa": "Llama-family GQA", "kv_heads": "Falcon", "head_dim": "Gemma / Qwen3", "mqa": "GPT-BigCode / Falcon-7B",
+         "v_head_dim": "DeepSeek MLA / MiMo", "mla": "DeepSeek-V2/V3", "gdn": "Qwen3-Next", "mamba2": "Nemotron-H / Bamba"}
