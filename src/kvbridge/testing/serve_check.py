@@ -88,7 +88,9 @@ class Check:
                "kv_loads": len({(e.get("request_id"), e.get("engine_id")) for e in loads}),
                "recomputed": len({(e.get("request_id"), e.get("engine_id")) for e in loads if not e.get("ok")}),
                "seconds": round(time.monotonic() - t0, 1), "note": note,
-               "error_samples": sorted({a.error[:160] for a in answers if a.error})[:3]}
+               "error_samples": sorted({a.error[:160] for a in answers if a.error})[:3],
+               "wrong_samples": [{"tokens": a.token_ids, "reference": self.reference(p)} for a, p in
+                                 zip(answers, prompts) if a.ok and a.token_ids != self.reference(p)][:3]}
         _log(f"{name}: {row}")
         self.rows.append(row)
 

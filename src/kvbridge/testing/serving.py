@@ -50,14 +50,18 @@ def request(base: str, prompt: str, max_tokens: int, *, chat: bool = False, stre
             if not stream:
                 _take(answer, json.loads(r.read()), chat)
                 return answer
+            done = False
             for raw in r:
                 line = raw.decode(errors="replace").strip()
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 _take(answer, json.loads(data), chat)
+            if not done and answer.error is None:  # the server went away mid-stream: a client sees a cut answer
+                answer.error = f"stream cut after {len(answer.token_ids)} tokens (no [DONE])"
     except urllib.error.HTTPError as e:
         answer.status = e.code
         answer.error = f"HTTP {e.code}: {e.read()[:300].decode(errors='replace')}"
