@@ -136,3 +136,22 @@ def test_the_sweep_check_can_fail():
     finally:
         modules.attention_geometry = real
     assert row.status == "mismatch" and re.search(r"do not match the spec's 6 heads", row.detail), row
+
+
+def test_a_size_the_config_keeps_per_layer_kind_is_no_conflict(capsys):
+    """Inkling's sliding layers read `swa_num_key_value_heads`: the config says what the module
+    builds, so nothing is named; MiMo-V2's sliding layers double `num_key_value_heads` in the
+    modeling code alone, which is named (and planned as built)."""
+    from kvbridge.proofs.model_sweep import tiny_config
+
+    inkling = {**tiny_config("inkling_text").to_dict(), "num_key_value_heads": 3, "swa_num_key_value_heads": 6}
+    spec = spec_from_hf_config(inkling)
+    assert "planning with" not in capsys.readouterr().err
+    assert {x.num_kv_heads for x in spec.layers if x.kind in ("full", "sliding")} == {3, 6}
+    mimo = {"model_type": "mimo_v2_flash", "num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 2,
+            "head_dim": 24, "v_head_dim": 16, "hidden_size": 64, "sliding_window": 9,
+            "layer_types": ["full_attention", "sliding_attention"]}
+    spec = spec_from_hf_config(mimo)
+    err = [line for line in capsys.readouterr().err.splitlines() if "planning with" in line]
+    assert len(err) == 1 and "MiMoV2FlashAttention caches 4 KV heads" in err[0] and "layer 1 " in err[0], err
+    assert [x.num_kv_heads for x in spec.layers] == [2, 4]

@@ -73,7 +73,8 @@ from typing import Any, Literal
 from kvbridge.core.spec import LayerSpec, ModelSpec, normalize_dtype
 from kvbridge.errors import ConfigError
 from kvbridge.models.compressed import COMPRESSED_TYPES, compressed_layers
-from kvbridge.models.modules import BuiltAttention, BuiltMixer, built_spec, geometry_words, span, state_words
+from kvbridge.models.modules import (BuiltAttention, BuiltMixer, built_spec, geometry_words, per_kind_says, span,
+                                     state_words)
 from kvbridge.models.untrusted import _NESTED, error_line, load_config, safe_text
 
 # The cache layer classes transformers builds, by the layer-type name `get_layer_types_and_kwargs`
@@ -384,7 +385,7 @@ def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], 
             spec, fields = _attention_layer(layer, reader, mla_view, window, i)
         except ConfigError:  # the fields cannot even be read: the module says what is cached
             return module
-        if spec != module:
+        if spec != module and not per_kind_says(layer, fields, spec, module):
             reader.conflict(i, shown or lt, geometry_words(spec, fields), built.module, geometry_words(module, {}))
         return module
     if lt in ("linear_attention", "conv"):

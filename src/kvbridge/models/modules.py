@@ -388,3 +388,16 @@ def span(layers: list[int]) -> str:
     if layers == list(range(layers[0], layers[-1] + 1)):
         return f"layers {layers[0]}-{layers[-1]}"
     return "layers " + ", ".join(map(str, layers[:8])) + (", ..." if len(layers) > 8 else "")
+
+
+def per_kind_says(layer: Any, fields: dict[str, str], spec: LayerSpec, module: LayerSpec) -> bool:
+    """True when the config does say what the module caches, in a field kept per layer kind under a
+    prefix of its own (Inkling's sliding layers: `swa_num_key_value_heads`): no conflict to name."""
+    if spec.kind != module.kind or "heads" not in fields:
+        return False
+    values = layer.to_dict() if hasattr(layer, "to_dict") else {}
+    for have, want, key in ((spec.num_kv_heads, module.num_kv_heads, fields["heads"]),
+                            (spec.key_dim, module.key_dim, fields["dim"]), (spec.value_dim, module.value_dim, fields["value"])):
+        if have != want and not any(k.endswith("_" + key) and v == want for k, v in values.items()):
+            return False
+    return True
