@@ -397,7 +397,7 @@ def test_corrupted_ssm_state_is_detected_at_its_head() -> None:
     slot = request.dst_block_ids[spec.layer_group[0]][-1]
     _flip_state(dst[1], 0, 3, slot, unit=3, element=8 * 2 + 5)  # v head 3 lives on decode rank 1; [k=2, v=5]
     imported = import_cache(dst, request.dst_block_ids, n, config)
-    assert cache_differences(ref, imported) == ["layer 0 recurrent_states: 1 of 256 elements differ"]
+    assert cache_differences(ref, imported) == ["layer 0 recurrent_states.0: 1 of 256 elements differ"]
     assert torch.equal(imported.layers[0].recurrent_states[0][0, 3, 2, 5],
                        -ref.layers[0].recurrent_states[0][0, 3, 2, 5])
 
