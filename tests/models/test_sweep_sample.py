@@ -1,7 +1,8 @@
 """The bounded CI sample of the model sweep (`make models` runs all of it): one architecture per
 state kind, plus a rotation of the architectures docs/models.md lists as moved, chosen by
 KVBRIDGE_SWEEP_SEED (default: the day number, so CI covers a different few each day; the test id
-names the architecture, so a failure reproduces with `-k`)."""
+names the architecture, so a failure reproduces with `-k`). Each moved architecture also writes its
+`--dump-decode-cache` file and reads it back bit for bit (`model_sweep.check_dump`)."""
 
 from __future__ import annotations
 
