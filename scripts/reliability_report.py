@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -88,12 +89,40 @@ def _cli_bound_rows() -> list[str]:
     return rows
 
 
+def serving_lines(path: str) -> list[str]:
+    """The `make serve-check` fleet table from its JSON (`--serve-check`), when there is one: the
+    fleet needs vLLM and half an hour, so it is measured by that target, not by this script."""
+    if not os.path.isfile(path):
+        return []
+    data = json.load(open(path)).get("faults")
+    if not data:
+        return []
+    cols = ("phase", "requests", "completed", "equal", "wrong", "errors", "kv_loads", "recomputed", "seconds")
+    out = ["## Serving fleets under churn, faults and starvation", "",
+           "`make serve-check` (`kvbridge.testing.serve_check`): `kvbridge serve` with prefill TP 1 / block 64, "
+           "prefill TP 2 / block 32, decode TP 2 / block 32 and decode TP 1 / block 128 behind `vllm-router`, "
+           "a plain `vllm serve` instance beside it; each phase sends distinct prompts (every other one "
+           "streamed) through the router while something happens to the fleet. equal: the plain instance's "
+           "tokens; wrong: other tokens; errors: what a client saw as an HTTP error or a cut stream; recomputed: "
+           "KV loads that failed over to vLLM's recompute (`kv_load_failure_policy: recompute`).", "",
+           "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in data["rows"]:
+        out.append("| " + " | ".join("-" if r.get(c) is None else str(r[c]) for c in cols) + " |")
+    samples = sorted({e for r in data["rows"] for e in r.get("error_samples") or []})
+    if samples:
+        out += ["", "What clients saw as errors: " + "; ".join(f"`{e}`" for e in samples[:4])]
+    out += ["", f"After the fleet stopped: {data['leaks']}.", ""]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=2000, help="requests of each soak (CI: 2000)")
     ap.add_argument("--fuzz-runs", type=int, default=50000, help="atheris inputs (CI: 50000)")
     ap.add_argument("--fuzz-seconds", type=int, default=20, help="atheris time bound (CI: 20)")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "reliability.md"))
+    ap.add_argument("--serve-check", default=os.path.join(ROOT, "docs", "serve-check.json"),
+                    help="make serve-check's JSON, rendered as the serving section when present")
     args = ap.parse_args(argv)
     logging.disable(logging.WARNING)
     lines = ["# Reliability figures", "",
@@ -203,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
               "## Absurd input from the command line or a config", "",
               "| command | exit | seconds | output |", "|---|---|---|---|", *_cli_bound_rows(), "",
               "Reproduce: `.venv/bin/python -m pytest tests/test_cli.py tests/models/test_untrusted_config.py`.", "",
+              *serving_lines(args.serve_check),
               "## Faults survived", "",
               "- prefill rank killed mid-transfer, decode rank that never reads (lease expiry, released once), "
               "abort mid-transfer: `tests/connector/test_connector_faults.py` (pull and push, real processes).",
