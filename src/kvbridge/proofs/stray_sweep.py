@@ -171,7 +171,7 @@ def render_strays(rows: list[StrayRow]) -> str:
     rest = [r for r in rows if r.status != "ok"]
     if rest:
         lines += ["| architecture | stray | fields | result | detail |", "|---|---|---|---|---|"]
-        lines += [f"| {r.arch} | {r.group} | {len(STRAYS[r.group])} fields | {r.status} | "
+        lines += [f"| {r.arch} | {r.group} | {', '.join(f'`{k}`' for k in STRAYS[r.group])} | {r.status} | "
                   f"{r.detail.replace('|', '/')} |" for r in rest]
     return "\n".join(lines) + "\n"
 
