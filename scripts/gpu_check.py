@@ -103,9 +103,7 @@ def check_executor(device: str, num_tokens: int, repeats: int) -> dict[str, Any]
 def check_verify(device: str, cases: int, seed: int = 0) -> dict[str, Any]:
     """Random legal shape pairs on every axis (`kvbridge verify --all-axes`): expected bytes from
     the CPU reference, the executor on `device`, every destination byte compared."""
-    from kvbridge.core.plan import plan_request
-    from kvbridge.proofs.verify import (clone_caches, converted_components, expected_destination, fill_source,
-                                        mismatch_report, random_bytes, random_case)
+    from kvbridge.proofs.verify import mismatch_report, prepare_case, random_case
     from kvbridge.transport.cache import RankCache
     from kvbridge.transport.local import LocalExecutor
 
@@ -114,14 +112,7 @@ def check_verify(device: str, cases: int, seed: int = 0) -> dict[str, Any]:
     rng, failures, backends, runs = random.Random(seed), [], set(), 0
     for i in range(cases):
         spec, src, dst, request = random_case(rng, all_axes=True)
-        s = RankCache.allocate_engine(spec, src, fill=None)
-        d = RankCache.allocate_engine(spec, dst, fill=None)
-        random_bytes(s, 2 * i)
-        random_bytes(d, 2 * i + 1)
-        fill_source(s, request.src_block_ids, request.num_tokens, converted_components(spec, src, dst))
-        expected = clone_caches(d)
-        expected_destination(expected, request, src, spec)
-        plan = plan_request(spec, src, dst, request)
+        s, d, expected, plan = prepare_case(spec, src, dst, request, seed=2 * i)
         runs += len(plan)
         on_device = moved(d, device)
         executor = LocalExecutor(moved(s, device), on_device)

@@ -7,11 +7,8 @@ from __future__ import annotations
 import random
 import sys
 
-from kvbridge.core.plan import plan_request
-from kvbridge.proofs.verify import (clone_caches, converted_components, expected_destination, fill_source,
-                                    mismatch_report, random_bytes, random_case)
+from kvbridge.proofs.verify import mismatch_report, prepare_case, random_case
 from kvbridge.transport import copy_cuda
-from kvbridge.transport.cache import RankCache
 from kvbridge.transport.local import LocalExecutor
 
 
@@ -22,14 +19,7 @@ def main(cases: int, seed: int) -> int:
     rng, runs, pieces = random.Random(seed), 0, 0
     for i in range(cases):
         spec, src, dst, request = random_case(rng, all_axes=True)
-        s = RankCache.allocate_engine(spec, src, fill=None)
-        d = RankCache.allocate_engine(spec, dst, fill=None)
-        random_bytes(s, 2 * i)
-        random_bytes(d, 2 * i + 1)
-        fill_source(s, request.src_block_ids, request.num_tokens, converted_components(spec, src, dst))
-        expected = clone_caches(d)
-        expected_destination(expected, request, src, spec)
-        plan = plan_request(spec, src, dst, request)
+        s, d, expected, plan = prepare_case(spec, src, dst, request, seed=2 * i)
         executor = LocalExecutor(s, d)
         if plan.needs_conversion:  # conversions are torch's (convert.py): only the byte copies are the kernel's
             continue

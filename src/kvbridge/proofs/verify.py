@@ -229,12 +229,11 @@ class CaseResult:
         return not self.mismatches
 
 
-def check_case(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, request: Request, seed: int = 0,
-               backend: str = "auto", checksum: bool = False) -> CaseResult:
-    """Plan and execute one request between fresh caches and compare every destination byte.
-
-    With `checksum`, the end-to-end request checksum (`integrity`) must also agree.
-    """
+def prepare_case(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, request: Request, seed: int = 0
+                 ) -> tuple[list[RankCache], list[RankCache], list[RankCache], Plan]:
+    """(source caches, destination caches, expected destination, plan) of one case: random bytes
+    everywhere (seeds `seed`, `seed + 1`), the pattern in the request's source rows, and what
+    every destination byte must be after the plan runs."""
     src_caches = RankCache.allocate_engine(spec, src, fill=None)
     dst_caches = RankCache.allocate_engine(spec, dst, fill=None)
     random_bytes(src_caches, seed)
@@ -242,7 +241,16 @@ def check_case(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, request: R
     fill_source(src_caches, request.src_block_ids, request.num_tokens, converted_components(spec, src, dst))
     expected = clone_caches(dst_caches)
     expected_destination(expected, request, src, spec)
-    plan = plan_request(spec, src, dst, request)
+    return src_caches, dst_caches, expected, plan_request(spec, src, dst, request)
+
+
+def check_case(spec: ModelSpec, src: EngineLayout, dst: EngineLayout, request: Request, seed: int = 0,
+               backend: str = "auto", checksum: bool = False) -> CaseResult:
+    """Plan and execute one request between fresh caches and compare every destination byte.
+
+    With `checksum`, the end-to-end request checksum (`integrity`) must also agree.
+    """
+    src_caches, dst_caches, expected, plan = prepare_case(spec, src, dst, request, seed)
     LocalExecutor(src_caches, dst_caches, backend=backend).execute(plan)  # type: ignore[arg-type]
     mismatches = mismatch_report(dst_caches, expected)
     # The request checksum hashes bytes: it has no meaning across a conversion.
