@@ -287,3 +287,18 @@ def test_demo_counts_buffers_in_the_size_bound(tmp_path):
         "attention_types": [[["global"], 2]], "max_position_embeddings": 200000}))
     line = _one_error_line(run("demo", "--model", str(tmp_path / "neo")))
     assert "GiB in float32" in line
+
+
+def test_output_piped_into_a_reader_that_stops_early_ends_without_a_traceback():
+    """`kvbridge serve ... --dry-run | head -1`: the closed pipe ended in an AttributeError traceback
+    (the one-line error wrapper named an exception typer's vendored click does not have)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    cli = str(Path(sys.executable).parent / "kvbridge")
+    proc = subprocess.Popen([cli, "verify", "--cases", "200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.wait(120)
+    assert "Traceback" not in err, err[-2000:]

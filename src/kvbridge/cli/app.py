@@ -50,7 +50,7 @@ class _OneLineErrors(TyperGroup):
         except _click_errors.ClickException as e:
             e.show()
             sys.exit(e.exit_code)
-        except _click_errors.Abort:
+        except typer.Abort:  # (typer keeps Abort in typer.exceptions, not in its vendored click)
             err_console.print("aborted")
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)

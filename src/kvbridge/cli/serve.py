@@ -54,7 +54,8 @@ def serve(
     config = FleetConfig(
         model=model, prefill=[InstanceShape.parse(t, "--prefill") for t in prefill],
         decode=[InstanceShape.parse(t, "--decode") for t in decode],
-        log_dir=log_dir or Path(tempfile.mkdtemp(prefix="kvbridge-serve-")), host=host, port=port,
+        log_dir=log_dir or (Path(tempfile.gettempdir()) / "kvbridge-serve-DRY-RUN" if dry_run
+                            else Path(tempfile.mkdtemp(prefix="kvbridge-serve-"))), host=host, port=port,
         side_channel_host=side_channel_host, max_model_len=max_model_len, dtype=dtype, kv_cache_gib=kv_cache_gib,
         router_policy=router_policy, vllm_python=str(vllm_python) if vllm_python else None,
         stats_path=str(stats_path.resolve()) if stats_path else "")
