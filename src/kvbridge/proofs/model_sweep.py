@@ -11,12 +11,14 @@ bug), refused (one line naming the layer and kind) or error (the proof could not
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from kvbridge.core.layout import EngineLayout
@@ -232,6 +234,32 @@ def _alarm(signum: int, frame: Any) -> None:
     raise _Timeout()
 
 
+@contextlib.contextmanager
+def row_outcome(row: Any, timeout: int, unbuildable: str = "{}") -> Iterator[None]:
+    """Run one sweep row's body under a `timeout` s SIGALRM bound, turn its failure into the row's
+    status and detail (skipped, unbuildable, error, refused) instead of a crash, and time it; shared
+    by the model sweep and the stray-field sweep."""
+    t0 = time.perf_counter()
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(timeout)
+    try:
+        yield
+    except _Skip as e:
+        row.status, row.detail = "skipped", str(e)
+    except _Unbuildable as e:
+        row.status, row.detail = "unbuildable", unbuildable.format(e)
+    except _Timeout:
+        row.status, row.detail = "error", f"over {timeout} s"
+    except ConfigError as e:
+        row.status, row.detail = "refused", _one_line(e)
+    except Exception as e:  # noqa: BLE001 - any failure of a foreign architecture is a row, not a crash
+        row.status, row.detail = "error", _one_line(e)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+        row.seconds = round(time.perf_counter() - t0, 1)
+
+
 def _one_line(e: BaseException) -> str:
     from kvbridge.models.untrusted import safe_text
     text = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
@@ -256,11 +284,8 @@ def sweep_one(arch: str, seed: int = 0, timeout: int = SECONDS_PER_ARCH) -> Swee
     from kvbridge.models import spec_from_hf_config
     from kvbridge.proofs.local_demo import run_demo
 
-    t0 = time.perf_counter()
     row = SweepRow(arch, "error")
-    old = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(timeout)
-    try:
+    with row_outcome(row, timeout, "transformers cannot build or run it from its config class: {}"):
         config = tiny_config(arch)
         spec = spec_from_hf_config(config.to_dict(), view="transformers", dtype="float32", warn=False)
         row.kinds = _kinds(spec)
@@ -301,20 +326,6 @@ def sweep_one(arch: str, seed: int = 0, timeout: int = SECONDS_PER_ARCH) -> Swee
                     check_dump(dump, model, prompt)
                 row.pairs.append(name)
         row.status = "moved"
-    except _Skip as e:
-        row.status, row.detail = "skipped", str(e)
-    except _Unbuildable as e:
-        row.status, row.detail = "unbuildable", f"transformers cannot build or run it from its config class: {e}"
-    except _Timeout:
-        row.status, row.detail = "error", f"over {timeout} s"
-    except ConfigError as e:
-        row.status, row.detail = "refused", _one_line(e)
-    except Exception as e:  # noqa: BLE001 - any failure of a foreign architecture is a row, not a crash
-        row.status, row.detail = "error", _one_line(e)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-        row.seconds = round(time.perf_counter() - t0, 1)
     return row
 
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import io
 import random
-import signal
-import time
 from contextlib import redirect_stderr
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -65,33 +63,22 @@ def stray_groups(arch: str) -> list[str]:
     return [g for g, fields in STRAYS.items() if not own & set(fields) and not any(hasattr(cls, f) for f in fields)]
 
 
-class _Timeout(Exception):
-    pass
-
-
-def _alarm(signum: int, frame: Any) -> None:
-    raise _Timeout()
-
-
 def check_stray(arch: str, group: str, seed: int = 0, timeout: int = SECONDS) -> StrayRow:
     """The tiny `arch` with the fields of `STRAYS[group]` added: does kvbridge's spec hold its cache?"""
     import torch
     from transformers import AutoModelForCausalLM
 
     from kvbridge.core.layout import EngineLayout
-    from kvbridge.errors import ConfigError, KVBridgeError
+    from kvbridge.errors import KVBridgeError
     from kvbridge.models import spec_from_hf_config
     from kvbridge.proofs.hf_cache import export_cache
-    from kvbridge.proofs.model_sweep import _one_line, _Skip, _Unbuildable, tiny_config
+    from kvbridge.proofs.model_sweep import _one_line, _Timeout, _Unbuildable, row_outcome, tiny_config
     from kvbridge.proofs.proof import prefill
     from kvbridge.proofs.verify import random_request
     from kvbridge.transport.cache import RankCache
 
-    t0 = time.perf_counter()
     row = StrayRow(arch, group, "error")
-    old = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(timeout)
-    try:
+    with row_outcome(row, timeout):
         base = tiny_config(arch)
         raw = {**base.to_dict(), **STRAYS[group]}
         config = type(base)(**{k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")})
@@ -117,20 +104,6 @@ def check_stray(arch: str, group: str, seed: int = 0, timeout: int = SECONDS) ->
             row.status, row.detail = "mismatch", _one_line(e)
             return row
         row.status = "ok"
-    except _Skip as e:
-        row.status, row.detail = "skipped", str(e)
-    except _Unbuildable as e:
-        row.status, row.detail = "unbuildable", str(e)
-    except _Timeout:
-        row.status, row.detail = "error", f"over {timeout} s"
-    except ConfigError as e:
-        row.status, row.detail = "refused", _one_line(e)
-    except Exception as e:  # noqa: BLE001 - a row, not a crash
-        row.status, row.detail = "error", _one_line(e)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-        row.seconds = round(time.perf_counter() - t0, 1)
     return row
 
 
