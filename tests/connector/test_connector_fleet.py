@@ -146,22 +146,18 @@ def test_engines_that_leave_are_forgotten_and_state_stays_bounded():
     own engine id, as a restarted instance is), then a prefill engine stays while 25 decode engines
     come and go: every request completes, each engine that left is forgotten within the TTL (the
     decode side after one, the prefill side after two), and descriptors and memory stop growing."""
-    consumer = _endpoint(Consumer, "stays-d", 0)
-    try:
-        figures = _cycles(consumer, lambda i: _endpoint(Producer, f"prefill-{i}", i), CYCLES,
-                          lambda: consumer.prefill_engines or consumer.topology.remote_engine_ids)
-        assert consumer.stats["engines_forgotten"] == CYCLES
-        _bounded(figures)
-    finally:
-        _close(consumer)
-    producer = _endpoint(Producer, "stays-p", 1)
-    try:
-        figures = _cycles(producer, lambda i: _endpoint(Consumer, f"decode-{i}", i), CYCLES,
-                          lambda: producer.decode_engines or producer.topology.remote_engine_ids)
-        assert producer.stats["engines_forgotten"] == CYCLES
-        _bounded(figures)
-    finally:
-        _close(producer)
+    for (kind, name, seed), peer, known in (((Consumer, "stays-d", 0), (Producer, "prefill"),
+                                             lambda e: e.prefill_engines or e.topology.remote_engine_ids),
+                                            ((Producer, "stays-p", 1), (Consumer, "decode"),
+                                             lambda e: e.decode_engines or e.topology.remote_engine_ids)):
+        stays = _endpoint(kind, name, seed)
+        try:
+            figures = _cycles(stays, lambda i, peer=peer: _endpoint(peer[0], f"{peer[1]}-{i}", i), CYCLES,
+                              lambda stays=stays, known=known: known(stays))
+            assert stays.stats["engines_forgotten"] == CYCLES
+            _bounded(figures)
+        finally:
+            _close(stays)
 
 
 def test_a_prefill_engine_restarted_on_the_same_address_is_handshaken():

@@ -50,11 +50,6 @@ def _read_json_line(proc: subprocess.Popen, timeout: float) -> dict:
     raise AssertionError(f"kvbridge serve gave no endpoint (rc {proc.poll()}): {proc.stderr.read()[-3000:]!r}")
 
 
-def _shm_of(pids: list[int]) -> set[str]:
-    from kvbridge.integrations.vllm.fleet import _mapped_segments, _pids_in_groups
-    return {name for pid in _pids_in_groups(set(pids)) for name in _mapped_segments(pid)}
-
-
 def test_serve_fleet_answers_as_one_instance_and_stops_clean(vllm_env, tmp_path):
     model = add_byte_tokenizer(make_tiny_llama(tmp_path / "tiny-llama", seed=3))
     logs = tmp_path / "fleet"
@@ -86,19 +81,19 @@ def test_serve_fleet_answers_as_one_instance_and_stops_clean(vllm_env, tmp_path)
         assert loads and all(e["ok"] for e in loads), loads[-3:]
         assert {e["rank"] for e in loads} == {0, 1}  # both decode ranks read their heads through kvbridge
         pids = [i["pid"] for i in fleet["instances"]] + [fleet["router"]["pid"]]
-        segments = _shm_of(pids)
+        segments = session_segments(*pids)
         assert any(s.startswith("kvbridge-") for s in segments), segments
     finally:
         os.killpg(serve.pid, signal.SIGTERM)
         try:
             rc = serve.wait(120)
         finally:
-            ref_segments = session_segments(ref.proc)
+            ref_segments = session_segments(ref.proc.pid)
             stop_session(ref.proc)
             remove_unused_segments(ref_segments)
     assert rc == 0, serve.stderr.read()[-2000:]
     left = [p for p in pids if os.path.exists(f"/proc/{p}")]
-    from kvbridge.integrations.vllm.fleet import _pids_in_groups
+    from kvbridge.integrations.vllm.fleet_processes import _pids_in_groups
     assert not left and not _pids_in_groups(set(pids)), "fleet processes left running"
     assert not [s for s in segments if os.path.exists(f"/dev/shm/{s}")], "fleet segments left in /dev/shm"
     ports = [port] + [int(i["url"].rsplit(":", 1)[1]) for i in fleet["instances"]]

@@ -140,7 +140,7 @@ class Check:
         return act
 
     def leaks(self) -> dict[str, Any]:
-        from kvbridge.integrations.vllm.fleet import _pids_in_groups
+        from kvbridge.integrations.vllm.fleet_processes import _pids_in_groups
         groups = {m.proc.pid for m in self.fleet.everyone() if m.proc is not None}
         ports = [m.http_port for m in self.fleet.everyone()]
         self.fleet.stop()
@@ -177,7 +177,7 @@ def run(work: Path | None = None, python: str | None = None, quick: bool = False
             check.load("load after the join", 16, 8)
     finally:
         leaks = check.leaks()
-        ref_segments = session_segments(check.ref.proc)
+        ref_segments = session_segments(check.ref.proc.pid) if check.ref.proc else set()
         stop_session(check.ref.proc)
         remove_unused_segments(ref_segments)
     return {"work": str(work), "rows": check.rows, "leaks": leaks}

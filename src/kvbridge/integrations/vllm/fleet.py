@@ -28,10 +28,9 @@ from typing import Any
 
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.fleet_config import FleetConfig, FleetError, InstanceShape, check_shapes
-from kvbridge.integrations.vllm.fleet_processes import (Member, _group_alive, _mapped_segments,
-                                                        _pids_in_groups, find_tool, free_ports, healthy, port_free,
-                                                        remove_unused_segments, stop_session, vllm_python,
-                                                        vllm_serve_member)
+from kvbridge.integrations.vllm.fleet_processes import (Member, _group_alive, find_tool, free_ports, healthy, port_free,
+                                                        remove_unused_segments, session_segments, stop_session,
+                                                        vllm_python, vllm_serve_member)
 
 
 class Fleet:
@@ -203,9 +202,7 @@ class Fleet:
         """Note the shared-memory segments the fleet's processes map (vLLM's TP channels, Python's
         multiprocessing blocks and semaphores, kvbridge's caches): killed workers leave theirs in
         /dev/shm, and `stop` removes them. Called while waiting for health and by the CLI's watch."""
-        groups = {m.proc.pid for m in self.everyone() if m.proc is not None}
-        for pid in _pids_in_groups(groups):
-            self.segments.update(_mapped_segments(pid))
+        self.segments |= session_segments(*(m.proc.pid for m in self.everyone() if m.proc is not None))
 
     def stop(self) -> None:
         """Stop the router first (no new requests), then every instance; remove their segments."""

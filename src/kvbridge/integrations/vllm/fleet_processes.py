@@ -208,11 +208,9 @@ def stop_session(proc: subprocess.Popen | None, timeout: float = 20.0) -> None:
     proc.poll()
 
 
-def session_segments(proc: subprocess.Popen | None) -> set[str]:
-    """The /dev/shm names the processes of `proc`'s session map now."""
-    if proc is None:
-        return set()
-    return {name for pid in _pids_in_groups({proc.pid}) for name in _mapped_segments(pid)}
+def session_segments(*leaders: int) -> set[str]:
+    """The /dev/shm names the processes of the sessions these pids lead map now."""
+    return {name for pid in _pids_in_groups(set(leaders)) for name in _mapped_segments(pid)}
 
 
 def remove_unused_segments(names: set[str]) -> int:
