@@ -37,31 +37,34 @@ class InstanceShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @classmethod
     def parse(cls, text: str, flag: str) -> InstanceShape:
         """`key=value[,key=value...]` with keys tp, pp, block, transport, mode; refused in one line."""
+        shown = text if len(text) <= 80 else text[:77] + "..."  # echoed in errors: bounded
         fields: dict[str, Any] = {}
         for item in text.split(","):
             key, eq, value = item.strip().partition("=")
             if not eq or not key or not value:
-                raise ConfigError(f"{flag} {text!r}: expected key=value pairs such as tp=2,block=32 (keys: tp, pp, "
+                raise ConfigError(f"{flag} {shown!r}: expected key=value pairs such as tp=2,block=32 (keys: tp, pp, "
                                   "block, transport, mode)")
             if key not in cls.__struct_fields__:
-                raise ConfigError(f"{flag} {text!r}: unknown key {key!r} (keys: tp, pp, block, transport, mode)")
+                raise ConfigError(f"{flag} {shown!r}: unknown key {key[:40]!r} (keys: tp, pp, block, transport, mode)")
             if key in fields:
-                raise ConfigError(f"{flag} {text!r}: {key} given twice")
+                raise ConfigError(f"{flag} {shown!r}: {key} given twice")
             if key in ("tp", "pp", "block"):
-                if not value.isdigit() or len(value) > 6:
-                    raise ConfigError(f"{flag} {text!r}: {key} must be a positive integer, got {value!r}")
-                fields[key] = int(value)
+                if not value.isdigit():
+                    raise ConfigError(f"{flag} {shown!r}: {key} must be a positive integer, got {value!r}")
+                fields[key] = int(value) if len(value) <= 12 else 10 ** 12  # out of every range below either way
             else:
                 fields[key] = value
         shape = cls(**fields)
         for key, top in (("tp", MAX_TP), ("pp", MAX_PP), ("block", MAX_BLOCK)):
-            if not 1 <= getattr(shape, key) <= top:
-                raise ConfigError(f"{flag} {text!r}: {key} must be in 1..{top}, got {getattr(shape, key)}")
+            value = getattr(shape, key)
+            if not 1 <= value <= top:
+                got = value if value < 10 ** 12 else "more than 12 digits"
+                raise ConfigError(f"{flag} {shown!r}: {key} must be in 1..{top}, got {got}")
         if shape.transport not in TRANSPORTS:
-            raise ConfigError(f"{flag} {text!r}: transport must be one of {', '.join(TRANSPORTS)}, got "
+            raise ConfigError(f"{flag} {shown!r}: transport must be one of {', '.join(TRANSPORTS)}, got "
                               f"{shape.transport!r}")
         if shape.mode not in ("pull", "push"):
-            raise ConfigError(f"{flag} {text!r}: mode must be pull or push, got {shape.mode!r}")
+            raise ConfigError(f"{flag} {shown!r}: mode must be pull or push, got {shape.mode!r}")
         return shape
 
     def describe(self) -> str:

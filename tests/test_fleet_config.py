@@ -1,0 +1,26 @@
+"""`kvbridge serve`'s instance shapes (`--prefill` / `--decode` key=value lists): untrusted text,
+refused in one bounded line before anything starts; no vLLM needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.errors import ConfigError
+from kvbridge.integrations.vllm.fleet_config import InstanceShape
+
+
+def test_a_shape_reads_every_key():
+    s = InstanceShape.parse("tp=2,pp=1,block=64,transport=nixl,mode=push", "--prefill")
+    assert (s.tp, s.pp, s.block, s.transport, s.mode) == (2, 1, 64, "nixl", "push")
+
+
+@pytest.mark.parametrize("text, why", [
+    ("tp", "key=value"), ("tp=1,tp=2", "given twice"), ("foo=1", "unknown key 'foo'"), ("tp=x", "positive integer"),
+    ("tp=0", "1..64, got 0"), ("block=5000", "1..4096"), ("tp=" + "9" * 5000, "more than 12 digits"),
+    ("transport=tcp", "transport must be"), ("mode=both", "mode must be"), ("x" * 500 + "=1", "unknown key"),
+])
+def test_bad_shapes_are_one_bounded_line(text, why):
+    with pytest.raises(ConfigError, match=why) as e:
+        InstanceShape.parse(text, "--decode")
+    message = str(e.value)
+    assert "\n" not in message and len(message) < 300 and message.startswith("--decode ")
