@@ -292,7 +292,7 @@ class Sidecar:
             named = req.to_engine
             if named is None:  # the router named no decode engine: the one that claimed it reads it
                 claimant = self.producer.claimant(rid)
-                target = claimant if claimant in engines else None
+                target = claimant if claimant in engines else (engines[0] if len(engines) == 1 else None)
                 if target is None and engines and all(not self.producer.topology.reader_ranks(e) for e in engines):
                     target = engines[0]  # no decode engine reads this rank (GQA de-duplication, MLA): release now
             else:
