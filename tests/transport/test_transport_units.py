@@ -77,3 +77,39 @@ def test_bench_transport_smoke(backend):
     assert d["ours_gbps"] > 0 and d["contiguous_gbps"] > 0 and d["per_block_gbps"] > 0
     assert d["contiguous_per_rank_gbps"] > 0 and d["ratio_vs_contiguous_per_rank"] > 0
     assert d["staged"] == (backend == "mooncake")
+
+
+
+def test_releasing_a_segment_leaves_the_neighbour_that_ends_where_it_starts():
+    """mmap places a new segment in the hole a freed one left, often right after a live one; the
+    release found segments by a zero-length probe, which also matched the segment ending there, and
+    unlinked that neighbour (a fleet test saw a prefill engine's cache vanish mid-handshake)."""
+    import gc
+    import os
+
+    from kvbridge.core.layout import EngineLayout
+    from kvbridge.core.spec import ModelSpec
+    from kvbridge.transport.shm import allocate_shared, release_shared
+
+    spec = ModelSpec.uniform(num_layers=4, num_kv_heads=4, head_dim=32, dtype="float16")
+    layout = EngineLayout(tp_size=1, block_size=16, num_blocks=16)
+    made = [allocate_shared(spec, layout, 0, f"adj{i}") for i in range(8)]
+    for cache in made[1::2]:
+        release_shared(cache)
+    older = made[::2]
+    del made
+    gc.collect()
+    newer = [allocate_shared(spec, layout, 0, f"adj-again{i}") for i in range(4)]
+    try:
+        pairs = [(o, n) for o in older for n in newer
+                 if o.shm_segment.addr + o.shm_segment.nbytes == n.shm_segment.addr]
+        if not pairs:
+            pytest.skip("mmap placed no new segment right after an older one on this host (the fault needs that)")
+        for neighbour, cache in pairs:
+            release_shared(cache)
+            assert not os.path.exists(cache.shm_segment.path)
+            assert os.path.exists(neighbour.shm_segment.path), "releasing one segment unlinked its neighbour"
+    finally:
+        for cache in older + newer:
+            release_shared(cache)
+    assert not any(os.path.exists(c.shm_segment.path) for c in older + newer)

@@ -237,9 +237,13 @@ def adopt_segment(path: str, nbytes: int) -> SharedSegment:
 
 def release_shared(obj: RankCache | torch.Tensor) -> None:
     """Unlink the segment(s) behind a cache or tensor from `allocate_shared` / `shared_bytes`."""
-    tensors = obj.regions if isinstance(obj, RankCache) else [obj]
-    for t in tensors:
-        seg = _segment_of(t.data_ptr(), 0)
+    # A tensor is found by its first byte (a probe of one byte: a zero-length probe also matches
+    # the segment that ends where this one starts, and mmap often places them so; that unlinked a
+    # neighbour's segment).
+    own = getattr(obj, "shm_segment", None)
+    segs = [own] if own is not None else [_segment_of(t.data_ptr(), 1) for t in
+                                          (obj.regions if isinstance(obj, RankCache) else [obj])]
+    for seg in segs:
         if seg is not None:
             seg.unlink()
             with _SEG_LOCK:
@@ -252,9 +256,10 @@ def segment_at(addr: int, nbytes: int) -> SharedSegment | None:
 
 
 def _segment_of(addr: int, nbytes: int) -> SharedSegment | None:
+    end = addr + nbytes
     with _SEG_LOCK:
         for seg in _SEGMENTS.values():
-            if seg.addr <= addr and addr + nbytes <= seg.addr + seg.nbytes:
+            if seg.addr <= addr and end <= seg.addr + seg.nbytes:
                 return seg
     return None
 
