@@ -19,16 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.errors import ConfigError
+from kvbridge.transport.ports import PortsExhausted, free_ports  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
     from kvbridge.integrations.vllm.fleet_config import FleetConfig, InstanceShape
 
 REPO = Path(__file__).resolve().parents[4]
-
-
-class PortsExhausted(KVBridgeError, RuntimeError):
-    """No run of free ports was found."""
 
 
 def vllm_python(python: str | os.PathLike | None = None) -> str:
@@ -39,36 +36,6 @@ def vllm_python(python: str | os.PathLike | None = None) -> str:
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
     raise ConfigError("no vLLM environment: run `make vllm-env` (creates .venv-vllm) or set KVBRIDGE_VLLM_PYTHON")
-
-
-def free_ports(count: int = 1, exclude: set[int] | None = None) -> int:
-    """A base port such that `count` consecutive ports are free on 127.0.0.1, below the kernel's
-    ephemeral range (an ephemeral port that is free now may be taken by any outgoing connection
-    before the side channel binds it: seen as "Address already in use"), none of them in
-    `exclude` (ports promised to instances that have not bound them yet)."""
-    rng = random.Random()
-    try:
-        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    top = max(20000 + 1000, min(low, 60000))
-    for _ in range(200):
-        base = rng.randrange(20000, top - count)
-        if exclude and exclude.intersection(range(base, base + count)):
-            continue
-        socks = []
-        try:
-            for p in range(base, base + count):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise PortsExhausted(f"no {count} consecutive free ports found")
 
 
 @dataclass
