@@ -64,3 +64,21 @@ def test_demo_arguments_are_checked():
         run_offload_demo("tiny-gemma2", store_tp=2, load_tp=4)
     with pytest.raises(InvalidRequest, match="prefix_len must be a multiple of the 8-token offloaded block"):
         run_offload_demo("tiny-gemma2", prompt_len=40, prefix_len=12)
+
+
+@pytest.mark.parametrize("model, store_pp, load_pp, store_tp, load_tp", [
+    ("tiny-gemma2", 2, 1, 2, 1),  # two groups (full, sliding) split over two stages
+    ("tiny-qwen2", 1, 3, 1, 2),  # three stages of one layer each; TP 1 -> 2
+])
+def test_pipeline_parallel_engines_offload_through_the_canonical_pool(model, store_pp, load_pp, store_tp, load_tp):
+    """Each PP stage is planned as a TP engine over the group layers it holds (a stage's ranks have
+    regions for their own layers only, numbered from 0)."""
+    r = run_offload_demo(model, seed=3, prompt_len=40, block_size=4, block_size_factor=2, store_tp=store_tp,
+                         load_tp=load_tp, store_pp=store_pp, load_pp=load_pp, canonical=True)
+    assert r.ok, r.summary()
+    assert r.tokens_offload == r.tokens_reference
+
+
+def test_a_mirror_pool_of_a_pipeline_parallel_engine_is_refused():
+    with pytest.raises(InvalidRequest, match="mirror pool of a pipeline-parallel engine"):
+        run_offload_demo("tiny-llama", store_pp=2, load_pp=2)

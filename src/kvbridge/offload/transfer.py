@@ -19,6 +19,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
+
+import msgspec
 
 import numpy as np
 
@@ -31,16 +34,17 @@ from kvbridge.core.spec import LayerSpec, ModelSpec
 
 
 @lru_cache(maxsize=256)
-def group_model(spec: ModelSpec, group: int) -> ModelSpec:
-    """The layers of one KV-cache group as a model of their own, sliding windows turned off."""
-    layers = []
-    for li in spec.groups[group]:
+def group_model(spec: ModelSpec, group: int, layers: tuple[int, ...] | None = None) -> ModelSpec:
+    """The layers of one KV-cache group (or `layers`, some of them) as a model of their own,
+    sliding windows turned off."""
+    out = []
+    for li in spec.groups[group] if layers is None else layers:
         layer = spec.layers[li]
         if layer.window is not None:  # sliding K/V becomes full K/V, sliding MLA plain MLA
             layer = LayerSpec("full" if layer.kind == "sliding" else layer.kind, layer.num_kv_heads, layer.key_dim,
                               layer.value_dim)
-        layers.append(layer)
-    return ModelSpec(tuple(layers), spec.dtype, f"{spec.name}/group{group}")
+        out.append(layer)
+    return ModelSpec(tuple(out), spec.dtype, f"{spec.name}/group{group}")
 
 
 @dataclass(frozen=True)
@@ -64,20 +68,29 @@ class JobRuns:
 
 
 class _Side:
-    """One side's flat region numbering: region r of rank k is `first[pos[k]] + remap[g][r]`."""
+    """One side's flat region numbering: full-model region r of rank k is `first[pos[k]] + r`."""
 
     def __init__(self, spec: ModelSpec, layout: EngineLayout, ranks: Sequence[int]):
         self.layout = layout
-        self.pos = np.full(layout.tp_size, -1, dtype=np.int64)
+        self.pos = np.full(layout.world_size, -1, dtype=np.int64)
         self.pos[np.asarray(ranks, dtype=np.int64)] = np.arange(len(ranks))
-        sizes = [layout.addressing(spec, r).region_nbytes for r in ranks]
+        self.addr = {r: layout.addressing(spec, r) for r in ranks}
+        sizes = [self.addr[r].region_nbytes for r in ranks]
         self.first = np.cumsum([0] + [len(s) for s in sizes[:-1]]).astype(np.int64)
         self.sizes = np.asarray([n for s in sizes for n in s], dtype=np.int64)
-        per_layer = layout.layer_placement == "per_layer"
-        self.remap = [np.asarray(layers if per_layer else (0,), dtype=np.int64) for layers in spec.groups]
 
-    def flat(self, group: int, rank: np.ndarray, region: np.ndarray) -> np.ndarray:
-        return self.first[self.pos[rank]] + self.remap[group][region]
+    def flat(self, rank: np.ndarray, region: np.ndarray) -> np.ndarray:
+        return self.first[self.pos[rank]] + region
+
+
+class _Part(NamedTuple):
+    """The layers of one group on one device PP stage, planned as a TP-only model of their own."""
+
+    group: int
+    stage: int
+    model: ModelSpec
+    dev_regions: np.ndarray  # sub-model region i -> the device rank's full-model region
+    cpu_regions: np.ndarray  # sub-model region i -> the pool's full-model region
 
 
 class JobPlanner:
@@ -88,38 +101,63 @@ class JobPlanner:
         self.factor = pool.factor_for(spec, device)
         self.ranks = tuple(int(r) for r in device_ranks)
         if not self.ranks or len(set(self.ranks)) != len(self.ranks) or not all(
-                0 <= r < device.tp_size for r in self.ranks):
-            raise InvalidRequest(f"device ranks {list(self.ranks)} must be distinct ranks of TP={device.tp_size}")
+                0 <= r < device.world_size for r in self.ranks):
+            raise InvalidRequest(f"device ranks {list(self.ranks)} must be distinct ranks of "
+                                 f"{device.describe_ranks()}")
+        if device.pp_size > 1 and pool.format == "mirror":
+            raise InvalidRequest("a mirror pool of a pipeline-parallel engine is not supported; use the canonical pool")
+        if device.cp_size > 1:
+            raise InvalidRequest(f"offload of a context-parallel engine ({device.describe()}) is not supported")
         self.dev = _Side(spec, device, self.ranks)
         self.cpu = _Side(spec, pool.layout, range(pool.layout.tp_size))
         # Same TP on both sides: pool rank r reads and writes only device rank r (the mirror case).
         self._rank_to_rank = pool.layout.tp_size == device.tp_size
+        # Each PP stage is planned as a TP-only engine over the group's layers it holds.
+        self._stage_layout = msgspec.structs.replace(device, pp_size=1, layer_split=())
+        stage_of = device.layer_stage(spec.num_layers)
+        cpu_addr = self.cpu.addr[0]
+        self._parts: dict[int, list[_Part]] = {}
+        for g, layers in enumerate(spec.groups):
+            parts = []
+            for p in range(device.pp_size):
+                mine = tuple(li for li in layers if stage_of[li] == p)
+                if not mine:
+                    continue
+                dev_addr = device.addressing(spec, device.flat_rank(0, p))
+                parts.append(_Part(g, p, group_model(spec, g, mine), dev_addr.region[list(mine), 0].copy(),
+                                   cpu_addr.region[list(mine), 0].copy()))
+            self._parts[g] = parts
 
     def plan(self, gpu: GPULoadStoreSpec, cpu: BlockIDsLoadStoreSpec, store: bool) -> JobRuns:
         """Runs of a store (device -> pool) or a load (pool -> device), all groups together."""
         t0 = time.perf_counter()
         slices = split_groups(gpu, cpu, self.factor, len(self.spec.groups))
         B = self.device.block_size
+        tp = self.device.tp_size
         parts = []
         for s in slices:
-            sub = group_model(self.spec, s.group)
             n = len(s.device_ids)
             dev_ids = tuple([0] * s.skip + s.device_ids.tolist())  # the skipped entries are never read
             req_dev_cpu = (dev_ids, tuple(s.cpu_ids.tolist()))
             src_ids, dst_ids = req_dev_cpu if store else req_dev_cpu[::-1]
             req = Request((src_ids,), (dst_ids,), (s.skip + n) * B, s.skip * B)
-            if store:
-                dst_ranks = self.ranks if self._rank_to_rank else None
-                p = plan_request(sub, self.device, self.pool.layout, req, dst_ranks)
-                keep = self.dev.pos[p.src_rank] >= 0  # canonical: this worker writes the heads its ranks serve
-                src = self.dev.flat(s.group, p.src_rank[keep], p.src_region[keep])
-                dst = self.cpu.flat(s.group, p.dst_rank[keep], p.dst_region[keep])
-            else:
-                p = plan_request(sub, self.pool.layout, self.device, req, self.ranks)
-                keep = slice(None)
-                src = self.cpu.flat(s.group, p.src_rank, p.src_region)
-                dst = self.dev.flat(s.group, p.dst_rank, p.dst_region)
-            parts.append((src, p.src_offset[keep], dst, p.dst_offset[keep], p.length[keep]))
+            for part in self._parts[s.group]:
+                stage_ranks = [r - part.stage * tp for r in self.ranks if r // tp == part.stage]
+                if not stage_ranks:
+                    continue  # none of this worker's ranks holds these layers
+                if store:
+                    dst_ranks = stage_ranks if self._rank_to_rank else None
+                    p = plan_request(part.model, self._stage_layout, self.pool.layout, req, dst_ranks)
+                    src_flat = p.src_rank + part.stage * tp
+                    keep = self.dev.pos[src_flat] >= 0  # canonical: this worker writes the heads its ranks serve
+                    src = self.dev.flat(src_flat[keep], part.dev_regions[p.src_region[keep]])
+                    dst = self.cpu.flat(p.dst_rank[keep], part.cpu_regions[p.dst_region[keep]])
+                else:
+                    p = plan_request(part.model, self.pool.layout, self._stage_layout, req, stage_ranks)
+                    keep = slice(None)
+                    src = self.cpu.flat(p.src_rank, part.cpu_regions[p.src_region])
+                    dst = self.dev.flat(p.dst_rank + part.stage * tp, part.dev_regions[p.dst_region])
+                parts.append((src, p.src_offset[keep], dst, p.dst_offset[keep], p.length[keep]))
         cols = [np.concatenate(c) if c else np.zeros(0, np.int64) for c in zip(*parts)] if parts else \
             [np.zeros(0, np.int64)] * 5
         runs = JobRuns(*(np.ascontiguousarray(c, dtype=np.int64) for c in cols),

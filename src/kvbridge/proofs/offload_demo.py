@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -32,13 +32,13 @@ from kvbridge.proofs.results import ProofResult
 from kvbridge.proofs.tiny_models import load_model, spec_for
 from kvbridge.core.layout import EngineLayout
 from kvbridge.transport.cache import RankCache
-from kvbridge.offload.keys import chained_block_hashes, group_keys
+from kvbridge.offload.keys import OffloadKey, chained_block_hashes, group_keys
 from kvbridge.offload.lookup import request_hits
 from kvbridge.offload.manager import OffloadingManager
 from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.scheduling import NULL, load_job, storable_keys, store_job
 from kvbridge.offload.spec import cdiv
-from kvbridge.offload.worker import OffloadWorker
+from kvbridge.offload.worker import OffloadWorker, TransferResult
 from kvbridge.core.spec import ModelSpec
 from kvbridge.proofs.verify import random_bytes
 
@@ -66,6 +66,7 @@ class OffloadDemoResult(ProofResult):
     store_seconds: float
     load_seconds: float
     events: dict[str, int]
+    recomputed: bool = False
     differences: list[str] = field(default_factory=list)
 
     @property
@@ -79,16 +80,14 @@ class OffloadDemoResult(ProofResult):
                 f"{'match' if self.match else 'differ'}, prefix cache {'bit-exact' if self.cache_equal else 'differs'}")
 
 
-class _Engine:
-    """A device engine in miniature: rank caches, a block free list, one offload worker."""
+class DeviceEngine:
+    """A device engine in miniature: rank caches and a block free list."""
 
-    def __init__(self, spec: ModelSpec, layout: EngineLayout, pool: CPUPool, seed: int):
+    def __init__(self, spec: ModelSpec, layout: EngineLayout, seed: int):
         self.spec, self.layout, self.seed = spec, layout, seed
         self.caches = RankCache.allocate_engine(spec, layout, fill=None)
         random_bytes(self.caches, seed)
         self.free = list(np.random.default_rng(seed).permutation(layout.num_blocks).tolist())
-        self.worker = OffloadWorker(self.caches, pool)
-        self.factor = self.worker.block_size_factor
 
     def allocate(self) -> int:
         if not self.free:
@@ -134,63 +133,125 @@ def _ids(tables: list[list[int]]) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(t) for t in tables)
 
 
-@torch.inference_mode()
-def run_offload_demo(model: str = "tiny-gemma2", seed: int = 0, prompt_len: int = 40, prefix_len: int | None = None,
-                     suffix_len: int = 8, new_tokens: int = 8, block_size: int = 4, block_size_factor: int = 2,
-                     store_tp: int = 1, load_tp: int | None = None, load_block_size: int | None = None,
-                     canonical: bool = False, policy: Literal["lru", "arc"] = "lru", num_cpu_blocks: int = 64,
-                     after_store: Callable[[CPUPool], None] | None = None) -> OffloadDemoResult:
-    """Prefill A, store it to CPU, evict it from the device, load B's shared prefix back, decode, compare.
+class Moved(NamedTuple):
+    blocks: int
+    bytes: int
+    seconds: float
 
-    `canonical=True` stores in the TP-independent format and loads on an engine with
-    `load_tp` / `load_block_size`; otherwise the pool mirrors the store engine, which also loads.
-    `after_store` may inspect (or, in tests, corrupt) the pool between the two requests.
-    """
-    net, config = load_model(model, seed)
-    net.generation_config = greedy_config()
-    spec = spec_for(config, next(net.parameters()).dtype)
-    vocab = int(config.get_text_config(decoder=True).vocab_size)
-    obs = block_size * block_size_factor  # tokens per offloaded block (the key granularity)
+
+class OffloadBackend(Protocol):
+    """Where a round trip stores and finds blocks: a CPU pool here, a shared pool in `pool_demo`.
+    `load` answers None when it refused the blocks (the engine then recomputes them)."""
+
+    def describe(self) -> str: ...
+    def store(self, engine: DeviceEngine, tables: list[list[int]], keys: list[list[OffloadKey]],
+              new: list[OffloadKey]) -> Moved: ...
+    def hit(self, keys: list[list[OffloadKey]], windows: list[int | None], obs: int, num_tokens: int) -> int: ...
+    def load(self, engine: DeviceEngine, tables: list[list[int]], keys: list[list[OffloadKey]],
+             hit: int) -> Moved | None: ...
+    def events(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+
+class _CpuPoolBackend:
+    """One process's CPU pool, its catalogue and an offload worker per engine."""
+
+    def __init__(self, pool: CPUPool, manager: OffloadingManager, after_store: Callable[[CPUPool], None] | None):
+        self.pool, self.manager, self.after_store = pool, manager, after_store
+        self.workers: dict[int, OffloadWorker] = {}
+        self._events: list = []
+
+    def _worker(self, engine: DeviceEngine) -> OffloadWorker:
+        if id(engine) not in self.workers:
+            self.workers[id(engine)] = OffloadWorker(engine.caches, self.pool)
+        return self.workers[id(engine)]
+
+    def factor(self, engine: DeviceEngine) -> int:
+        return self._worker(engine).block_size_factor
+
+    def _run(self, engine: DeviceEngine, job) -> TransferResult:
+        worker = self._worker(engine)
+        job_id = worker.submit(job)
+        worker.wait([job_id])
+        (res,) = [r for r in worker.get_finished() if r.job_id == job_id]
+        return res
+
+    def describe(self) -> str:
+        return self.pool.describe()
+
+    def store(self, engine, tables, keys, new) -> Moved:
+        out = self.manager.prepare_store(new)
+        if out is None:
+            raise InvalidRequest(f"CPU pool of {self.pool.num_blocks} blocks cannot take {len(new)} more; "
+                                 f"raise num_cpu_blocks")
+        self.manager.touch([k for ks in keys for k in ks])
+        if not out.keys_to_store:
+            return Moved(0, 0, 0.0)
+        res = self._run(engine, (store_job(tables, keys, out.keys_to_store, self.factor(engine)), out.store_spec))
+        self.manager.complete_store(out.keys_to_store, success=res.success)
+        return Moved(len(out.keys_to_store), res.bytes, res.seconds)
+
+    def after_stores(self) -> None:
+        if self.after_store is not None:
+            self.after_store(self.pool)
+
+    def hit(self, keys, windows, obs, num_tokens) -> int:
+        hit = request_hits(keys, windows, obs, num_tokens, self.manager.lookup_key) or 0
+        self.manager.touch([k for ks in keys for k in ks])
+        return hit
+
+    def load(self, engine, tables, keys, hit) -> Moved:
+        load_keys, gpu_spec = load_job(tables, keys, hit, engine.layout.block_size, self.factor(engine))
+        cpu_spec = self.manager.prepare_load(load_keys)
+        res = self._run(engine, (cpu_spec, gpu_spec))
+        self.manager.complete_load(load_keys)
+        return Moved(len(load_keys), res.bytes, res.seconds)
+
+    def events(self) -> dict[str, int]:
+        events = self.manager.take_events()
+        return {"stored": sum(len(e.keys) for e in events if not e.removed),
+                "removed": sum(len(e.keys) for e in events if e.removed)}
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.shutdown()
+
+
+def demo_prompts(vocab: int, seed: int, prompt_len: int, prefix_len: int, suffix_len: int) -> tuple[list[int], list[int]]:
+    """Prompt A and prompt B, which shares A's first `prefix_len` tokens and then differs."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt_a = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
+    suffix = [(t + 1) % vocab for t in torch.randint(0, vocab, (suffix_len,), generator=gen).tolist()]
+    if suffix[0] == prompt_a[prefix_len % prompt_len]:
+        suffix[0] = (suffix[0] + 1) % vocab
+    return prompt_a, prompt_a[:prefix_len] + suffix
+
+
+def check_prefix(obs: int, prompt_len: int, prefix_len: int | None, suffix_len: int, new_tokens: int) -> int:
+    """The prefix length (default: the longest whole number of offloaded blocks), or a one-line refusal."""
     prefix_len = prefix_len if prefix_len is not None else (prompt_len - 1) // obs * obs
     if prefix_len < obs or prefix_len % obs or prefix_len >= prompt_len:
         raise InvalidRequest(f"prefix_len must be a multiple of the {obs}-token offloaded block, at least one block "
                              f"and shorter than the {prompt_len}-token prompt; got {prefix_len}")
     if suffix_len < 1 or new_tokens < 1:
         raise InvalidRequest(f"suffix_len and new_tokens must be >= 1, got {suffix_len} and {new_tokens}")
-    gen = torch.Generator().manual_seed(seed)
-    prompt_a = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
-    suffix = [(t + 1) % vocab for t in torch.randint(0, vocab, (suffix_len,), generator=gen).tolist()]
-    if suffix[0] == prompt_a[prefix_len % prompt_len]:
-        suffix[0] = (suffix[0] + 1) % vocab
-    prompt_b = prompt_a[:prefix_len] + suffix
+    return prefix_len
+
+
+@torch.inference_mode()
+def round_trip(model: str, net, config, spec: ModelSpec, prompt_a: list[int], prompt_b: list[int], prefix_len: int,
+               new_tokens: int, obs: int, store_engine: DeviceEngine, load_engine: DeviceEngine,
+               backend: OffloadBackend, factor_of: Callable[[DeviceEngine], int]) -> OffloadDemoResult:
+    """Prefill A in two chunks storing after each, evict it, look B up, load its hit, decode, compare."""
+    prompt_len = len(prompt_a)
     windows = [spec.group_layer(g).window for g in range(len(spec.groups))]
-
-    blocks_needed = 2 * cdiv(max(prompt_len, len(prompt_b)), min(block_size, load_block_size or block_size)) + 4
-    store_layout = EngineLayout(tp_size=store_tp, block_size=block_size, num_blocks=blocks_needed)
-    if canonical:
-        pool = CPUPool.canonical(spec, obs, num_cpu_blocks, pin_memory=False, kernel_tokens=block_size)
-        load_layout = EngineLayout(tp_size=load_tp or store_tp, block_size=load_block_size or block_size,
-                                   num_blocks=blocks_needed)
-    else:
-        if (load_tp not in (None, store_tp)) or (load_block_size not in (None, block_size)):
-            raise InvalidRequest("the mirror (vLLM) variant loads on the engine that stored; use canonical=True "
-                                 f"to load on another shape (asked TP {store_tp} -> {load_tp}, block {block_size} -> "
-                                 f"{load_block_size})")
-        pool = CPUPool.mirror(spec, store_layout, block_size_factor, num_cpu_blocks, pin_memory=False)
-        load_layout = store_layout
-    manager = OffloadingManager(num_cpu_blocks, policy, block_size=obs)
-    store_engine = _Engine(spec, store_layout, pool, seed + 1)
-    load_engine = store_engine if load_layout == store_layout and not canonical else _Engine(
-        spec, load_layout, pool, seed + 2)
-
-    # --- request A: chunked prefill, storing newly full offloaded blocks after each chunk -------------
     keys_a = [group_keys(chained_block_hashes(prompt_a, obs), g) for g in range(len(spec.groups))]
     tables_a: list[list[int]] = [[] for _ in spec.groups]
     next_stored = [0] * len(spec.groups)
     cache = DynamicCache(config=config)
     stored_prefix: DynamicCache | None = None
-    stored_blocks = bytes_stored = 0
-    store_seconds = 0.0
+    stored = Moved(0, 0, 0.0)
+    factor = factor_of(store_engine)
     for start, stop in ((0, prefix_len), (prefix_len, prompt_len)):
         net(torch.tensor([prompt_a[start:stop]]), past_key_values=cache, use_cache=True)
         store_engine.grow(tables_a, stop)
@@ -198,61 +259,84 @@ def run_offload_demo(model: str = "tiny-gemma2", seed: int = 0, prompt_len: int 
         if stop == prefix_len:
             stored_prefix = copy.deepcopy(cache)
         new = [k for g in range(len(spec.groups))
-               for k in storable_keys(tables_a[g], keys_a[g], store_engine.factor, next_stored[g], stop // obs)]
-        out = manager.prepare_store(new)
-        if out is None:
-            raise InvalidRequest(f"CPU pool of {num_cpu_blocks} blocks cannot take {len(new)} more; "
-                                 f"raise num_cpu_blocks")
-        manager.touch([k for ks in keys_a for k in ks[:stop // obs]])
-        if out.keys_to_store:
-            job = (store_job(tables_a, keys_a, out.keys_to_store, store_engine.factor), out.store_spec)
-            job_id = store_engine.worker.submit(job)
-            store_engine.worker.wait([job_id])
-            (res,) = [r for r in store_engine.worker.get_finished() if r.job_id == job_id]
-            manager.complete_store(out.keys_to_store, success=res.success)
-            stored_blocks += len(out.keys_to_store)
-            bytes_stored += res.bytes
-            store_seconds += res.seconds
+               for k in storable_keys(tables_a[g], keys_a[g], factor, next_stored[g], stop // obs)]
+        m = backend.store(store_engine, tables_a, keys_a, new)
+        stored = Moved(stored.blocks + m.blocks, stored.bytes + m.bytes, stored.seconds + m.seconds)
         next_stored = [stop // obs] * len(spec.groups)
     assert stored_prefix is not None
-    store_engine.evict(tables_a, seed + 3)
-    if after_store is not None:
-        after_store(pool)
+    store_engine.evict(tables_a, store_engine.seed + 2)
+    getattr(backend, "after_stores", lambda: None)()
 
-    # --- request B: look up the shared prefix, load it into new device blocks, decode -------------------
     keys_b = [group_keys(chained_block_hashes(prompt_b, obs), g) for g in range(len(spec.groups))]
-    hit = request_hits(keys_b, windows, obs, len(prompt_b), manager.lookup_key) or 0
-    manager.touch([k for ks in keys_b for k in ks])
+    hit = backend.hit(keys_b, windows, obs, len(prompt_b))
     tables_b: list[list[int]] = [[] for _ in spec.groups]
-    loaded_blocks = bytes_loaded = 0
-    load_seconds = 0.0
+    loaded = Moved(0, 0, 0.0)
+    recomputed = False
     if hit:
         load_engine.grow(tables_b, hit)
-        load_keys, gpu_spec = load_job(tables_b, keys_b, hit, load_layout.block_size, load_engine.factor)
-        cpu_spec = manager.prepare_load(load_keys)
-        job_id = load_engine.worker.submit((cpu_spec, gpu_spec))
-        load_engine.worker.wait([job_id])
-        (res,) = [r for r in load_engine.worker.get_finished() if r.job_id == job_id]
-        manager.complete_load(load_keys)
-        loaded_blocks, bytes_loaded, load_seconds = len(load_keys), res.bytes, res.seconds
+        moved = backend.load(load_engine, tables_b, keys_b, hit)
+        if moved is None:  # the load was refused: the engine recomputes the prompt (a miss)
+            hit, recomputed = 0, True
+        else:
+            loaded = moved
+    if hit:
         # A partial hit is compared with a forward over the tokens it holds.
         proof = prove_cache(net, prompt_b, load_engine.caches, _ids(tables_b), new_tokens, num_cached=hit,
                             reference_cache=stored_prefix if hit == prefix_len else None)
     else:
         proof = CacheProof(reference_tokens(net, prompt_b, new_tokens), [], [], [])
-    events = manager.take_events()
-    for engine in {id(store_engine): store_engine, id(load_engine): load_engine}.values():
-        engine.worker.shutdown()
+    events = backend.events()
+    backend.close()
     return OffloadDemoResult(
-        model=model, spec=spec.describe(), store_engine=store_layout.describe(), load_engine=load_layout.describe(),
-        pool=pool.describe(), prompt_len=prompt_len, prefix_len=prefix_len, new_tokens=new_tokens, hit_tokens=hit,
-        tokens_reference=proof.tokens_reference, tokens_offload=proof.tokens_disaggregated, match=proof.match,
-        cache_equal=bool(hit) and proof.cache_equal, replicas_equal=proof.replicas_equal,
-        stored_blocks=stored_blocks, loaded_blocks=loaded_blocks,
-        bytes_stored=bytes_stored, bytes_loaded=bytes_loaded, store_seconds=store_seconds, load_seconds=load_seconds,
-        events={"stored": sum(len(e.keys) for e in events if not e.removed),
-                "removed": sum(len(e.keys) for e in events if e.removed)},
-        differences=proof.cache_differences + proof.replica_mismatches)
+        model=model, spec=spec.describe(), store_engine=store_engine.layout.describe(),
+        load_engine=load_engine.layout.describe(), pool=backend.describe(), prompt_len=prompt_len,
+        prefix_len=prefix_len, new_tokens=new_tokens, hit_tokens=hit, tokens_reference=proof.tokens_reference,
+        tokens_offload=proof.tokens_disaggregated, match=proof.match, cache_equal=bool(hit) and proof.cache_equal,
+        replicas_equal=proof.replicas_equal, stored_blocks=stored.blocks, loaded_blocks=loaded.blocks,
+        bytes_stored=stored.bytes, bytes_loaded=loaded.bytes, store_seconds=stored.seconds,
+        load_seconds=loaded.seconds, events=events, recomputed=recomputed, differences=proof.cache_differences + proof.replica_mismatches)
 
 
-__all__ = ["OffloadDemoResult", "run_offload_demo"]
+def run_offload_demo(model: str = "tiny-gemma2", seed: int = 0, prompt_len: int = 40, prefix_len: int | None = None,
+                     suffix_len: int = 8, new_tokens: int = 8, block_size: int = 4, block_size_factor: int = 2,
+                     store_tp: int = 1, load_tp: int | None = None, load_block_size: int | None = None,
+                     canonical: bool = False, policy: Literal["lru", "arc"] = "lru", num_cpu_blocks: int = 64,
+                     after_store: Callable[[CPUPool], None] | None = None, store_pp: int = 1,
+                     load_pp: int = 1) -> OffloadDemoResult:
+    """Prefill A, store it to CPU, evict it from the device, load B's shared prefix back, decode, compare.
+
+    `canonical=True` stores in the TP-independent format and loads on an engine with
+    `load_tp` / `load_block_size` / `load_pp`; otherwise the pool mirrors the store engine, which also loads.
+    `after_store` may inspect (or, in tests, corrupt) the pool between the two requests.
+    """
+    net, config = load_model(model, seed)
+    net.generation_config = greedy_config()
+    spec = spec_for(config, next(net.parameters()).dtype)
+    vocab = int(config.get_text_config(decoder=True).vocab_size)
+    obs = block_size * block_size_factor  # tokens per offloaded block (the key granularity)
+    prefix_len = check_prefix(obs, prompt_len, prefix_len, suffix_len, new_tokens)
+    prompt_a, prompt_b = demo_prompts(vocab, seed, prompt_len, prefix_len, suffix_len)
+
+    blocks_needed = 2 * cdiv(max(prompt_len, len(prompt_b)), min(block_size, load_block_size or block_size)) + 4
+    store_layout = EngineLayout(tp_size=store_tp, pp_size=store_pp, block_size=block_size, num_blocks=blocks_needed)
+    if canonical:
+        pool = CPUPool.canonical(spec, obs, num_cpu_blocks, pin_memory=False, kernel_tokens=block_size)
+        load_layout = EngineLayout(tp_size=load_tp or store_tp, pp_size=load_pp,
+                                   block_size=load_block_size or block_size, num_blocks=blocks_needed)
+    else:
+        if (load_tp not in (None, store_tp)) or (load_block_size not in (None, block_size)) or load_pp != store_pp:
+            raise InvalidRequest("the mirror (vLLM) variant loads on the engine that stored; use canonical=True "
+                                 f"to load on another shape (asked TP {store_tp} -> {load_tp}, block {block_size} -> "
+                                 f"{load_block_size})")
+        pool = CPUPool.mirror(spec, store_layout, block_size_factor, num_cpu_blocks, pin_memory=False)
+        load_layout = store_layout
+    backend = _CpuPoolBackend(pool, OffloadingManager(num_cpu_blocks, policy, block_size=obs), after_store)
+    store_engine = DeviceEngine(spec, store_layout, seed + 1)
+    load_engine = store_engine if load_layout == store_layout and not canonical else DeviceEngine(
+        spec, load_layout, seed + 2)
+    return round_trip(model, net, config, spec, prompt_a, prompt_b, prefix_len, new_tokens, obs, store_engine,
+                      load_engine, backend, backend.factor)
+
+
+__all__ = ["DeviceEngine", "Moved", "OffloadBackend", "OffloadDemoResult", "check_prefix", "demo_prompts",
+           "round_trip", "run_offload_demo"]
