@@ -1,7 +1,7 @@
 """The package layout is the architecture: these tests keep its arrows pointing down.
 
 Layers, bottom up: core (numpy + msgspec only) -> models (transformers config classes) ->
-engines (transport, connector, offload) -> integrations (vLLM) -> proofs, bench, testing -> cli.
+engines (transport, connector, offload, pool) -> integrations (vLLM) -> proofs, bench, testing -> cli.
 Imports are read from the source (function-level ones included; `if TYPE_CHECKING:` blocks are
 type hints, not imports), so a lazy import cannot hide a wrong arrow.
 """
@@ -21,7 +21,7 @@ PACKAGE = SRC / "kvbridge"
 LAYERS = {  # first dotted part under kvbridge -> layer rank (lower may not import higher)
     "errors": 0, "_lazy": 0, "_version": 0, "core": 0,
     "models": 1,
-    "transport": 2, "connector": 2, "offload": 2,
+    "transport": 2, "connector": 2, "offload": 2, "pool": 2,
     "integrations": 3,
     "proofs": 4, "bench": 4, "testing": 4,
     "cli": 5, "__init__": 5,

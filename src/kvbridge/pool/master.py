@@ -1,0 +1,133 @@
+"""A `mooncake_master` process: the Mooncake Store that a fleet's pool lives in, started and stopped here.
+
+The master keeps the object directory and leases; the memory itself is what clients mount
+(`StoreConfig.segment_bytes`). It serves the transfer engines' metadata over its own HTTP
+server, so one process is the whole store on a host. Tests, `kvbridge serve --pool` and the
+benchmark start one with `MooncakeMaster.start()`; a fleet that runs its own names it by address.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvbridge.errors import ConfigError
+from kvbridge.transport.ports import free_ports
+
+
+def master_binary() -> str:
+    """`mooncake_master` beside this interpreter, in the Mooncake package, or on PATH."""
+    beside = Path(sys.executable).parent / "mooncake_master"
+    if beside.is_file():
+        return str(beside)
+    try:
+        import mooncake
+
+        packaged = Path(mooncake.__file__).parent / "mooncake_master"
+        if packaged.is_file():
+            return str(packaged)
+    except ImportError:
+        pass
+    found = shutil.which("mooncake_master")
+    if not found:
+        raise ConfigError("mooncake_master not found: install the Mooncake wheel (`pip install 'kvbridge[mooncake]'`)")
+    return found
+
+
+@dataclass
+class MooncakeMaster:
+    """One running master; `address` and `metadata_url` are what clients are given."""
+
+    host: str
+    rpc_port: int
+    http_port: int
+    log_path: Path
+    argv: list[str] = field(default_factory=list)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}/metadata"
+
+    @classmethod
+    def start(cls, log_path: str | os.PathLike, host: str = "127.0.0.1", lease_ms: int = 5000,
+              eviction_ratio: float = 0.1, extra: tuple[str, ...] = (), wait_s: float = 60.0) -> MooncakeMaster:
+        """Start a master on free ports of `host`; returns once its RPC port accepts connections.
+
+        `lease_ms` is how long a read pins an object against eviction and removal (Mooncake's
+        `default_kv_lease_ttl`); `eviction_ratio` the share of objects dropped when memory fills.
+        """
+        base = free_ports(3)
+        m = cls(host, base, base + 1, Path(log_path))
+        m.log_path.parent.mkdir(parents=True, exist_ok=True)
+        m.argv = [master_binary(), f"-rpc_address={host}", f"-rpc_port={m.rpc_port}", "-rpc_thread_num=2",
+                "-enable_http_metadata_server=true", f"-http_metadata_server_host={host}",
+                f"-http_metadata_server_port={m.http_port}", f"-metrics_port={base + 2}",
+                f"-default_kv_lease_ttl={int(lease_ms)}", f"-eviction_ratio={eviction_ratio}", *extra]
+        m._launch(wait_s)
+        return m
+
+    def _launch(self, wait_s: float) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise ConfigError(f"mooncake_master exited (rc {self.proc.returncode}) at start; see {self.log_path}")
+            if _accepts(self.host, self.rpc_port) and _accepts(self.host, self.http_port):
+                return
+            time.sleep(0.1)
+        self.stop()
+        raise ConfigError(f"mooncake_master did not listen on {self.address} within {wait_s:.0f} s; "
+                          f"see {self.log_path}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, kill: bool = False) -> None:
+        """Stop the master (`kill`: SIGKILL at once, as a crash would); idempotent."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
+            self.proc.wait(timeout=10)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+    def restart(self, wait_s: float = 60.0) -> None:
+        """Stop and start again on the same ports: its objects are gone, clients reconnect."""
+        self.stop()
+        self._launch(wait_s)
+
+    def __enter__(self) -> MooncakeMaster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+__all__ = ["MooncakeMaster", "master_binary"]

@@ -1,0 +1,155 @@
+"""What a shared pool stores: one object per (block, layer, KV head), in kvbridge's canonical form.
+
+An offloaded block of a KV-cache group (its `block_tokens` tokens, keyed by the chained hash of
+the prefix and the group) is cut into objects by layer and head: object (block, layer l, head h)
+holds head h of every component of layer l (K then V; MLA's latent alone), each as the
+canonical pool lays it out (TP 1, head-major, K/V-first). Nothing in an object depends on the TP,
+PP or block size of the engine that wrote it, so any engine can read it, and one engine rank
+holds every byte of it: rank r *writes* the objects whose bytes the planner reads from r when it
+fills a canonical copy (`source_slices`, so replicated heads are written once), and *reads* the
+objects of the heads and layers it holds. No rank gathers another's bytes; no rank reads an
+object it does not need.
+
+Keys are `kvb1/<namespace>/<block hash hex>/<group>/<layer>/<head>`; the namespace digests the
+model id the fleet agreed on, the spec fingerprint (geometry and KV dtype) and the canonical
+block shape, so engines that could misread each other's bytes never share a key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.plan import source_slices
+from kvbridge.core.spec import ModelSpec
+from kvbridge.offload.errors import NotCanonicalizable
+from kvbridge.offload.keys import OffloadKey, split_offload_key
+from kvbridge.offload.pool import CPUPool
+
+KEY_PREFIX = "kvb1"
+MAX_MODEL_ID = 256
+
+
+class ObjectId(NamedTuple):
+    """One object of an offloaded block: a layer and a (global) KV head of the block's group."""
+
+    layer: int
+    head: int
+
+
+def pool_namespace(spec: ModelSpec, model_id: str, block_tokens: int, kernel_tokens: int) -> str:
+    """The digest that keeps engines apart which must not read each other's objects.
+
+    `model_id` names the weights (a path, a hub id with revision): two models of one geometry
+    write different KV for the same tokens, and the geometry alone cannot tell them apart.
+    """
+    if not isinstance(model_id, str) or not 0 < len(model_id) <= MAX_MODEL_ID:
+        raise NotCanonicalizable(f"the pool's model id must be 1..{MAX_MODEL_ID} characters, got "
+                                 f"{str(model_id)[:80]!r}")
+    payload = "\0".join((model_id, spec.fingerprint(), str(block_tokens), str(kernel_tokens)))
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+class ObjectLayout:
+    """Objects of one model in one canonical pool, and which of them one device rank writes and reads.
+
+    Refused in one line (`NotCanonicalizable`): recurrent state (one state per request, not
+    token blocks; stored only as whole checkpoints, which this pool does not do), a context-
+    parallel device (a block's tokens live on several ranks, so no rank could write an object
+    alone), and whatever `CPUPool.factor_for` refuses (a device block size that does not divide
+    the pool's block, another geometry).
+    """
+
+    def __init__(self, spec: ModelSpec, pool: CPUPool, namespace: str):
+        if pool.format != "canonical":
+            raise NotCanonicalizable(f"a shared pool stages blocks in the canonical format, got a {pool.format} pool")
+        self.spec, self.pool, self.namespace = spec, pool, namespace
+        self.addr = pool.caches[0].addr
+        self.kernel_per_block = pool.layout.kernel_blocks_per_block
+        self.group_objects: list[list[ObjectId]] = []
+        for g, layers in enumerate(spec.groups):
+            objs = []
+            for li in layers:
+                layer = spec.layers[li]
+                if layer.is_recurrent:
+                    raise NotCanonicalizable(
+                        f"layer {li} (KV-cache group {g}) holds recurrent state: one state per request, not token "
+                        f"blocks; the shared pool does not store recurrent checkpoints")
+                objs += [ObjectId(li, h) for h in range(max((c.heads for c in layer.components), default=0))]
+            self.group_objects.append(objs)
+
+    def check_device(self, device: EngineLayout) -> int:
+        """Device blocks per pool block for `device`, or the one-line reason it cannot use this pool."""
+        if device.cp_size > 1:
+            raise NotCanonicalizable(
+                f"device {device.describe()} is context-parallel: a block's tokens live on several ranks, and each "
+                f"pool object must be written by one rank")
+        return self.pool.factor_for(self.spec, device)
+
+    # -- keys -----------------------------------------------------------------------------------------
+    def key(self, block_key: OffloadKey, obj: ObjectId) -> str:
+        block_hash, group = split_offload_key(block_key)
+        return f"{KEY_PREFIX}/{self.namespace}/{block_hash.hex()}/{group}/{obj.layer}/{obj.head}"
+
+    def keys(self, block_key: OffloadKey, objs: Sequence[ObjectId] | None = None) -> list[str]:
+        """Keys of `objs` (default: every object) of one offloaded block."""
+        _, group = split_offload_key(block_key)
+        return [self.key(block_key, o) for o in (self.group_objects[group] if objs is None else objs)]
+
+    def group_of(self, block_key: OffloadKey) -> int:
+        _, group = split_offload_key(block_key)
+        if not 0 <= group < len(self.group_objects):
+            raise NotCanonicalizable(f"offload key names KV-cache group {group}; the model has "
+                                     f"{len(self.group_objects)}")
+        return group
+
+    # -- bytes ----------------------------------------------------------------------------------------
+    def pieces(self, slot: int, obj: ObjectId) -> list[tuple[int, int, int]]:
+        """(region, byte offset, length) runs of `obj` in canonical slot `slot`, in object order."""
+        a, out = self.addr, []
+        li = obj.layer
+        for ci in range(int(a.num_components[li])):
+            if obj.head >= int(a.heads[li, ci]):
+                continue
+            row = int(a.row_bytes[li, ci])
+            kernel_tokens = self.pool.layout.kernel_size
+            for k in range(self.kernel_per_block):
+                start = (int(a.base[li, ci]) + (slot * self.kernel_per_block + k) * int(a.block_stride[li, ci])
+                         + obj.head * int(a.head_stride[li, ci]))
+                out.append((int(a.region[li, ci]), start, kernel_tokens * row))
+        return out
+
+    def nbytes(self, obj: ObjectId) -> int:
+        return sum(n for _, _, n in self.pieces(0, obj))
+
+    # -- which rank writes and reads what -----------------------------------------------------------------
+    def written_by(self, device: EngineLayout, rank: int) -> list[set[ObjectId]]:
+        """Per group, the objects device rank `rank` writes: those whose bytes the planner takes from it."""
+        self.check_device(device)
+        owner: dict[ObjectId, set[int]] = {}
+        for s in source_slices(self.spec, device, self.pool.layout, 0, 0):
+            for h in range(s.start, s.stop):
+                owner.setdefault(ObjectId(s.layer, h), set()).add(s.src_rank)
+        split = [o for o, ranks in owner.items() if len(ranks) > 1]
+        if split:
+            raise NotCanonicalizable(f"object {split[0]} would be written by device ranks {sorted(owner[split[0]])}; "
+                                     f"each pool object needs one writer")
+        return [{o for o in objs if owner.get(o) == {rank}} for objs in self.group_objects]
+
+    def read_by(self, device: EngineLayout, rank: int) -> list[set[ObjectId]]:
+        """Per group, the objects device rank `rank` reads: the heads of the layers it holds."""
+        self.check_device(device)
+        need = {ObjectId(s.layer, h) for s in source_slices(self.spec, self.pool.layout, device, rank, 0)
+                for h in range(s.start, s.stop)}
+        return [{o for o in objs if o in need} for objs in self.group_objects]
+
+
+def object_sizes(layout: ObjectLayout, group: int) -> np.ndarray:
+    return np.array([layout.nbytes(o) for o in layout.group_objects[group]], dtype=np.int64)
+
+
+__all__ = ["KEY_PREFIX", "ObjectId", "ObjectLayout", "object_sizes", "pool_namespace"]

@@ -1,0 +1,160 @@
+"""One rank's client of a Mooncake Store: batched zero-copy puts and gets between registered host
+memory and objects, with Mooncake's status codes turned into per-object outcomes.
+
+Mooncake semantics this relies on (measured with its 0.3.13 wheel, docs/pool.md): an object is
+visible only once its put completed; a put of an existing key leaves the object as it is and
+reports success (first writer wins); a get whose buffers do not add up to the object's size
+fails without writing past them; a full store evicts whole objects; a restarted master has no
+objects and clients re-register by themselves. A failed call is an outcome, never an exception:
+a load that cannot read recomputes, a store that cannot write is skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from kvbridge.errors import ConfigError, KVBridgeError
+
+MAX_BATCH = 4096
+"""Objects per Mooncake call (larger requests are split)."""
+
+MIN_SEGMENT_BYTES = 16 << 20
+"""Smallest segment a Mooncake client may lend (0.3.13 refuses less with code -600)."""
+
+Pieces = Sequence[tuple[int, int]]
+"""(address, length) runs of registered memory that make one object, in order."""
+
+
+class PoolUnavailable(KVBridgeError, RuntimeError):
+    """The store cannot be reached or refused this client (one line: address and Mooncake's code)."""
+
+
+class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where the store is and what this client brings to it.
+
+    `segment_bytes` is host memory this client lends to the pool (0: it only reads and writes
+    others' memory); `local_buffer_bytes` is Mooncake's own staging for non-registered copies.
+    """
+
+    master: str
+    metadata_url: str
+    local_hostname: str = "127.0.0.1"
+    protocol: str = "tcp"
+    rdma_devices: str = ""
+    segment_bytes: int = 64 << 20
+    local_buffer_bytes: int = 16 << 20
+
+    def __post_init__(self) -> None:
+        if self.protocol not in ("tcp", "rdma"):
+            raise ConfigError(f"pool protocol must be 'tcp' or 'rdma', got {self.protocol[:40]!r}")
+        for name in ("segment_bytes", "local_buffer_bytes"):
+            v = getattr(self, name)
+            if not 0 <= v <= 1 << 44:
+                raise ConfigError(f"pool {name} must be in [0, 16 TiB], got {v}")
+        if 0 < self.segment_bytes < MIN_SEGMENT_BYTES:
+            raise ConfigError(f"pool segment_bytes must be 0 (lend no memory) or at least 16 MiB (Mooncake refuses "
+                              f"smaller segments), got {self.segment_bytes}")
+        if ":" not in self.master or not self.metadata_url.startswith(("http://", "https://")):
+            raise ConfigError(f"pool master must be host:port and metadata_url an http URL, got "
+                              f"{self.master[:80]!r} and {self.metadata_url[:80]!r}")
+
+
+class StoreClient:
+    """A `MooncakeDistributedStore` set up for one rank; `register` memory before moving it."""
+
+    def __init__(self, config: StoreConfig):
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise ConfigError(f"the pool needs the Mooncake wheel (`pip install 'kvbridge[mooncake]'`): {e}") from None
+        self.config = config
+        self._store = MooncakeDistributedStore()
+        rc = self._store.setup({"local_hostname": config.local_hostname, "metadata_server": config.metadata_url,
+                                "global_segment_size": config.segment_bytes,
+                                "local_buffer_size": config.local_buffer_bytes, "protocol": config.protocol,
+                                "rdma_devices": config.rdma_devices, "master_server_addr": config.master})
+        if rc != 0:
+            raise PoolUnavailable(f"Mooncake Store at {config.master} refused this client (setup code {rc})")
+        self._registered: list[tuple[int, int]] = []
+        self.closed = False
+
+    def register(self, address: int, nbytes: int) -> None:
+        """Make `[address, address + nbytes)` usable as put source and get destination (until
+        `unregister`: memory must stay registered no longer than it lives)."""
+        if nbytes <= 0 or (address, nbytes) in self._registered:
+            return
+        rc = self._store.register_buffer(address, nbytes)
+        if rc != 0:
+            raise PoolUnavailable(f"Mooncake refused to register {nbytes} bytes at {address:#x} (code {rc})")
+        self._registered.append((address, nbytes))
+
+    def unregister(self, address: int, nbytes: int) -> None:
+        if (address, nbytes) in self._registered and not self.closed:
+            self._store.unregister_buffer(address)
+            self._registered.remove((address, nbytes))
+
+    def _check(self, pieces: Sequence[Pieces]) -> None:
+        for runs in pieces:
+            for addr, n in runs:
+                if not any(a <= addr and addr + n <= a + m for a, m in self._registered):
+                    raise KVBridgeError(f"pool run {addr:#x}+{n} is outside this client's registered memory")
+
+    def put(self, keys: Sequence[str], pieces: Sequence[Pieces]) -> list[int]:
+        """Put each object from its runs; Mooncake's code per object (0: stored or already there)."""
+        return self._batched(self._store.batch_put_from_multi_buffers, keys, pieces)
+
+    def get(self, keys: Sequence[str], pieces: Sequence[Pieces]) -> list[int]:
+        """Read each object into its runs; the object's size per object on success, < 0 on failure."""
+        return self._batched(self._store.batch_get_into_multi_buffers, keys, pieces)
+
+    def _batched(self, call, keys: Sequence[str], pieces: Sequence[Pieces]) -> list[int]:
+        if len(keys) != len(pieces):
+            raise KVBridgeError(f"{len(keys)} pool keys but {len(pieces)} run lists")
+        self._check(pieces)
+        out: list[int] = []
+        for i in range(0, len(keys), MAX_BATCH):
+            ks, ps = list(keys[i:i + MAX_BATCH]), pieces[i:i + MAX_BATCH]
+            try:
+                codes = call(ks, [[a for a, _ in p] for p in ps], [[n for _, n in p] for p in ps])
+            except RuntimeError:  # the binding raises when the master cannot be reached at all
+                codes = [-900] * len(ks)
+            out += [int(c) for c in codes]
+        return out
+
+    def exists(self, keys: Sequence[str]) -> list[bool | None]:
+        """Per key: True, False, or None when the store could not answer."""
+        out: list[bool | None] = []
+        for i in range(0, len(keys), MAX_BATCH):
+            try:
+                codes = self._store.batch_is_exist(list(keys[i:i + MAX_BATCH]))
+            except RuntimeError:
+                codes = [-1] * len(keys[i:i + MAX_BATCH])
+            out += [True if c == 1 else False if c == 0 else None for c in codes]
+        return out
+
+    def remove(self, keys: Sequence[str]) -> list[int]:
+        return [int(c) for c in self._store.batch_remove(list(keys), True)] if keys else []
+
+    def healthy(self) -> bool:
+        return not self.closed and self._store.health_check() == 0
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._store.close()
+
+
+def close_all(clients: Sequence[StoreClient]) -> None:
+    """Close clients side by side: Mooncake's close waits a second or two for its own threads."""
+    import threading
+
+    threads = [threading.Thread(target=c.close) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+__all__ = ["MAX_BATCH", "close_all", "Pieces", "PoolUnavailable", "StoreClient", "StoreConfig"]

@@ -1,0 +1,255 @@
+"""One device rank's door to a shared pool: store the blocks it computed, load the blocks it needs.
+
+A job is what vLLM's offloading worker gets (a `GPULoadStoreSpec` plus the offload keys of its
+blocks, in group order), cut into chunks of at most `staging_blocks` pool blocks. A chunk goes
+through this rank's canonical staging pool:
+
+* store: the offload worker copies the device blocks into staging slots (the planner writes the
+  bytes this rank is the source of), then every object this rank writes is sealed and put, zero
+  copy, straight from the staging slot;
+* load: the objects this rank reads are fetched into the staging slots with their seals; only
+  when every object of the chunk is present, of the right size and sealed under its key does the
+  offload worker copy the chunk into the device blocks. Anything else leaves the device untouched
+  and reports the chunk's blocks as not loaded, so the engine recomputes them.
+
+The scheduler side (`PoolIndex.hits`) answers whether a block is complete in the store: every
+object of it exists. Objects appear one by one as ranks finish, and vanish one by one when the
+store evicts them, so a block is complete only when all are there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import torch
+
+from kvbridge.core.spec import ModelSpec
+from kvbridge.offload.errors import SpecMismatch
+from kvbridge.offload.keys import OffloadKey
+from kvbridge.offload.pool import CPUPool
+from kvbridge.offload.spec import CPULoadStoreSpec, GPULoadStoreSpec, split_groups
+from kvbridge.offload.worker import OffloadWorker
+from kvbridge.pool.objects import ObjectId, ObjectLayout, pool_namespace
+from kvbridge.pool.seal import SEAL_BYTES, check_seal, seal
+from kvbridge.pool.store import StoreClient
+from kvbridge.transport.cache import RankCache
+
+MAX_STAGING_BLOCKS = 1 << 16
+
+
+class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What every engine sharing one pool must agree on, and this engine's staging size.
+
+    `block_tokens` is the pool's block (the key granularity): every engine's block size must
+    divide it. `model_id` names the weights (see `pool_namespace`). `secret` keys the seals.
+    """
+
+    model_id: str
+    block_tokens: int
+    staging_blocks: int = 32
+    secret: bytes = b""
+
+    def __post_init__(self) -> None:
+        from kvbridge.errors import ConfigError
+
+        if not 1 <= self.block_tokens <= 1 << 20:
+            raise ConfigError(f"pool block_tokens must be in [1, 2^20], got {self.block_tokens}")
+        if not 1 <= self.staging_blocks <= MAX_STAGING_BLOCKS:
+            raise ConfigError(f"pool staging_blocks must be in [1, {MAX_STAGING_BLOCKS}], got {self.staging_blocks}")
+
+
+def object_layout(spec: ModelSpec, config: PoolConfig, slots: int = 1) -> ObjectLayout:
+    pool = CPUPool.canonical(spec, config.block_tokens, slots, pin_memory=False)
+    return ObjectLayout(spec, pool, pool_namespace(spec, config.model_id, config.block_tokens,
+                                                   pool.layout.kernel_size))
+
+
+def job_chunks(gpu: GPULoadStoreSpec, keys: Sequence[OffloadKey], layout: ObjectLayout, factor: int,
+               capacity: int) -> list[tuple[GPULoadStoreSpec, list[OffloadKey]]]:
+    """The job as chunks of at most `capacity` pool blocks, each inside one group.
+
+    Key j of a group (skip s = first index mod factor) covers the group's device blocks
+    `[max(0, j*factor - s), min(n, (j+1)*factor - s))`; a chunk that starts at key j0 > 0 starts on
+    a pool-block boundary, so its own skip is 0.
+    """
+    groups = len(layout.group_objects)
+    slices = split_groups(gpu, np.arange(len(keys), dtype=np.int64), factor, groups)
+    out = []
+    for s in slices:
+        n = len(s.device_ids)
+        for j0 in range(0, len(s.cpu_ids), capacity):
+            j1 = min(len(s.cpu_ids), j0 + capacity)
+            p0, p1 = max(0, j0 * factor - s.skip), min(n, j1 * factor - s.skip)
+            chunk_keys = [keys[int(c)] for c in s.cpu_ids[j0:j1]]
+            for k in chunk_keys:
+                if layout.group_of(k) != s.group:
+                    raise SpecMismatch(f"offload key of group {layout.group_of(k)} where the job's group {s.group} "
+                                       f"blocks are")
+            sizes, first = [0] * groups, [0] * groups
+            sizes[s.group], first[s.group] = p1 - p0, s.first_index + p0
+            out.append((GPULoadStoreSpec(s.device_ids[p0:p1], sizes, first), chunk_keys))
+    return out
+
+
+@dataclass
+class TierResult:
+    """One store or load: per block key whether it reached its destination, and the figures."""
+
+    done: list[bool]
+    objects: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(self.done)
+
+
+class PoolTier:
+    """Stores and loads the blocks of one device rank through a shared pool (see the module)."""
+
+    def __init__(self, cache: RankCache, client: StoreClient, config: PoolConfig):
+        self.spec, self.device, self.rank = cache.spec, cache.layout, cache.rank
+        self.config, self.client = config, client
+        self.layout = object_layout(self.spec, config, config.staging_blocks)
+        self.staging = self.layout.pool
+        self.factor = self.layout.check_device(self.device)
+        self.writes = [sorted(s) for s in self.layout.written_by(self.device, self.rank)]
+        self.reads = [sorted(s) for s in self.layout.read_by(self.device, self.rank)]
+        self.worker = OffloadWorker([cache], self.staging)
+        self._regions = self.staging.byte_regions()
+        per_block = max((len(g) for g in self.layout.group_objects), default=0)
+        self._seals = torch.zeros(max(1, config.staging_blocks * per_block * SEAL_BYTES), dtype=torch.uint8)
+        for t in [*self._regions, self._seals]:
+            client.register(t.data_ptr(), t.numel())
+        self.stats = {"objects_put": 0, "objects_got": 0, "bytes_put": 0, "bytes_got": 0, "seal_failures": 0,
+                      "missing": 0, "put_failures": 0}
+
+    # -- bytes of objects in staging ----------------------------------------------------------------------
+    def _views(self, slot: int, obj: ObjectId) -> list[torch.Tensor]:
+        return [self._regions[r][off:off + n] for r, off, n in self.layout.pieces(slot, obj)]
+
+    def _runs(self, views: list[torch.Tensor], seal_index: int) -> list[tuple[int, int]]:
+        s = self._seals[seal_index * SEAL_BYTES:(seal_index + 1) * SEAL_BYTES]
+        return [(v.data_ptr(), v.numel()) for v in views] + [(s.data_ptr(), SEAL_BYTES)]
+
+    def _run_worker(self, job) -> bool:
+        job_id = self.worker.submit(job)
+        self.worker.wait([job_id])
+        return all(r.success for r in self.worker.get_finished() if r.job_id == job_id)
+
+    # -- store ---------------------------------------------------------------------------------------------
+    def store(self, gpu: GPULoadStoreSpec, keys: Sequence[OffloadKey]) -> TierResult:
+        """Put the objects this rank writes of every block of the job; `done[i]`: all of key i's are in."""
+        t0 = time.perf_counter()
+        result = TierResult([])
+        for chunk, chunk_keys in job_chunks(gpu, keys, self.layout, self.factor, self.config.staging_blocks):
+            if any(f % self.factor for f in chunk.block_indices):  # a skipped head: no stale bytes in objects
+                for r in self._regions:
+                    r.zero_()
+            if not self._run_worker((chunk, CPULoadStoreSpec(range(len(chunk_keys))))):
+                result.done += [False] * len(chunk_keys)
+                result.reasons.append("device -> staging copy failed")
+                continue
+            names, runs, owner = [], [], []
+            for slot, key in enumerate(chunk_keys):
+                for obj in self.writes[self.layout.group_of(key)]:
+                    name, views = self.layout.key(key, obj), self._views(slot, obj)
+                    i = len(names)
+                    self._seals[i * SEAL_BYTES:(i + 1) * SEAL_BYTES] = torch.frombuffer(
+                        bytearray(seal(self.config.secret, name, views)), dtype=torch.uint8)
+                    names.append(name)
+                    runs.append(self._runs(views, i))
+                    owner.append(slot)
+            codes = self.client.put(names, runs) if names else []
+            bad = {owner[i] for i, c in enumerate(codes) if c != 0}
+            self.stats["put_failures"] += sum(c != 0 for c in codes)
+            if bad:
+                result.reasons.append(f"{sum(c != 0 for c in codes)} puts failed (Mooncake codes "
+                                      f"{sorted({c for c in codes if c != 0})[:4]})")
+            put = [i for i, c in enumerate(codes) if c == 0]
+            nbytes = sum(n for i in put for _, n in runs[i][:-1])
+            result.objects += len(put)
+            result.bytes += nbytes
+            self.stats["objects_put"] += len(put)
+            self.stats["bytes_put"] += nbytes
+            result.done += [slot not in bad for slot in range(len(chunk_keys))]
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    # -- load ----------------------------------------------------------------------------------------------
+    def load(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> TierResult:
+        """Fetch, check and copy into the device; `done[i]`: key i's bytes are on the device."""
+        t0 = time.perf_counter()
+        result = TierResult([])
+        for chunk, chunk_keys in job_chunks(gpu, keys, self.layout, self.factor, self.config.staging_blocks):
+            names, runs, views_of, want = [], [], [], []
+            for slot, key in enumerate(chunk_keys):
+                for obj in self.reads[self.layout.group_of(key)]:
+                    views = self._views(slot, obj)
+                    names.append(self.layout.key(key, obj))
+                    runs.append(self._runs(views, len(names) - 1))
+                    views_of.append(views)
+                    want.append(sum(v.numel() for v in views) + SEAL_BYTES)
+            codes = self.client.get(names, runs) if names else []
+            why = ""
+            for i, (name, code) in enumerate(zip(names, codes)):
+                if code != want[i]:
+                    self.stats["missing"] += 1
+                    why = why or f"object {name} unreadable (Mooncake code {code}, expected {want[i]} bytes)"
+                    continue
+                trailer = bytes(self._seals[i * SEAL_BYTES:(i + 1) * SEAL_BYTES].numpy())
+                bad = check_seal(self.config.secret, name, views_of[i], trailer)
+                if bad:
+                    self.stats["seal_failures"] += 1
+                    why = why or f"object {name} refused: {bad}"
+            got = sum(1 for i, c in enumerate(codes) if c == want[i])
+            self.stats["objects_got"] += got
+            if why or not self._run_worker((CPULoadStoreSpec(range(len(chunk_keys))), chunk)):
+                result.done += [False] * len(chunk_keys)
+                result.reasons.append(why or "staging -> device copy failed")
+                continue
+            nbytes = sum(w - SEAL_BYTES for w in want)
+            result.done += [True] * len(chunk_keys)
+            result.objects += len(names)
+            result.bytes += nbytes
+            self.stats["bytes_got"] += nbytes
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    def close(self) -> None:
+        """Stop the worker and unregister the staging memory (the client may serve other tiers)."""
+        self.worker.shutdown()
+        for t in [*self._regions, self._seals]:
+            self.client.unregister(t.data_ptr(), t.numel())
+
+
+class PoolIndex:
+    """The scheduler's view: which blocks are complete in the store (no device, no staging)."""
+
+    def __init__(self, spec: ModelSpec, client: StoreClient, config: PoolConfig):
+        self.layout = object_layout(spec, config)
+        self.client = client
+
+    def hits(self, keys: Sequence[OffloadKey]) -> list[bool | None]:
+        """Per block key: every object present (True), one missing (False), store unreachable (None)."""
+        names, owner = [], []
+        for i, key in enumerate(keys):
+            ks = self.layout.keys(key)
+            names += ks
+            owner += [i] * len(ks)
+        answer: list[bool | None] = [True] * len(keys)
+        for i, e in zip(owner, self.client.exists(names)):
+            if e is None:
+                answer[i] = None
+            elif not e and answer[i] is not None:
+                answer[i] = False
+        return answer
+
+
+__all__ = ["PoolConfig", "PoolIndex", "PoolTier", "TierResult", "job_chunks", "object_layout"]

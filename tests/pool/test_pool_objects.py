@@ -1,0 +1,152 @@
+"""What a pool object is and who writes it, for any model and engine shape (no store needed):
+
+* every object of every block is written by exactly one rank of any engine, and the bytes a rank's
+  store job writes into canonical staging are exactly the objects it puts;
+* the objects a rank reads are exactly the heads and layers it holds, and what its load job reads
+  from staging lies inside them;
+* a job cut into chunks moves the same device blocks to the same pool sub-blocks;
+* a seal catches any change of payload, length or key.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.spec import ModelSpec
+from kvbridge.errors import ConfigError
+from kvbridge.offload.errors import NotCanonicalizable
+from kvbridge.offload.keys import make_offload_key
+from kvbridge.offload.spec import CPULoadStoreSpec, GPULoadStoreSpec, split_groups
+from kvbridge.offload.transfer import JobPlanner
+from kvbridge.pool.objects import ObjectId
+from kvbridge.pool.seal import SEAL_BYTES, check_seal, seal
+from kvbridge.pool.store import StoreConfig
+from kvbridge.pool.tier import PoolConfig, job_chunks, object_layout
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+KINDS = [("full",), ("sliding", "full"), ("full", "mla"), ("mla",)]
+
+
+@st.composite
+def cases(draw):
+    kinds = draw(st.sampled_from(KINDS))
+    heads = 1 if kinds == ("mla",) else draw(st.sampled_from([1, 2, 4, 6]))
+    layers = draw(st.integers(max(2, len(kinds)), 5))
+    spec = ModelSpec.uniform(layers, heads, draw(st.sampled_from([4, 8])), "bfloat16", kinds=kinds, window=8)
+    tps = [t for t in range(1, 7) if spec.is_mla or heads % t == 0 or t % heads == 0]
+    pool_block = draw(st.sampled_from([4, 8, 16]))
+    block = draw(st.sampled_from([b for b in (1, 2, 4, 8, 16) if pool_block % b == 0]))
+    pp = draw(st.integers(1, min(3, layers)))
+    device = EngineLayout(tp_size=draw(st.sampled_from(tps)), pp_size=pp, block_size=block, num_blocks=32,
+                          kv_order=draw(st.sampled_from(["NHD", "HND"])),
+                          kv_placement=draw(st.sampled_from(["kv_first", "blocks_first"])))
+    return spec, device, PoolConfig(model_id="m", block_tokens=pool_block, staging_blocks=2)
+
+
+def _covered(runs, regions: bool) -> set[tuple[int, int]]:
+    """(region, byte) pairs a job's runs touch on the pool side."""
+    reg, off = (runs.dst_region, runs.dst_offset) if regions else (runs.src_region, runs.src_offset)
+    return {(int(r), int(o) + i) for r, o, n in zip(reg, off, runs.length) for i in range(int(n))}
+
+
+def _object_bytes(layout, slot: int, objs) -> set[tuple[int, int]]:
+    return {(r, o + i) for obj in objs for r, o, n in layout.pieces(slot, obj) for i in range(n)}
+
+
+@SETTINGS
+@given(cases())
+def test_each_object_has_one_writer_and_its_store_job_writes_exactly_those_bytes(case):
+    spec, device, cfg = case
+    layout = object_layout(spec, cfg, 1)
+    factor = layout.check_device(device)
+    writers: dict[ObjectId, list[int]] = {}
+    for g in range(len(spec.groups)):
+        job = GPULoadStoreSpec(list(range(factor)), [factor if i == g else 0 for i in range(len(spec.groups))],
+                               [0] * len(spec.groups))
+        for rank in range(device.world_size):
+            written = layout.written_by(device, rank)[g]
+            for o in written:
+                writers.setdefault(o, []).append(rank)
+            runs = JobPlanner(spec, device, [rank], layout.pool).plan(job, CPULoadStoreSpec([0]), store=True)
+            assert _covered(runs, True) == _object_bytes(layout, 0, written)
+            reads = layout.read_by(device, rank)[g]
+            load = JobPlanner(spec, device, [rank], layout.pool).plan(job, CPULoadStoreSpec([0]), store=False)
+            assert _covered(load, False) == _object_bytes(layout, 0, reads)
+    every = {o for objs in layout.group_objects for o in objs}
+    assert set(writers) == every and all(len(r) == 1 for r in writers.values())
+
+
+@SETTINGS
+@given(cases(), st.integers(1, 5), st.data())
+def test_chunks_move_the_same_blocks_to_the_same_sub_blocks(case, capacity, data):
+    spec, device, cfg = case
+    layout = object_layout(spec, cfg, 1)
+    factor = layout.check_device(device)
+    groups = len(spec.groups)
+    sizes = [data.draw(st.integers(0, 12)) for _ in range(groups)]
+    first = [data.draw(st.integers(0, 20)) for _ in range(groups)]
+    if factor == 1:
+        first = [0] * groups
+    ids = list(range(sum(sizes)))
+    gpu = GPULoadStoreSpec(ids, sizes, first)
+    num_keys = sum(-(-(n + f % factor) // factor) for n, f in zip(sizes, first) if n)
+    slices = split_groups(gpu, np.arange(num_keys), factor, groups)
+    keys = [make_offload_key(bytes([s.group, j]) * 16, s.group) for s in slices for j in range(len(s.cpu_ids))]
+    want = {}
+    for s in slices:
+        for b, sub in zip(s.device_ids.tolist(), s.cpu_sub_blocks(factor).tolist()):
+            want[b] = (keys[sub // factor], sub % factor)  # cpu ids are key positions
+    got = {}
+    for chunk, chunk_keys in job_chunks(gpu, keys, layout, factor, capacity):
+        assert len(chunk_keys) <= capacity
+        for s in split_groups(chunk, np.arange(len(chunk_keys)), factor, groups):
+            for b, sub in zip(s.device_ids.tolist(), s.cpu_sub_blocks(factor).tolist()):
+                assert b not in got
+                got[b] = (chunk_keys[sub // factor], sub % factor)
+    assert got == want
+
+
+def test_a_seal_catches_payload_length_and_key_changes():
+    pieces = [torch.arange(10, dtype=torch.uint8), torch.arange(5, dtype=torch.uint8)]
+    s = seal(b"k", "kvb1/a", pieces)
+    assert len(s) == SEAL_BYTES and check_seal(b"k", "kvb1/a", pieces, s) == ""
+    assert "MAC" in check_seal(b"k", "kvb1/b", pieces, s)
+    assert "MAC" in check_seal(b"other", "kvb1/a", pieces, s)
+    assert "bytes" in check_seal(b"k", "kvb1/a", pieces[:1], s)
+    flipped = [pieces[0].clone(), pieces[1]]
+    flipped[0][3] ^= 1
+    assert "MAC" in check_seal(b"k", "kvb1/a", flipped, s)
+    assert "magic" in check_seal(b"k", "kvb1/a", pieces, bytes(SEAL_BYTES))
+    assert check_seal(b"k", "kvb1/a", pieces, s[:-1]).startswith("seal of 31 bytes")
+
+
+def test_engines_that_must_not_share_get_different_namespaces():
+    spec = ModelSpec.uniform(2, 4, 8, "bfloat16")
+    base = object_layout(spec, PoolConfig(model_id="m", block_tokens=8)).namespace
+    assert object_layout(spec, PoolConfig(model_id="other", block_tokens=8)).namespace != base
+    assert object_layout(spec, PoolConfig(model_id="m", block_tokens=16)).namespace != base
+    assert object_layout(ModelSpec.uniform(2, 4, 8, "float16"), PoolConfig(model_id="m", block_tokens=8)).namespace != base
+    assert object_layout(spec, PoolConfig(model_id="m", block_tokens=8, secret=b"x")).namespace == base
+
+
+def test_shapes_the_pool_cannot_serve_are_refused_in_one_line():
+    spec = ModelSpec.uniform(2, 4, 8, "bfloat16")
+    layout = object_layout(spec, PoolConfig(model_id="m", block_tokens=8))
+    for device, why in ((EngineLayout(tp_size=1, block_size=16, num_blocks=4), "does not divide"),
+                        (EngineLayout(tp_size=2, dcp_size=2, block_size=8, num_blocks=4), "context-parallel")):
+        with pytest.raises(NotCanonicalizable, match=why) as e:
+            layout.check_device(device)
+        assert "\n" not in str(e.value)
+    for bad, why in ((dict(model_id=""), "model id"), (dict(model_id="m", block_tokens=0), "block_tokens"),
+                     (dict(model_id="m", block_tokens=8, staging_blocks=0), "staging_blocks")):
+        with pytest.raises((ConfigError, NotCanonicalizable), match=why):
+            object_layout(spec, PoolConfig(**{"block_tokens": 8, **bad}))
+    for bad, why in ((dict(segment_bytes=1 << 20), "16 MiB"), (dict(protocol="udp"), "protocol"),
+                     (dict(master="nohost"), "host:port")):
+        with pytest.raises(ConfigError, match=why):
+            StoreConfig(**{"master": "h:1", "metadata_url": "http://h:2/metadata", **bad})

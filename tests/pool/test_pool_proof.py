@@ -1,0 +1,39 @@
+"""The shared pool proven on transformers models (issue 23 point 3): an engine of one shape stores
+through a real Mooncake Store, an engine of another shape loads; caches bit-exact, tokens equal
+plain `generate`."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.offload.errors import NotCanonicalizable
+from kvbridge.proofs.pool_demo import Shape, run_pool_demo
+
+CASES = [  # model, store shape, load shape, pool block, prompt length
+    ("tiny-llama-6kv", Shape(tp=6, block=4), Shape(tp=3, block=16), 16, 40),  # TP 6 -> 3 (replicas), block 4 -> 16
+    ("tiny-llama-6kv", Shape(tp=2, block=16), Shape(tp=3, block=16, kv_order="HND"), 16, 40),  # TP 2 -> 3, NHD -> HND
+    ("tiny-llama", Shape(tp=2, block=4, pp=2), Shape(tp=1, block=8), 8, 40),  # PP 2 -> 1
+    ("tiny-deepseek-v3", Shape(tp=2, block=4), Shape(tp=1, block=8, kv_order="HND"), 8, 40),  # MLA: one writer
+    ("tiny-gemma2", Shape(tp=2, block=4), Shape(tp=1, block=16, kv_order="HND"), 16, 40),  # sliding + full groups
+    ("tiny-mistral", Shape(tp=1, block=4), Shape(tp=2, block=8, pp=2), 8, 24),  # all sliding; PP 1 -> 2
+]
+
+
+@pytest.mark.parametrize("model, store, load, pool_block, prompt_len", CASES,
+                         ids=[f"{c[0]}-{c[1].tp}x{c[1].pp}b{c[1].block}-{c[2].tp}x{c[2].pp}b{c[2].block}" for c in CASES])
+def test_a_prefix_stored_by_one_shape_loads_bit_exact_into_another(master, lender, model, store, load, pool_block,
+                                                                   prompt_len):
+    r = run_pool_demo(model, seed=CASES.index((model, store, load, pool_block, prompt_len)), store=store, load=load,
+                      pool_block=pool_block, prompt_len=prompt_len, master=master, client=lender)
+    assert r.ok, r.summary()
+    assert r.cache_equal and r.tokens_offload == r.tokens_reference
+    assert r.hit_tokens == r.prefix_len and not r.recomputed
+    assert r.events["seal_failures"] == r.events["missing"] == 0
+    assert r.events["objects_got"] > 0
+
+
+def test_recurrent_state_is_refused_in_one_line(master, lender):
+    with pytest.raises(NotCanonicalizable, match="recurrent state") as e:
+        run_pool_demo("tiny-bamba", store=Shape(tp=1, block=4), load=Shape(tp=1, block=8), master=master,
+                      client=lender)
+    assert "\n" not in str(e.value)
