@@ -19,7 +19,8 @@ from kvbridge.core.spec import ModelSpec
 from kvbridge.pool.master import MooncakeMaster
 from kvbridge.pool.seal import SEAL_BYTES
 from kvbridge.pool.store import StoreClient, StoreConfig
-from kvbridge.pool.tier import PoolIndex
+from kvbridge.offload.spec import GPULoadStoreSpec
+from kvbridge.pool.tier import PoolConfig, PoolIndex, PoolTier
 
 HERE = Path(__file__).resolve().parent
 
@@ -259,3 +260,38 @@ def test_a_full_store_evicts_whole_objects_and_serves_only_complete_blocks(own_m
             reader.close()
     finally:
         src.close()
+
+
+@pytest.mark.parametrize("store, load", [((1, 64, None), (2, 32, None)), ((1, 64, 16), (2, 32, 32)),
+                                         ((2, 32, None), (1, 64, None))])
+def test_vllm_cpu_caches_round_trip_through_the_pool(master, lender, store, load):
+    """vLLM CPU's cache (K transposed per head, `VllmCpuLayout`) stored by one shape and loaded by
+    another: every byte as the planner's own oracle says (the connector once described it as a
+    plain layout of the same fields, and only same-shape round trips worked)."""
+    from kvbridge.core.plan import Request
+    from kvbridge.integrations.vllm.layout import vllm_cpu_layout, vllm_cpu_spec
+    from kvbridge.core.spec import LayerSpec
+    from kvbridge.proofs.verify import clone_caches, expected_destination, fill_source, mismatch_report, random_bytes
+    from kvbridge.transport.cache import RankCache as RC
+
+    spec = vllm_cpu_spec(ModelSpec(tuple(LayerSpec("full", 2, 32, 32) for _ in range(2)), "float32", "tiny"))
+    (tpa, ba, ka), (tpb, bb, kb) = store, load
+    la, lb = vllm_cpu_layout(tpa, ba, 16, ka), vllm_cpu_layout(tpb, bb, 16, kb)
+    src, dst = RC.allocate_engine(spec, la, fill=None), RC.allocate_engine(spec, lb, fill=None)
+    random_bytes(src, 1)
+    random_bytes(dst, 2)
+    a_ids, b_ids = tuple(range(1, 1 + 256 // ba)), tuple(range(3, 3 + 256 // bb))
+    fill_source(src, (a_ids,), 256)
+    want = clone_caches(dst)
+    expected_destination(want, Request((a_ids,), (b_ids,), 256), la)
+    cfg = PoolConfig(model_id=f"vllm-cpu-{store}-{load}", block_tokens=64, staging_blocks=8, secret=b"k")
+    keys = block_keys(4, f"vllm-cpu-{store}-{load}")
+    writers, readers = [PoolTier(c, lender, cfg) for c in src], [PoolTier(c, lender, cfg) for c in dst]
+    try:
+        gpu = lambda ids: GPULoadStoreSpec(list(ids), [len(ids)], [0])  # noqa: E731
+        assert all(t.store(gpu(a_ids), keys).ok for t in writers)
+        assert all(t.load(keys, gpu(b_ids)).ok for t in readers)
+        assert not mismatch_report(dst, want)
+    finally:
+        for t in writers + readers:
+            t.close()

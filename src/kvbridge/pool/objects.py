@@ -11,8 +11,8 @@ objects of the heads and layers it holds. No rank gathers another's bytes; no ra
 object it does not need.
 
 Keys are `kvb1/<namespace>/<block hash hex>/<group>/<layer>/<head>`; the namespace digests the
-model id the fleet agreed on, the spec fingerprint (geometry and KV dtype) and the canonical
-block shape, so engines that could misread each other's bytes never share a key.
+model id the fleet agreed on, the spec fingerprint (geometry and KV dtype), the layer classes and
+the canonical block shape, so engines that could misread each other's bytes never share a key.
 """
 
 from __future__ import annotations
@@ -50,7 +50,10 @@ def pool_namespace(spec: ModelSpec, model_id: str, block_tokens: int, kernel_tok
     if not isinstance(model_id, str) or not 0 < len(model_id) <= MAX_MODEL_ID:
         raise NotCanonicalizable(f"the pool's model id must be 1..{MAX_MODEL_ID} characters, got "
                                  f"{str(model_id)[:80]!r}")
-    payload = "\0".join((model_id, spec.fingerprint(), str(block_tokens), str(kernel_tokens)))
+    # The layer classes too: a subclass may address components differently (vLLM CPU's K rows)
+    # under the same geometry fingerprint, and its canonical bytes then differ.
+    classes = ",".join(sorted({type(layer).__name__ for layer in spec.layers}))
+    payload = "\0".join((model_id, spec.fingerprint(), classes, str(block_tokens), str(kernel_tokens)))
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 

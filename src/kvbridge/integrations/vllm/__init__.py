@@ -2,6 +2,8 @@
 
 * `KVBridgeConnector` (`connector.py`, imports vLLM): name it in `--kv-transfer-config` with
   `"kv_connector_module_path": "kvbridge.integrations.vllm"`; see docs/vllm.md.
+* `KVBridgePoolConnector` (`pool_connector.py`): a prefix cache in Mooncake Store that instances of
+  any shape share (`kvbridge.pool`); alone or beside `KVBridgeConnector` in vLLM's MultiConnector.
 * `VllmCpuLayout` (`layout.py`): vLLM CPU attention's paged cache as a kvbridge layout.
 * `sidecar.py`: the process that moves the bytes for a vLLM worker.
 
@@ -44,7 +46,10 @@ def __getattr__(name: str) -> Any:
     if name in ("KVBridgeConnector", "KVBridgeMetadata"):  # vLLM's factory: getattr(module, kv_connector)
         from kvbridge.integrations.vllm import connector
         return getattr(connector, name)
+    if name in ("KVBridgePoolConnector", "PoolMetadata"):
+        from kvbridge.integrations.vllm import pool_connector
+        return getattr(pool_connector, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["KVBridgeConnector", "VllmCpuLayout", "as_vllm_cpu", "vllm_cpu_layout"]
+__all__ = ["KVBridgeConnector", "KVBridgePoolConnector", "VllmCpuLayout", "as_vllm_cpu", "vllm_cpu_layout"]
