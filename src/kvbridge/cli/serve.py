@@ -42,10 +42,15 @@ def serve(
     dry_run: bool = typer.Option(False, "--dry-run", help="Check the shapes and print the command lines; start "
                                  "nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON line (endpoint, instances, logs) when healthy."),
+    pool: str = typer.Option("", help="A prefix cache every instance shares (Mooncake Store): 'start' runs a "
+                             "mooncake_master of the fleet's, host:port names a running one [default: none]."),
+    pool_block_tokens: int = typer.Option(64, help="Tokens per pool block; every instance's block size divides it."),
 ) -> None:
     """Start P/D instances (`vllm serve` with KVBridgeConnector) and vLLM's router in front of them.
 
-    Every shape is checked against vLLM's and kvbridge's rules before anything starts. Ctrl-C or
+    With `--pool`, every instance also shares a prefix cache in Mooncake Store (vLLM's
+    MultiConnector: P/D first, then the pool). Every shape is checked against vLLM's and
+    kvbridge's rules before anything starts. Ctrl-C or
     SIGTERM stops the whole fleet: router, instances, their workers and sidecars, and their
     shared-memory segments.
     """
@@ -58,7 +63,7 @@ def serve(
                             else Path(tempfile.mkdtemp(prefix="kvbridge-serve-"))), host=host, port=port,
         side_channel_host=side_channel_host, max_model_len=max_model_len, dtype=dtype, kv_cache_gib=kv_cache_gib,
         router_policy=router_policy, vllm_python=str(vllm_python) if vllm_python else None,
-        stats_path=str(stats_path.resolve()) if stats_path else "")
+        stats_path=str(stats_path.resolve()) if stats_path else "", pool=pool, pool_block_tokens=pool_block_tokens)
     fleet = Fleet(config)
     if dry_run:
         for m in fleet.everyone():

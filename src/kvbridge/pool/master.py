@@ -61,27 +61,38 @@ class MooncakeMaster:
         return f"http://{self.host}:{self.http_port}/metadata"
 
     @classmethod
-    def start(cls, log_path: str | os.PathLike, host: str = "127.0.0.1", lease_ms: int = 5000,
-              eviction_ratio: float = 0.1, extra: tuple[str, ...] = (), wait_s: float = 60.0) -> MooncakeMaster:
-        """Start a master on free ports of `host`; returns once its RPC port accepts connections.
+    def prepare(cls, log_path: str | os.PathLike, host: str = "127.0.0.1", lease_ms: int = 5000,
+                eviction_ratio: float = 0.1, extra: tuple[str, ...] = ()) -> MooncakeMaster:
+        """A master on free ports of `host`, not started yet (`launch`): a fleet hands its address
+        to instances it configures before anything runs.
 
         `lease_ms` is how long a read pins an object against eviction and removal (Mooncake's
         `default_kv_lease_ttl`); `eviction_ratio` the share of objects dropped when memory fills.
         """
         base = free_ports(3)
         m = cls(host, base, base + 1, Path(log_path))
-        m.log_path.parent.mkdir(parents=True, exist_ok=True)
         m.argv = [master_binary(), f"-rpc_address={host}", f"-rpc_port={m.rpc_port}", "-rpc_thread_num=2",
-                "-enable_http_metadata_server=true", f"-http_metadata_server_host={host}",
-                f"-http_metadata_server_port={m.http_port}", f"-metrics_port={base + 2}",
-                f"-default_kv_lease_ttl={int(lease_ms)}", f"-eviction_ratio={eviction_ratio}", *extra]
-        m._launch(wait_s)
+                  "-enable_http_metadata_server=true", f"-http_metadata_server_host={host}",
+                  f"-http_metadata_server_port={m.http_port}", f"-metrics_port={base + 2}",
+                  f"-default_kv_lease_ttl={int(lease_ms)}", f"-eviction_ratio={eviction_ratio}", *extra]
         return m
+
+    @classmethod
+    def start(cls, log_path: str | os.PathLike, host: str = "127.0.0.1", lease_ms: int = 5000,
+              eviction_ratio: float = 0.1, extra: tuple[str, ...] = (), wait_s: float = 60.0) -> MooncakeMaster:
+        """`prepare` and `launch`: returns once its RPC port accepts connections."""
+        m = cls.prepare(log_path, host, lease_ms, eviction_ratio, extra)
+        m.launch(wait_s)
+        return m
+
+    def launch(self, wait_s: float = 60.0) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._launch(wait_s)
 
     def _launch(self, wait_s: float) -> None:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_die_with_parent)
         end = time.monotonic() + wait_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
@@ -120,6 +131,17 @@ class MooncakeMaster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started the master dies, however
+    it dies (a crashed test or CLI must not leave a master holding its ports)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:  # not glibc Linux: `stop` and the fleet's session kill still apply
+        pass
 
 
 def _accepts(host: str, port: int) -> bool:

@@ -11,8 +11,10 @@ misplaced objects are still caught). A load uses an object only if its seal chec
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -52,4 +54,33 @@ def check_seal(secret: bytes, key: str, pieces: Sequence[torch.Tensor], trailer:
     return ""
 
 
-__all__ = ["MAGIC", "SEAL_BYTES", "check_seal", "seal"]
+_POOL: ThreadPoolExecutor | None = None
+_BATCH = 64  # objects per task: enough hashing per task to outweigh the hand-off
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="kvbridge-seal")
+    return _POOL
+
+
+def _batched(fn, items: list) -> list:
+    """`fn` over `items` on the seal threads (hashlib releases the GIL while it hashes), in order."""
+    if len(items) <= _BATCH:
+        return [fn(*x) for x in items]
+    parts = [items[i:i + _BATCH] for i in range(0, len(items), _BATCH)]
+    return [r for part in _pool().map(lambda p: [fn(*x) for x in p], parts) for r in part]
+
+
+def seal_many(secret: bytes, objects: list[tuple[str, Sequence[torch.Tensor]]]) -> list[bytes]:
+    """`seal` of each (key, pieces), hashed on several threads."""
+    return _batched(lambda key, pieces: seal(secret, key, pieces), objects)
+
+
+def check_many(secret: bytes, objects: list[tuple[str, Sequence[torch.Tensor], bytes]]) -> list[str]:
+    """`check_seal` of each (key, pieces, trailer), on several threads."""
+    return _batched(lambda key, pieces, trailer: check_seal(secret, key, pieces, trailer), objects)
+
+
+__all__ = ["MAGIC", "SEAL_BYTES", "check_many", "check_seal", "seal", "seal_many"]

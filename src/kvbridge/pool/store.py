@@ -11,6 +11,7 @@ a load that cannot read recomputes, a store that cannot write is skipped.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import msgspec
@@ -96,9 +97,12 @@ class StoreClient:
             self._registered.remove((address, nbytes))
 
     def _check(self, pieces: Sequence[Pieces]) -> None:
+        spans = sorted(self._registered)
+        starts = [a for a, _ in spans]
         for runs in pieces:
             for addr, n in runs:
-                if not any(a <= addr and addr + n <= a + m for a, m in self._registered):
+                i = bisect.bisect_right(starts, addr) - 1
+                if i < 0 or addr + n > spans[i][0] + spans[i][1] or n < 0:
                     raise KVBridgeError(f"pool run {addr:#x}+{n} is outside this client's registered memory")
 
     def put(self, keys: Sequence[str], pieces: Sequence[Pieces]) -> list[int]:

@@ -34,7 +34,7 @@ from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.spec import CPULoadStoreSpec, GPULoadStoreSpec, split_groups
 from kvbridge.offload.worker import OffloadWorker
 from kvbridge.pool.objects import ObjectId, ObjectLayout, pool_namespace
-from kvbridge.pool.seal import SEAL_BYTES, check_seal, seal
+from kvbridge.pool.seal import SEAL_BYTES, check_many, seal_many
 from kvbridge.pool.store import StoreClient
 from kvbridge.transport.cache import RankCache
 
@@ -156,16 +156,17 @@ class PoolTier:
                 result.done += [False] * len(chunk_keys)
                 result.reasons.append("device -> staging copy failed")
                 continue
-            names, runs, owner = [], [], []
+            names, runs, owner, views_of = [], [], [], []
             for slot, key in enumerate(chunk_keys):
                 for obj in self.writes[self.layout.group_of(key)]:
-                    name, views = self.layout.key(key, obj), self._views(slot, obj)
-                    i = len(names)
-                    self._seals[i * SEAL_BYTES:(i + 1) * SEAL_BYTES] = torch.frombuffer(
-                        bytearray(seal(self.config.secret, name, views)), dtype=torch.uint8)
-                    names.append(name)
-                    runs.append(self._runs(views, i))
+                    views = self._views(slot, obj)
+                    runs.append(self._runs(views, len(names)))
+                    names.append(self.layout.key(key, obj))
+                    views_of.append(views)
                     owner.append(slot)
+            if names:
+                seals = seal_many(self.config.secret, list(zip(names, views_of)))
+                self._seals[:len(seals) * SEAL_BYTES] = torch.frombuffer(bytearray(b"".join(seals)), dtype=torch.uint8)
             codes = self.client.put(names, runs) if names else []
             bad = {owner[i] for i, c in enumerate(codes) if c != 0}
             self.stats["put_failures"] += sum(c != 0 for c in codes)
@@ -198,16 +199,20 @@ class PoolTier:
                     want.append(sum(v.numel() for v in views) + SEAL_BYTES)
             codes = self.client.get(names, runs) if names else []
             why = ""
+            readable = []
             for i, (name, code) in enumerate(zip(names, codes)):
                 if code != want[i]:
                     self.stats["missing"] += 1
                     why = why or f"object {name} unreadable (Mooncake code {code}, expected {want[i]} bytes)"
-                    continue
-                trailer = bytes(self._seals[i * SEAL_BYTES:(i + 1) * SEAL_BYTES].numpy())
-                bad = check_seal(self.config.secret, name, views_of[i], trailer)
+                else:
+                    readable.append(i)
+            trailers = bytes(self._seals[:len(names) * SEAL_BYTES].numpy())
+            verdicts = check_many(self.config.secret, [
+                (names[i], views_of[i], trailers[i * SEAL_BYTES:(i + 1) * SEAL_BYTES]) for i in readable])
+            for i, bad in zip(readable, verdicts):
                 if bad:
                     self.stats["seal_failures"] += 1
-                    why = why or f"object {name} refused: {bad}"
+                    why = why or f"object {names[i]} refused: {bad}"
             got = sum(1 for i, c in enumerate(codes) if c == want[i])
             self.stats["objects_got"] += got
             if why or not self._run_worker((CPULoadStoreSpec(range(len(chunk_keys))), chunk)):

@@ -59,6 +59,14 @@ class Fleet:
         self._promised: set[int] = {config.port}
         self._incarnation = 0
         self._started = float("inf")  # `start` time: segments of vLLM's kinds made since then, unmapped at stop, go
+        self.master = None  # the fleet's own mooncake_master (--pool start), launched by `start`
+        self.pool_address = ""
+        if config.pool == "start":
+            from kvbridge.pool.master import MooncakeMaster
+            self.master = MooncakeMaster.prepare(self.log_dir / "mooncake-master.log", config.side_channel_host)
+            self.pool_address = self.master.address
+        elif config.pool:
+            self.pool_address = config.pool
         self.members: list[Member] = []
         for role, shapes in (("prefill", config.prefill), ("decode", config.decode)):
             for i, shape in enumerate(shapes):
@@ -98,6 +106,14 @@ class Fleet:
         kv = {"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
               "kv_role": "kv_both", "engine_id": engine_id, "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": extra}
+        if self.pool_address:  # P/D first (a decode instance loads from its prefill), then the shared pool
+            pool = {"kv_connector": "KVBridgePoolConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
+                    "kv_role": "kv_both", "kv_connector_extra_config": {
+                        "master": self.pool_address, "secret_file": str(self.secret_file),
+                        "block_tokens": c.pool_block_tokens, "model_id": str(Path(c.model).resolve())}}
+            children = [{k: v for k, v in kv.items() if k != "engine_id"}, pool]
+            kv = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": engine_id,
+                  "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"connectors": children}}
         member = vllm_serve_member(c, vllm, name, shape, http_port, self.log_dir, kv)
         member.engine_id = engine_id
         return member
@@ -122,6 +138,8 @@ class Fleet:
         if self.secret_file.exists():
             self.secret_file.unlink()
         write_secret_file(self.secret_file)
+        if self.master is not None:
+            self.master.launch()
         for m in self.members:
             self.start_member(m)
         self.start_member(self.router)
@@ -216,6 +234,8 @@ class Fleet:
                     pass
         for m in self.members:
             self.stop_member(m)
+        if self.master is not None:
+            self.master.stop()
         from kvbridge.transport.shm import reap_stale_segments
         reap_stale_segments()
         remove_unused_segments(self.segments | _created_since(self._started))
@@ -231,7 +251,10 @@ class Fleet:
                                "engine_id": m.engine_id, "pid": m.proc.pid if m.proc else None,
                                "log": str(m.log_path)} for m in self.members],
                 "router": {"url": self.router.url, "pid": self.router.proc.pid if self.router.proc else None,
-                           "log": str(self.router.log_path)}}
+                           "log": str(self.router.log_path)},
+                "pool": {"master": self.pool_address, "block_tokens": self.config.pool_block_tokens,
+                         "pid": self.master.proc.pid if self.master and self.master.proc else None,
+                         "log": str(self.master.log_path) if self.master else None} if self.pool_address else None}
 
     def curl_example(self) -> str:
         body = json.dumps({"model": "model", "prompt": "Hello", "max_tokens": 16, "temperature": 0})

@@ -92,6 +92,8 @@ class FleetConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     stats_path: str = ""  # KVBridgeConnector's per-transfer JSON lines (tests, benchmarks)
     connector: str = "kvbridge"  # or "nixl": vLLM's own NixlConnector (kv_buffer_device cpu), for benchmarks
+    pool: str = ""  # "" none; "start": a mooncake_master of the fleet's; "host:port": a running one (issue 23)
+    pool_block_tokens: int = 64  # the shared pool's block; every instance's block size divides it
 
 
 def check_shapes(config: FleetConfig) -> list[str]:
@@ -146,6 +148,20 @@ def check_shapes(config: FleetConfig) -> list[str]:
             except KVBridgeError as e:
                 raise ConfigError(f"prefill {p.describe()} -> decode {d.describe()}: {str(e).splitlines()[0]}") \
                     from None
+    if config.pool:
+        if config.connector != "kvbridge":
+            raise ConfigError("--pool needs kvbridge's connector on every instance (not vLLM's NixlConnector)")
+        if config.pool != "start":
+            host, _, port = config.pool.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65535:
+                raise ConfigError(f"--pool must be 'start' or the host:port of a running mooncake_master, got "
+                                  f"{config.pool[:80]!r}")
+        if not 1 <= config.pool_block_tokens <= 1 << 16:
+            raise ConfigError(f"--pool-block-tokens must be in 1..65536, got {config.pool_block_tokens}")
+        for s in everyone:
+            if config.pool_block_tokens % s.block:
+                raise ConfigError(f"instance {s.describe()}: block {s.block} does not divide the pool's "
+                                  f"{config.pool_block_tokens}-token block (--pool-block-tokens)")
     if config.router_policy not in ROUTER_POLICIES:
         raise ConfigError(f"--router-policy must be one of {', '.join(ROUTER_POLICIES)}, got {config.router_policy!r}")
     if not 1 <= config.port < 65536:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults)
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults, SupportsHMA)
 from vllm.logger import init_logger
 
 from kvbridge.core.spec import LayerSpec, ModelSpec, normalize_dtype
@@ -155,8 +155,11 @@ class PoolMetadata(KVConnectorMetadata):
     stores: list[PoolJob] = field(default_factory=list)
 
 
-class KVBridgePoolConnector(KVConnectorBase_V1):
-    """kvbridge's shared pool behind vLLM's KVConnectorBase_V1 (see the module doc)."""
+class KVBridgePoolConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvbridge's shared pool behind vLLM's KVConnectorBase_V1 (see the module doc).
+
+    `SupportsHMA` so that vLLM's MultiConnector can pair it with `KVBridgeConnector`; the model
+    still has one KV-cache group (`pool_spec` refuses others)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -186,6 +189,10 @@ class KVBridgePoolConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.finished(request, block_ids), None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.finished(request, block_ids[0]) if len(block_ids) == 1 else False, None
 
     # -- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):

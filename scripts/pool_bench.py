@@ -1,0 +1,37 @@
+"""`make pool-bench`: the shared pool's benchmarks (kvbridge.bench.pool), written as JSON.
+
+Store/load GB/s beside a contiguous copy, then the shared-prefix serving comparison (plain prefix
+caching, the kvbridge pool, vLLM's CPU offload) on two `vllm serve` instances of different shapes.
+About 15-25 minutes on a 2-core machine; docs/pool.md holds the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("GLOG_minloglevel", "2")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("pool-bench.json"))
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--skip-serve", action="store_true", help="only the transfer benchmark")
+    args = ap.parse_args()
+    from kvbridge.bench.pool import bench_pool_serve, bench_pool_transfer
+
+    out = {"transfer": bench_pool_transfer()}
+    print(json.dumps(out["transfer"]), flush=True)
+    if not args.skip_serve:
+        out["serve"] = bench_pool_serve(prompts=args.prompts)
+        print(json.dumps(out["serve"]["rows"]), flush=True)
+    args.out.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Shared-pool benchmarks (issue 23 point 5), measured side by side in one run.
+
+* `bench_pool_transfer`: one engine stores N pool blocks into a Mooncake Store, an engine of
+  another shape loads them; store and load GB/s (payload bytes over wall time, sealing and
+  checking included) beside a contiguous `torch` copy of the same number of bytes.
+* `bench_pool_serve`: a shared-prefix workload (`vllm bench serve`, prefix repetition) sent to
+  instance A (TP 1, block 64), then the same prompts to instance B (TP 2, block 32, another
+  process), for three setups started in turn: plain vLLM prefix caching (B recomputes what A
+  computed), the shared pool (B loads it), and vLLM's own CPU offload where this vLLM build
+  runs it. Per setup: B's TTFT p50/p99, output throughput, failed requests, and B's prefix hit
+  rate (local and external hits over queried tokens, from vLLM's /metrics).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PREFIX_WORKLOAD = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512",
+                   "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
+                   "--prefix-repetition-output-len", "8"]
+
+
+def bench_pool_transfer(tokens: int = 4096, rounds: int = 3, layers: int = 16, heads: int = 8,
+                        head_dim: int = 128) -> dict[str, Any]:
+    """Store from TP 2 / block 16, load into TP 1 / block 64 (HND), through a real master."""
+    import hashlib
+
+    from kvbridge.core.layout import EngineLayout
+    from kvbridge.core.spec import ModelSpec
+    from kvbridge.offload.keys import make_offload_key
+    from kvbridge.offload.spec import GPULoadStoreSpec
+    from kvbridge.pool.master import MooncakeMaster
+    from kvbridge.pool.store import StoreClient, StoreConfig
+    from kvbridge.pool.tier import PoolConfig, PoolTier
+    from kvbridge.proofs.verify import random_bytes
+    from kvbridge.transport.cache import RankCache
+
+    spec = ModelSpec.uniform(layers, heads, head_dim, "bfloat16", name="bench")
+    block_tokens = 64
+    n = tokens // block_tokens
+    src_l = EngineLayout(tp_size=2, block_size=16, num_blocks=n * 4 + 1)
+    dst_l = EngineLayout(tp_size=1, block_size=64, num_blocks=n + 1, kv_order="HND")
+    src, dst = RankCache.allocate_engine(spec, src_l, fill=None), RankCache.allocate_engine(spec, dst_l, fill=None)
+    random_bytes(src, 1)
+    payload = sum(dst[0].addr.region_nbytes) // dst_l.num_blocks * n  # one copy of n blocks, every head once
+    work = Path(tempfile.mkdtemp(prefix="kvbridge-bench-pool-"))
+    master = MooncakeMaster.start(work / "master.log")
+    client = StoreClient(StoreConfig(master.address, master.metadata_url, segment_bytes=max(64 << 20, 2 * payload)))
+    out: dict[str, list[float]] = {"store_s": [], "load_s": [], "copy_s": []}
+    try:
+        cfg = PoolConfig(model_id="bench", block_tokens=block_tokens, staging_blocks=min(n, 32), secret=b"bench")
+        writers, readers = [PoolTier(c, client, cfg) for c in src], [PoolTier(c, client, cfg) for c in dst]
+        a, b = torch.empty(payload, dtype=torch.uint8), torch.empty(payload, dtype=torch.uint8)
+        a.random_(0, 255)
+        for r in range(rounds):
+            keys = [make_offload_key(hashlib.sha256(f"{r}/{i}".encode()).digest(), 0) for i in range(n)]
+            t0 = time.perf_counter()
+            stored = [t.store(GPULoadStoreSpec(list(range(1, 1 + 4 * n)), [4 * n], [0]), keys) for t in writers]
+            t1 = time.perf_counter()
+            loaded = [t.load(keys, GPULoadStoreSpec(list(range(1, 1 + n)), [n], [0])) for t in readers]
+            t2 = time.perf_counter()
+            why = [w for res in stored + loaded for w in res.reasons]
+            b.copy_(a)
+            t3 = time.perf_counter()
+            if why:
+                raise RuntimeError(f"a pool store or load failed during the benchmark: {why[0]}")
+            client.remove([name for k in keys for name in writers[0].layout.keys(k)])  # room for the next round
+            out["store_s"].append(t1 - t0)
+            out["load_s"].append(t2 - t1)
+            out["copy_s"].append(t3 - t2)
+        for t in writers + readers:
+            t.close()
+    finally:
+        client.close()
+        master.stop()
+    med = {k: statistics.median(v) for k, v in out.items()}
+    gbs = {k.replace("_s", "_gb_s"): payload / v / 1e9 for k, v in med.items()}
+    return {"spec": spec.describe(), "store_engine": src_l.describe(), "load_engine": dst_l.describe(),
+            "tokens": n * block_tokens, "bytes": payload, "rounds": rounds, **gbs,
+            "store_vs_copy": med["copy_s"] / med["store_s"], "load_vs_copy": med["copy_s"] / med["load_s"]}
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+
+
+def _hits(url: str) -> dict[str, float]:
+    return {k: _metric(url, f"vllm:{k}_total") for k in ("prefix_cache_queries", "prefix_cache_hits",
+                                                        "external_prefix_cache_queries", "external_prefix_cache_hits")}
+
+
+def _bench(vllm: str, url: str, model: Path, prompts: int, concurrency: int, out: Path, name: str) -> dict[str, Any]:
+    cmd = [vllm, "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", "model", "--tokenizer",
+           str(model), *PREFIX_WORKLOAD, "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+           "--seed", "7", "--ignore-eos", "--save-result", "--result-dir", str(out), "--result-filename", name,
+           "--percentile-metrics", "ttft", "--metric-percentiles", "50,99"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if res.returncode:
+        return {"error": (res.stdout + res.stderr)[-600:]}
+    data = json.loads((out / name).read_text())
+    return {k: data.get(k) for k in ("median_ttft_ms", "p99_ttft_ms", "output_throughput", "completed", "failed")}
+
+
+def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: int = 4,
+                     python: str | None = None, work: Path | None = None) -> dict[str, Any]:
+    """The three setups in turn (see the module doc); returns B's figures per setup."""
+    from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, healthy, vllm_serve_member
+    from kvbridge.integrations.vllm.fleet_processes import find_tool, stop_session, vllm_python
+    from kvbridge.pool.master import MooncakeMaster
+    from kvbridge.proofs.vllm.cluster import free_ports
+
+    work = Path(work or tempfile.mkdtemp(prefix="kvbridge-bench-pool-serve-")).resolve()
+    if model is None:  # enough compute per token that a 512-token prefix costs real prefill time
+        from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
+        model = add_byte_tokenizer(make_tiny_llama(work / "small-llama", num_heads=8, num_kv_heads=4, head_dim=64,
+                                                   num_layers=6, seed=11))
+    vllm = find_tool(vllm_python(python), "vllm") or "vllm"
+    secret = work / "pool.key"
+    secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)
+    rows = []
+    for setup in ("prefix cache only", "kvbridge pool", "vLLM CPU offload"):
+        log_dir = work / setup.replace(" ", "-")
+        log_dir.mkdir(parents=True, exist_ok=True)
+        config = FleetConfig(model=Path(model), prefill=[], decode=[], log_dir=log_dir, max_model_len=2048)
+        master = MooncakeMaster.start(log_dir / "master.log") if setup == "kvbridge pool" else None
+        kv = None
+        if master is not None:
+            kv = {"kv_connector": "KVBridgePoolConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
+                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
+                      "master": master.address, "metadata_url": master.metadata_url, "secret_file": str(secret),
+                      "block_tokens": 64, "segment_mib": 256}}
+        pa = free_ports(1)
+        members = [vllm_serve_member(config, vllm, "a", InstanceShape(tp=1, block=64), pa, log_dir, kv),
+                   vllm_serve_member(config, vllm, "b", InstanceShape(tp=2, block=32), free_ports(1, {pa}), log_dir,
+                                     kv)]
+        if setup == "vLLM CPU offload":
+            for m in members:
+                m.argv += ["--kv-offloading-size", "1"]
+        row: dict[str, Any] = {"setup": setup}
+        try:
+            for m in members:
+                with open(m.log_path, "wb") as log:
+                    m.proc = subprocess.Popen(m.argv, env=m.env, stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True)
+            end = time.monotonic() + 1800
+            for m in members:
+                while not healthy(m.url) and m.proc.poll() is None and time.monotonic() < end:
+                    time.sleep(1)
+            down = [m for m in members if not healthy(m.url)]
+            if down:
+                row["error"] = f"{down[0].name} did not start: {down[0].log_tail(3)[-300:]}"
+                rows.append(row)
+                continue
+            a, b = members
+            row["a"] = _bench(vllm, a.url, Path(model), prompts, concurrency, log_dir, "a.json")
+            time.sleep(3)  # A stores each finished request at its next step
+            before = _hits(b.url)
+            row["b"] = _bench(vllm, b.url, Path(model), prompts, concurrency, log_dir, "b.json")
+            after = _hits(b.url)
+            q = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+            local = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+            ext = after["external_prefix_cache_hits"] - before["external_prefix_cache_hits"]
+            row["b_hit_rate"] = {"local": local / q if q else None, "external": ext / q if q else None}
+        finally:
+            for m in members:
+                stop_session(m.proc)
+            if master is not None:
+                master.stop()
+        rows.append(row)
+    base = next((r for r in rows if r["setup"] == "prefix cache only" and "b" in r and "error" not in r["b"]), None)
+    for r in rows:
+        if base and "b" in r and "error" not in r["b"] and r["b"].get("median_ttft_ms"):
+            r["b_ttft_vs_prefix_cache_only"] = base["b"]["median_ttft_ms"] / r["b"]["median_ttft_ms"]
+    return {"model": str(model), "prompts": prompts, "concurrency": concurrency, "workload": PREFIX_WORKLOAD,
+            "rows": rows, "work": str(work)}
+
+
+__all__ = ["bench_pool_serve", "bench_pool_transfer"]
