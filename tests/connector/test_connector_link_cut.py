@@ -35,11 +35,12 @@ from pathlib import Path
 
 import pytest
 from connector_harness import disjoint_requests, require
-from test_connector_two_hosts import _ip, namespaces  # noqa: F401 - the fixture
+from test_connector_two_hosts import namespaces  # noqa: F401 - the fixture
 
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.spec import ModelSpec
 from kvbridge.connector.secrets import generate_secret
+from kvbridge.testing.netns import ip as _ip
 
 SIDE = Path(__file__).with_name("link_cut_side.py")
 SPEC_ARGS = (2, 6, 16, "bfloat16")

@@ -1,10 +1,7 @@
-"""The two-host demo across two network namespaces joined by a veth pair.
+"""The two-host demo across two network namespaces joined by a veth pair (`kvbridge.testing.netns`).
 
 `run_prefill_server` runs in one namespace, `run_decode_client` in the other; they reach each
-other only over the veth link, addressed with private IPv4 (10.254.x.y/30) that exists only
-inside the namespaces this test creates and deletes. (Not link-local 169.254/16: UCX, under
-NIXL, does not use interfaces that carry only a link-local address, and reports the peer
-unreachable, NIXL_ERR_BACKEND in loadRemoteMD.) Runs shm pull, Mooncake push and NIXL pull
+other only over the veth link. Runs shm pull, Mooncake push and NIXL pull
 (NIXL: 9 of 9 runs passed alone and 3 of 3 beside two busy loops). Needs root (skipped with the reason
 otherwise). Each side is a fresh Python process started with `ip netns exec`, in its own
 session so that a timeout can end it and everything it started.
@@ -14,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +21,7 @@ import pytest
 from connector_harness import require
 
 from kvbridge.connector.secrets import generate_secret
+from kvbridge.testing.netns import Unavailable, veth_pair
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -40,41 +37,13 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
-
-
 @pytest.fixture
 def namespaces():
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create network namespaces (ip netns add)")
-    if shutil.which("ip") is None:
-        pytest.skip("the `ip` command (iproute2) is not installed")
-    tag = f"kvb{os.getpid() % 100000}"
-    a, b = f"{tag}a", f"{tag}b"
-    subnet = 100 + os.getpid() % 100
-    addr_a, addr_b = f"10.254.{subnet}.1", f"10.254.{subnet}.2"
-    made = []
     try:
-        for ns in (a, b):
-            r = _ip("netns", "add", ns)
-            if r.returncode:
-                pytest.skip(f"cannot create a network namespace: {r.stderr.strip()}")
-            made.append(ns)
-        steps = [("link", "add", f"{tag}va", "type", "veth", "peer", "name", f"{tag}vb"),
-                 ("link", "set", f"{tag}va", "netns", a), ("link", "set", f"{tag}vb", "netns", b),
-                 ("-n", a, "addr", "add", f"{addr_a}/30", "dev", f"{tag}va"),
-                 ("-n", b, "addr", "add", f"{addr_b}/30", "dev", f"{tag}vb"),
-                 ("-n", a, "link", "set", "lo", "up"), ("-n", b, "link", "set", "lo", "up"),
-                 ("-n", a, "link", "set", f"{tag}va", "up"), ("-n", b, "link", "set", f"{tag}vb", "up")]
-        for step in steps:
-            r = _ip(*step)
-            if r.returncode:
-                pytest.skip(f"cannot set up the veth pair (ip {' '.join(step)}): {r.stderr.strip()}")
-        yield (a, addr_a), (b, addr_b)
-    finally:
-        for ns in made:
-            _ip("netns", "del", ns)  # removes the veth pair with it
+        with veth_pair() as pair:
+            yield pair
+    except Unavailable as e:
+        pytest.skip(str(e))
 
 
 def _start(ns: str, script: Path, role: str, args: dict) -> subprocess.Popen:

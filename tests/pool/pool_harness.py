@@ -42,11 +42,12 @@ class Engine:
         self.clients: list[StoreClient] = []
 
     def attach(self, master, cfg: PoolConfig, client: StoreClient | None = None,
-               segment_bytes: int = 16 << 20) -> Engine:
+               segment_bytes: int = 16 << 20, local_hostname: str = "127.0.0.1") -> Engine:
         """A tier per rank, all on `client` (or on one new client of this engine's: as one process
         hosting every rank; a Mooncake close costs a second, so tests share clients)."""
         if client is None:
-            client = StoreClient(StoreConfig(master.address, master.metadata_url, segment_bytes=segment_bytes))
+            client = StoreClient(StoreConfig(master.address, master.metadata_url, local_hostname,
+                                             segment_bytes=segment_bytes))
             self.clients.append(client)
         self.tiers = [PoolTier(c, client, cfg) for c in self.caches]
         return self
