@@ -53,7 +53,7 @@ clean:
 # KVBRIDGE_VLLM_TESTS=1 or CI=true.
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: vllm-env serve-check
+.PHONY: vllm-env serve-check pool-bench
 vllm-env: $(VLLM_VENV)/.installed
 
 # kvbridge serve's fleet (2 prefill x 2 decode, four shapes) behind vllm-router through edge cases,
