@@ -295,3 +295,27 @@ def test_vllm_cpu_caches_round_trip_through_the_pool(master, lender, store, load
     finally:
         for t in writers + readers:
             t.close()
+
+
+def test_many_instances_on_one_pool_each_load_what_the_others_stored(master):
+    """Four engines of four shapes, each its own client (as its own process would have), store a
+    prefix each, then every engine loads every other engine's prefix exactly."""
+    shapes = [(1, 4, "NHD"), (2, 8, "HND"), (4, 4, "NHD"), (2, 2, "HND")]
+    engines = [Engine(tp, block, seed=50 + i, kv_order=order).attach(master, config(staging=8))
+               for i, (tp, block, order) in enumerate(shapes)]
+    try:
+        keys = [block_keys(5, f"many-{i}") for i in range(len(engines))]
+        for e, k in zip(engines, keys):
+            assert all(e.store(e.job(0, 5), k))
+        for i, reader in enumerate(engines):
+            for j, writer in enumerate(engines):
+                if i == j:
+                    continue
+                first = 12  # blocks past what the reader stored from
+                expected = expected_load(writer, writer.job(0, 5), reader.caches, reader.layout,
+                                         reader.job(first, 5))
+                assert all(reader.load(keys[j], reader.job(first, 5))), (i, j)
+                assert same(reader.caches, expected), (i, j)
+    finally:
+        for e in engines:
+            e.close()

@@ -135,7 +135,7 @@ def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: 
     for setup in ("prefix cache only", "kvbridge pool", "vLLM CPU offload"):
         log_dir = work / setup.replace(" ", "-")
         log_dir.mkdir(parents=True, exist_ok=True)
-        config = FleetConfig(model=Path(model), prefill=[], decode=[], log_dir=log_dir, max_model_len=2048)
+        config = FleetConfig(model=Path(model), prefill=[], decode=[], log_dir=log_dir, max_model_len=1024)
         master = MooncakeMaster.start(log_dir / "master.log") if setup == "kvbridge pool" else None
         kv = None
         if master is not None:
