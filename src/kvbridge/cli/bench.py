@@ -18,7 +18,7 @@ from kvbridge.errors import ConfigError
 # The options each bench runner reads; one given on the command line to a runner that ignores it
 # exits 2 naming the runner that takes it (as `demo` does).
 _SHAPE = {"prefill_tp", "decode_tp", "prefill_block_size", "decode_block_size", "prefill_layout", "decode_layout"}
-_COMMON = {"as_json", "transport", "offload", "engine", "staged", "serve"}
+_COMMON = {"as_json", "transport", "offload", "engine", "staged", "serve", "pool"}
 BENCH_RUNNERS: dict[str, set[str]] = {
     "local": _COMMON | _SHAPE | {"model", "tokens", "repeats", "link_gbps"},
     "staged": _COMMON | _SHAPE | {"model", "tokens", "repeats"},
@@ -26,12 +26,16 @@ BENCH_RUNNERS: dict[str, set[str]] = {
     "transport": _COMMON | _SHAPE | {"model", "tokens", "repeats", "op"},
     "vllm": _COMMON | {"prefill_tp", "decode_tp"},
     "serve": _COMMON | {"prefill_tp", "decode_tp", "prefill_block_size", "decode_block_size"},
+    "pool": _COMMON | {"tokens", "repeats"},
 }
 BENCH_FLAGS = {"local": "the local executor (default)", "staged": "--staged", "offload": "--offload",
-               "transport": "--transport shm|nixl|mooncake", "vllm": "--engine vllm", "serve": "--serve"}
+               "transport": "--transport shm|nixl|mooncake", "vllm": "--engine vllm", "serve": "--serve", "pool": "--pool"}
 
 
-def _bench_runner(transport: Any, offload: bool, engine: Any, staged: bool, serve: bool = False) -> str:
+def _bench_runner(transport: Any, offload: bool, engine: Any, staged: bool, serve: bool = False,
+                  pool: bool = False) -> str:
+    if pool:
+        return "pool"
     if serve:
         return "serve"
     if engine == Engine.vllm:
@@ -78,9 +82,29 @@ def bench(
                                "vllm-router against a fleet of one prefill and one decode instance of the "
                                "--prefill-/--decode- TP and block sizes (block default 32), with KVBridgeConnector "
                                "and with vLLM's NixlConnector in turns; needs `make vllm-env`."),
+    pool: bool = typer.Option(False, help="The shared pool (Mooncake Store, a master started here): store from TP 2 "
+                              "/ block 16 and load into TP 1 / block 64, sealing and checking included, beside a "
+                              "contiguous copy of the same bytes (serving figures: `make pool-bench`)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Our copies vs a plain contiguous copy of the same bytes, side by side in one run."""
+    if pool:
+        _refuse_ignored(ctx, "pool")
+        if serve or offload or staged or transport != Transport.local or engine == Engine.vllm:
+            raise ConfigError("--pool runs its own engines and store: drop --serve, --transport, --offload, --staged "
+                              "and --engine")
+        if not 64 <= tokens <= 65536 or tokens % 64:
+            raise ConfigError(f"--tokens for --pool must be a multiple of the 64-token pool block in [64, 65536], "
+                              f"got {tokens}")
+        from kvbridge.bench.pool import bench_pool_transfer
+        with console.status("storing and loading through a Mooncake Store", spinner="dots") \
+                if not as_json else _nothing():
+            out = bench_pool_transfer(tokens=tokens, rounds=min(repeats, 20))
+        if as_json:
+            print_json(out)
+        else:
+            pool_table(out)
+        return
     if serve:
         _refuse_ignored(ctx, "serve")
         if transport != Transport.local or offload or staged or engine == Engine.vllm:
@@ -177,6 +201,17 @@ class _nothing:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def pool_table(out: dict[str, Any]) -> None:
+    table = Table(title=f"shared pool: {out['store_engine']} stores, {out['load_engine']} loads, {out['tokens']} "
+                        f"tokens of {out['spec']} ({out['bytes'] / 2**20:.0f} MiB), median of {out['rounds']}")
+    for col in ("", "GB/s", "vs copy"):
+        table.add_column(col, justify="right" if col else "left")
+    table.add_row("store (device -> staging -> seal -> put)", f"{out['store_gb_s']:.2f}", f"{out['store_vs_copy']:.3f}")
+    table.add_row("load (get -> check -> staging -> device)", f"{out['load_gb_s']:.2f}", f"{out['load_vs_copy']:.3f}")
+    table.add_row("contiguous copy of the same bytes", f"{out['copy_gb_s']:.2f}", "1")
+    console.print(table)
 
 
 def serve_table(out: dict[str, Any]) -> None:
