@@ -20,6 +20,7 @@ store evicts them, so a block is complete only when all are there.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -125,14 +126,24 @@ class PoolTier:
         self._regions = self.staging.byte_regions()
         per_block = max((len(g) for g in self.layout.group_objects), default=0)
         self._seals = torch.zeros(max(1, config.staging_blocks * per_block * SEAL_BYTES), dtype=torch.uint8)
-        for t in [*self._regions, self._seals]:
-            client.register(t.data_ptr(), t.numel())
+        spans = [(t.data_ptr(), t.numel()) for t in [*self._regions, self._seals]]
+        for address, nbytes in spans:
+            client.register(address, nbytes)
+        # Unregistered when the tier goes, closed or not: Mooncake refuses to register memory that
+        # overlaps a stale registration, and freed staging is soon reused.
+        self._unregister = weakref.finalize(self, _unregister, client, spans)
         self.stats = {"objects_put": 0, "objects_got": 0, "bytes_put": 0, "bytes_got": 0, "seal_failures": 0,
                       "missing": 0, "put_failures": 0}
 
     # -- bytes of objects in staging ----------------------------------------------------------------------
     def _views(self, slot: int, obj: ObjectId) -> list[torch.Tensor]:
-        return [self._regions[r][off:off + n] for r, off, n in self.layout.pieces(slot, obj)]
+        runs: list[list[int]] = []
+        for r, off, n in self.layout.pieces(slot, obj):
+            if runs and runs[-1][0] == r and runs[-1][1] + runs[-1][2] == off:
+                runs[-1][2] += n  # adjacent in staging: one run (fewer transfer tasks, same bytes)
+            else:
+                runs.append([r, off, n])
+        return [self._regions[r][off:off + n] for r, off, n in runs]
 
     def _runs(self, views: list[torch.Tensor], seal_index: int) -> list[tuple[int, int]]:
         s = self._seals[seal_index * SEAL_BYTES:(seal_index + 1) * SEAL_BYTES]
@@ -230,8 +241,12 @@ class PoolTier:
     def close(self) -> None:
         """Stop the worker and unregister the staging memory (the client may serve other tiers)."""
         self.worker.shutdown()
-        for t in [*self._regions, self._seals]:
-            self.client.unregister(t.data_ptr(), t.numel())
+        self._unregister()
+
+
+def _unregister(client: StoreClient, spans: list[tuple[int, int]]) -> None:
+    for address, nbytes in spans:
+        client.unregister(address, nbytes)
 
 
 class PoolIndex:

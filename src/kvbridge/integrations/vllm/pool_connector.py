@@ -237,6 +237,7 @@ class _PoolScheduler:
         self._client: StoreClient | None = None
         self._index: PoolIndex | None = None
         self._pending: dict[str, tuple[list[bytes], int]] = {}
+        self._loaded: set[str] = set()  # requests a load was scheduled for (until they finish)
         self._meta = PoolMetadata()
         self.stats = {"lookups": 0, "hit_tokens": 0, "stores": 0}
 
@@ -254,8 +255,8 @@ class _PoolScheduler:
         return group_keys(chained_block_hashes(tokens, self.bt), 0)
 
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        if not self.conn.settings.load:
-            return 0, False
+        if not self.conn.settings.load or request.request_id in self._loaded:
+            return 0, False  # one load per request: after a refused one, vLLM recomputes (no retry loop)
         tokens = list(request.all_token_ids)
         usable = (len(tokens) - 1) // self.bt  # vLLM computes at least the last token itself
         if usable * self.bt <= num_computed_tokens or (index := self._idx()) is None:
@@ -281,6 +282,7 @@ class _PoolScheduler:
         if not num_external_tokens or pending is None:
             return
         keys, tokens_hit = pending
+        self._loaded.add(request.request_id)
         local = tokens_hit - num_external_tokens
         table = [int(b) for b in blocks.get_block_ids()[0]][: tokens_hit // self.conn.block_size]
         on_device = [i < local // self.conn.block_size for i in range(len(table))]
@@ -290,6 +292,8 @@ class _PoolScheduler:
 
     def finished(self, request: Request, block_ids: list[int]) -> bool:
         """Queue the store of the request's full pool blocks that the store lacks; True: hold its blocks."""
+        self._loaded.discard(request.request_id)
+        self._pending.pop(request.request_id, None)
         if not self.conn.settings.store or (index := self._idx()) is None:
             return False
         n = min(int(request.num_computed_tokens), len(request.all_token_ids)) // self.bt
