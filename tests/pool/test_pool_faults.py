@@ -322,3 +322,27 @@ def test_many_instances_on_one_pool_each_load_what_the_others_stored(master):
     finally:
         for e in engines:
             e.close()
+
+
+def test_a_get_of_many_small_runs_is_split_below_mooncakes_lane_queue(lender, client):
+    """300 objects of 34 runs each (vLLM CPU's transposed K): in one Mooncake call its TCP
+    transport rejected the tasks past its lane queue and some objects failed (-800, measured
+    here); the client's calls of at most MAX_RUNS runs get every one."""
+    from kvbridge.pool.store import MAX_RUNS
+
+    src = torch.arange(1 << 20, dtype=torch.int32).view(torch.uint8)
+    out = torch.zeros(1 << 22, dtype=torch.uint8)
+    lender.register(src.data_ptr(), src.numel())
+    client.register(out.data_ptr(), out.numel())
+    try:
+        n, runs = 300, 34
+        assert n * runs > 4 * MAX_RUNS
+        keys = [f"lane-test/{i}" for i in range(n)]
+        put = [[(src.data_ptr() + (i * runs + j) * 256, 256) for j in range(runs)] for i in range(n)]
+        get = [[(out.data_ptr() + (i * runs + j) * 256, 256) for j in range(runs)] for i in range(n)]
+        assert set(lender.put(keys, put)) == {0}
+        assert set(client.get(keys, get)) == {runs * 256}
+        assert torch.equal(out[:n * runs * 256], src[:n * runs * 256])
+    finally:
+        lender.unregister(src.data_ptr(), src.numel())
+        client.unregister(out.data_ptr(), out.numel())
