@@ -157,7 +157,8 @@ def test_store_then_load_restores_every_byte(data):
     device = RankCache.allocate_engine(spec, layout, fill=None)
     fill_pattern(device, 0)
     random_bytes(pool.caches, 1)
-    with OffloadWorker(device, pool) as w:
+    # parallel=False: the serial copy an engine process needs (numba's OpenMP runtime never starts)
+    with OffloadWorker(device, pool, parallel=data.draw(st.booleans())) as w:
         expected_pool = clone(pool.caches)
         oracle(spec, gpu, cpu, factor, device, expected_pool, to_pool=True)
         assert run(w, (gpu, cpu)) == job_bytes(spec, gpu, layout, ranks=1 if canonical else None)

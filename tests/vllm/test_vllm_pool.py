@@ -65,7 +65,7 @@ def _wait_stored(master: MooncakeMaster, model, tokens: list[int], blocks: int, 
 
 def _kv(master: MooncakeMaster, secret_file: str) -> dict:
     return {"kv_connector": "KVBridgePoolConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": {
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
                 "master": master.address, "metadata_url": master.metadata_url, "secret_file": secret_file,
                 "block_tokens": 64, "segment_mib": 32, "staging_blocks": 16}}
 

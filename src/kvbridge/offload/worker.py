@@ -38,7 +38,7 @@ from kvbridge.offload.errors import SpecMismatch
 from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.spec import GPULoadStoreSpec, TransferSpec
 from kvbridge.offload.transfer import JobPlanner, JobRuns
-from kvbridge.transport.copy import copy_runs
+from kvbridge.transport.copy import copy_addresses, copy_runs
 
 STORE = ("GPU", "CPU")
 LOAD = ("CPU", "GPU")
@@ -69,17 +69,26 @@ def _base_addresses(regions: Sequence[torch.Tensor]) -> np.ndarray:
 class _CpuHandler:
     """One direction between CPU tensors: a FIFO thread, one `copy_runs` call per job."""
 
-    def __init__(self, name: str, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]):
+    def __init__(self, name: str, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], parallel: bool = True):
         self._src, self._dst = list(src), list(dst)  # keep the memory alive while addresses are in use
         self._src_addr, self._dst_addr = _base_addresses(src), _base_addresses(dst)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvbridge-offload-{name}")
         self._jobs: deque[tuple[int, int, Future]] = deque()
         self.errors: dict[int, BaseException] = {}
+        self.parallel = parallel
         empty = np.zeros(0, dtype=np.int64)
-        with _COPY_LOCK:  # compile now (once per process), so no job's time includes the JIT
-            copy_runs(self._src_addr, self._dst_addr, empty, empty, empty, empty, empty)
+        if parallel:
+            with _COPY_LOCK:  # compile now (once per process), so no job's time includes the JIT
+                copy_runs(self._src_addr, self._dst_addr, empty, empty, empty, empty, empty)
+        else:  # never start numba's parallel runtime (OpenMP) in this process: see `OffloadWorker`
+            copy_addresses(empty, empty, empty)
 
     def _copy(self, runs: JobRuns) -> float:
+        if not self.parallel:
+            t0 = time.perf_counter()
+            copy_addresses(self._src_addr[runs.src_region] + runs.src_offset,
+                           self._dst_addr[runs.dst_region] + runs.dst_offset, runs.length)
+            return time.perf_counter() - t0
         with _COPY_LOCK:
             t0 = time.perf_counter()
             if len(runs):
@@ -158,9 +167,14 @@ class _CudaHandler:  # pragma: no cover - needs a CUDA device
 
 
 class OffloadWorker:
-    """Moves offloaded blocks between some ranks of one device engine and a CPU pool."""
+    """Moves offloaded blocks between some ranks of one device engine and a CPU pool.
 
-    def __init__(self, device: Sequence[RankCache], pool: CPUPool):
+    `parallel=False` copies in the worker's own thread only (numba's serial loop): inside an
+    engine process whose kernels use OpenMP (vLLM CPU attention checks its thread count against
+    the one its metadata was built with), numba's parallel runtime must never start.
+    """
+
+    def __init__(self, device: Sequence[RankCache], pool: CPUPool, parallel: bool = True):
         device = list(device)
         if not device:
             raise IncompatibleEngines("an offload worker needs at least one device rank cache")
@@ -185,7 +199,8 @@ class OffloadWorker:
             self._handlers: dict[tuple[str, str], _Handler] = {
                 STORE: _CudaHandler(dev, host, True, dev_device), LOAD: _CudaHandler(host, dev, False, dev_device)}
         else:
-            self._handlers = {STORE: _CpuHandler("store", dev, host), LOAD: _CpuHandler("load", host, dev)}
+            self._handlers = {STORE: _CpuHandler("store", dev, host, parallel),
+                              LOAD: _CpuHandler("load", host, dev, parallel)}
         self._ids = itertools.count(1)
 
     @property

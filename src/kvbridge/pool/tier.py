@@ -112,9 +112,11 @@ class TierResult:
 
 
 class PoolTier:
-    """Stores and loads the blocks of one device rank through a shared pool (see the module)."""
+    """Stores and loads the blocks of one device rank through a shared pool (see the module).
 
-    def __init__(self, cache: RankCache, client: StoreClient, config: PoolConfig):
+    `parallel=False` inside an engine process (see `OffloadWorker`): copies stay in one thread."""
+
+    def __init__(self, cache: RankCache, client: StoreClient, config: PoolConfig, parallel: bool = True):
         self.spec, self.device, self.rank = cache.spec, cache.layout, cache.rank
         self.config, self.client = config, client
         self.layout = object_layout(self.spec, config, config.staging_blocks)
@@ -122,7 +124,7 @@ class PoolTier:
         self.factor = self.layout.check_device(self.device)
         self.writes = [sorted(s) for s in self.layout.written_by(self.device, self.rank)]
         self.reads = [sorted(s) for s in self.layout.read_by(self.device, self.rank)]
-        self.worker = OffloadWorker([cache], self.staging)
+        self.worker = OffloadWorker([cache], self.staging, parallel=parallel)
         self._regions = self.staging.byte_regions()
         per_block = max((len(g) for g in self.layout.group_objects), default=0)
         self._seals = torch.zeros(max(1, config.staging_blocks * per_block * SEAL_BYTES), dtype=torch.uint8)

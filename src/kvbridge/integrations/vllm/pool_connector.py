@@ -16,10 +16,13 @@ It follows vLLM's scheduler hooks as its OffloadingConnector does, with the shar
   no engine's block size or hash seed changes) and asks the store which leading blocks are
   complete; the hit beyond the local prefix-cache hit is reported as external (vLLM counts it in
   `vllm:external_prefix_cache_hits`) and loaded asynchronously;
-* load: the allocated blocks go to every worker rank, which fetches the objects its heads need,
-  checks their seals and copies them in (`PoolTier.load`); a chunk that fails is reported in
-  `failed_recving` and its blocks in `get_block_ids_with_load_errors`, and vLLM recomputes
-  (`kv_load_failure_policy`);
+* load: the allocated blocks go to every worker rank, which at the start of the step that
+  computes the rest of the prompt fetches the objects its heads need, checks their seals and
+  copies them in (`PoolTier.load`; `load_async: true` makes it vLLM's asynchronous load, two
+  engine steps later); a chunk that fails leaves its blocks untouched and reports them in
+  `get_block_ids_with_load_errors` (and the request in `failed_recving` when asynchronous), and
+  vLLM recomputes them (`kv_load_failure_policy: recompute`; vLLM's default `fail` fails the
+  request);
 * store after compute: when a request finishes, its full pool blocks that the store lacks are
   stored by every rank (the objects each writes), its blocks held until then
   (`request_finished` -> True, released by `finished_sending`).
@@ -69,6 +72,9 @@ MAX_FINISHED_IDS = 1 << 16
 class PoolSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`kv_connector_extra_config` of KVBridgePoolConnector; an unknown key is refused (named).
 
+    `load_async` hands loads to vLLM's asynchronous path (the request waits two more engine
+    steps); by default a load runs at the start of the step that computes the rest of the prompt.
+
     `master` is the `mooncake_master` RPC address; its metadata server defaults to the next port
     (as `kvbridge.pool.MooncakeMaster` starts it). `model_id` defaults to the model path vLLM
     serves; `block_tokens` must be the same on every instance and a multiple of each one's block
@@ -86,6 +92,7 @@ class PoolSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     local_hostname: str = "127.0.0.1"
     load: bool = True
     store: bool = True
+    load_async: bool = False
     secret_file: str = ""
     secret: str = ""
     insecure: bool = False
@@ -181,6 +188,9 @@ class KVBridgePoolConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.lookup(request, num_computed_tokens)
 
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads run whole in `start_load_kv`, before the forward; nothing per layer."""
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         self._scheduler.after_alloc(request, blocks, num_external_tokens)
 
@@ -202,9 +212,6 @@ class KVBridgePoolConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata
         if isinstance(meta, PoolMetadata):
             self._worker.run(meta)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads complete before their requests are scheduled; nothing per layer."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Stores read finished requests' blocks; nothing per layer."""
@@ -275,7 +282,10 @@ class _PoolScheduler:
             return 0, False
         self._pending[request.request_id] = (keys[:hits], tokens_hit)
         self.stats["hit_tokens"] += tokens_hit - num_computed_tokens
-        return tokens_hit - num_computed_tokens, True
+        # Synchronous by default: the worker loads at the start of the very step that computes the
+        # rest of the prompt (an asynchronous load costs two more engine steps before the request
+        # runs, which on a busy CPU engine cost more than the tokens it saved).
+        return tokens_hit - num_computed_tokens, self.conn.settings.load_async
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         pending = self._pending.pop(request.request_id, None)
@@ -356,7 +366,9 @@ class _PoolWorker:
         if self._tier is None:
             cache = RankCache(self._spec, self._layout, self.rank, [self._caches[n] for n in self._names])
             self._client = StoreClient(self.conn.settings.store_config(lend=self.conn.settings.segment_mib > 0))
-            self._tier = PoolTier(cache, self._client, self.conn.config)
+            # Serial copies: numba's parallel (OpenMP) runtime in a vLLM CPU worker changed the
+            # thread count its attention kernels check ("thread_num 1 vs. 2") and killed the engine.
+            self._tier = PoolTier(cache, self._client, self.conn.config, parallel=False)
             logger.info("KVBridgePoolConnector rank %d: %s; pool at %s, %d-token blocks, writes %d and reads %d "
                         "objects per block", self.rank, self._layout.describe(), self.conn.settings.master,
                         self.conn.config.block_tokens, len(self._tier.writes[0]), len(self._tier.reads[0]))
@@ -374,12 +386,14 @@ class _PoolWorker:
             self._stored.add(job.request_id)
         for job in meta.loads:
             res = tier.load(job.keys, job.gpu())
-            self._res.finished_recving.add(job.request_id)
+            if self.conn.settings.load_async:
+                self._res.finished_recving.add(job.request_id)
             if not res.ok:
                 logger.warning("KVBridgePoolConnector rank %d: load of %s refused, recomputing: %s", self.rank,
                                job.request_id, "; ".join(res.reasons)[:500])
-                self._res.failed_recving.add(job.request_id)
-                self._failed_blocks.update(job.block_ids)
+                if self.conn.settings.load_async:
+                    self._res.failed_recving.add(job.request_id)
+                self._failed_blocks.update(job.block_ids)  # sync: vLLM recomputes from the first of them
 
     def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         for rid in finished_req_ids:
