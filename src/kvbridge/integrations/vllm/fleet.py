@@ -84,7 +84,10 @@ class Fleet:
         argv = [self._router_bin, "--host", c.host, "--port", str(c.port), "--vllm-pd-disaggregation",
                 "--policy", c.router_policy, "--prometheus-host", "127.0.0.1", "--prometheus-port",
                 str(self._prometheus), "--request-timeout-secs", str(c.request_timeout_s),
-                "--worker-startup-timeout-secs", "1800"]
+                "--worker-startup-timeout-secs", "1800",
+                # A starved instance answers /health late, not never: the router's 5 s default
+                # took live instances out under load ("No available workers: 0 prefill").
+                "--health-check-timeout-secs", "30", "--health-failure-threshold", "4"]
         for m in self.members:
             argv += ["--prefill" if m.name.startswith("prefill") else "--decode", m.url]
         return Member("router", argv, dict(os.environ), self.log_dir / "router.log", c.port, argv_host=c.host)
