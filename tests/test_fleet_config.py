@@ -24,3 +24,24 @@ def test_bad_shapes_are_one_bounded_line(text, why):
         InstanceShape.parse(text, "--decode")
     message = str(e.value)
     assert "\n" not in message and len(message) < 300 and message.startswith("--decode ")
+
+
+@pytest.mark.parametrize("pool, block_tokens, connector, why", [
+    ("nohost", 64, "kvbridge", "must be 'start' or the host:port"),
+    ("start", 48, "kvbridge", "does not divide the pool's 48-token block"),
+    ("127.0.0.1:99999", 64, "kvbridge", "host:port"),
+    ("start", 64, "nixl", "needs kvbridge's connector"),
+])
+def test_a_pool_the_fleet_cannot_use_is_refused_in_one_line(tmp_path, pool, block_tokens, connector, why):
+    from pathlib import Path
+
+    from kvbridge.integrations.vllm.fleet_config import FleetConfig, check_shapes
+    from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
+
+    model = add_byte_tokenizer(make_tiny_llama(tmp_path / "m", seed=1))
+    config = FleetConfig(model=Path(model), prefill=[InstanceShape.parse("tp=1,block=64", "--prefill")],
+                         decode=[InstanceShape.parse("tp=2,block=32", "--decode")], log_dir=tmp_path, port=1,
+                         pool=pool, pool_block_tokens=block_tokens, connector=connector)
+    with pytest.raises(ConfigError, match=why) as e:
+        check_shapes(config)
+    assert "\n" not in str(e.value)

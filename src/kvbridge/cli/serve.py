@@ -66,6 +66,10 @@ def serve(
         stats_path=str(stats_path.resolve()) if stats_path else "", pool=pool, pool_block_tokens=pool_block_tokens)
     fleet = Fleet(config)
     if dry_run:
+        if fleet.master is not None:
+            console.print(f"# mooncake-master (log {fleet.master.log_path})", highlight=False, markup=False)
+            console.print(" ".join(_quote(a) for a in fleet.master.argv), highlight=False, markup=False,
+                          soft_wrap=True)
         for m in fleet.everyone():
             console.print(f"# {m.name} (log {m.log_path})", highlight=False, markup=False)
             console.print(" ".join(_quote(a) for a in m.argv), highlight=False, markup=False, soft_wrap=True)
