@@ -2,7 +2,7 @@
 
 Store/load GB/s beside a contiguous copy, then the shared-prefix serving comparison (plain prefix
 caching, the kvbridge pool, vLLM's CPU offload) on two `vllm serve` instances of different shapes.
-About 15-25 minutes on a 2-core machine; docs/pool.md holds the figures.
+About 25-35 minutes on a 2-core machine; docs/pool.md holds the figures.
 """
 
 from __future__ import annotations
@@ -27,8 +27,13 @@ def main() -> int:
     out = {"transfer": bench_pool_transfer()}
     print(json.dumps(out["transfer"]), flush=True)
     if not args.skip_serve:
+        # Repeated prefixes on a 6-layer model (B's own prefix cache takes most hits), with vLLM's
+        # CPU offload beside; then every prompt the first of its prefix, on a 12-layer model.
         out["serve"] = bench_pool_serve(prompts=args.prompts)
         print(json.dumps(out["serve"]["rows"]), flush=True)
+        out["serve_distinct"] = bench_pool_serve(prompts=8, concurrency=1, num_prefixes=8, layers=12, heads=16,
+                                                 setups=("prefix cache only", "kvbridge pool"))
+        print(json.dumps(out["serve_distinct"]["rows"]), flush=True)
     args.out.write_text(json.dumps(out, indent=1))
     return 0
 

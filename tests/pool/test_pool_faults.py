@@ -265,9 +265,10 @@ def test_a_full_store_evicts_whole_objects_and_serves_only_complete_blocks(own_m
         src.close()
 
 
+@pytest.mark.parametrize("vllm_staging", [False, True])
 @pytest.mark.parametrize("store, load", [((1, 64, None), (2, 32, None)), ((1, 64, 16), (2, 32, 32)),
                                          ((2, 32, None), (1, 64, None))])
-def test_vllm_cpu_caches_round_trip_through_the_pool(master, lender, store, load):
+def test_vllm_cpu_caches_round_trip_through_the_pool(master, lender, store, load, vllm_staging):
     """vLLM CPU's cache (K transposed per head, `VllmCpuLayout`) stored by one shape and loaded by
     another: every byte as the planner's own oracle says (the connector once described it as a
     plain layout of the same fields, and only same-shape round trips worked)."""
@@ -287,10 +288,15 @@ def test_vllm_cpu_caches_round_trip_through_the_pool(master, lender, store, load
     fill_source(src, (a_ids,), 256)
     want = clone_caches(dst)
     expected_destination(want, Request((a_ids,), (b_ids,), 256), la)
-    cfg = PoolConfig(model_id=f"vllm-cpu-{store}-{load}", block_tokens=64, staging_blocks=8, secret=b"k")
-    keys = block_keys(4, f"vllm-cpu-{store}-{load}")
-    writers, readers = [PoolTier(c, lender, cfg) for c in src], [PoolTier(c, lender, cfg) for c in dst]
+    cfg = PoolConfig(model_id=f"vllm-cpu-{store}-{load}-{vllm_staging}", block_tokens=64, staging_blocks=8,
+                     secret=b"k")
+    keys = block_keys(4, f"vllm-cpu-{store}-{load}-{vllm_staging}")
+    staging = (lambda bt, n: vllm_cpu_layout(1, bt, n)) if vllm_staging else None
+    writers = [PoolTier(c, lender, cfg, staging=staging) for c in src]
+    readers = [PoolTier(c, lender, cfg, staging=staging) for c in dst]
     try:
+        if vllm_staging:  # a head's bytes are one run (and the seal): K transposed, then V
+            assert all(len(writers[0]._views(0, o)) == 1 for o in writers[0].layout.group_objects[0])
         gpu = lambda ids: GPULoadStoreSpec(list(ids), [len(ids)], [0])  # noqa: E731
         assert all(t.store(gpu(a_ids), keys).ok for t in writers)
         assert all(t.load(keys, gpu(b_ids)).ok for t in readers)

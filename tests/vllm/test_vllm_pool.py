@@ -45,7 +45,7 @@ def _wait_stored(master: MooncakeMaster, model, tokens: list[int], blocks: int, 
     """Until the store holds the first `blocks` pool blocks of `tokens` whole (A stores them at its
     next engine step after the request finished, asynchronously to the reply)."""
     from kvbridge.core.spec import LayerSpec, ModelSpec
-    from kvbridge.integrations.vllm.layout import vllm_cpu_spec
+    from kvbridge.integrations.vllm.layout import vllm_cpu_layout, vllm_cpu_spec
     from kvbridge.offload.keys import chained_block_hashes, group_keys
     from kvbridge.pool.store import StoreClient, StoreConfig
     from kvbridge.pool.tier import PoolConfig, PoolIndex
@@ -53,7 +53,8 @@ def _wait_stored(master: MooncakeMaster, model, tokens: list[int], blocks: int, 
     spec = vllm_cpu_spec(ModelSpec(tuple(LayerSpec("full", 2, 32, 32) for _ in range(2)), "float32", "tiny"))
     client = StoreClient(StoreConfig(master.address, master.metadata_url, segment_bytes=0))
     try:
-        index = PoolIndex(spec, client, PoolConfig(model_id=str(model.resolve()), block_tokens=64))
+        index = PoolIndex(spec, client, PoolConfig(model_id=str(model.resolve()), block_tokens=64),
+                          lambda bt, n: vllm_cpu_layout(1, bt, n))  # the connector's `vllm_staging`
         keys = group_keys(chained_block_hashes(tokens[:blocks * 64], 64), 0)
         end = time.monotonic() + timeout
         while not all(index.hits(keys)):

@@ -26,9 +26,13 @@ from typing import Any
 
 import torch
 
-PREFIX_WORKLOAD = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512",
-                   "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
-                   "--prefix-repetition-output-len", "8"]
+SETUPS = ("prefix cache only", "kvbridge pool", "vLLM CPU offload")
+
+
+def prefix_workload(prefix_len: int = 512, num_prefixes: int = 4) -> list[str]:
+    return ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(prefix_len),
+            "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", str(num_prefixes),
+            "--prefix-repetition-output-len", "8"]
 
 
 def bench_pool_transfer(tokens: int = 4096, rounds: int = 3, layers: int = 16, heads: int = 8,
@@ -102,9 +106,10 @@ def _hits(url: str) -> dict[str, float]:
                                                         "external_prefix_cache_queries", "external_prefix_cache_hits")}
 
 
-def _bench(vllm: str, url: str, model: Path, prompts: int, concurrency: int, out: Path, name: str) -> dict[str, Any]:
+def _bench(vllm: str, url: str, model: Path, prompts: int, concurrency: int, out: Path, name: str,
+           workload: list[str]) -> dict[str, Any]:
     cmd = [vllm, "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", "model", "--tokenizer",
-           str(model), *PREFIX_WORKLOAD, "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+           str(model), *workload, "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
            "--seed", "7", "--ignore-eos", "--save-result", "--result-dir", str(out), "--result-filename", name,
            "--percentile-metrics", "ttft", "--metric-percentiles", "50,99"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
@@ -115,8 +120,13 @@ def _bench(vllm: str, url: str, model: Path, prompts: int, concurrency: int, out
 
 
 def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: int = 4,
-                     python: str | None = None, work: Path | None = None) -> dict[str, Any]:
-    """The three setups in turn (see the module doc); returns B's figures per setup."""
+                     python: str | None = None, work: Path | None = None, num_prefixes: int = 4,
+                     layers: int = 6, heads: int = 8, setups: tuple[str, ...] = SETUPS) -> dict[str, Any]:
+    """The setups in turn (see the module doc); returns B's figures per setup.
+
+    `num_prefixes == prompts` makes every prompt the first of its prefix: on B each one is a
+    local miss, so the pool's effect is not averaged with local hits."""
+    workload = prefix_workload(512, num_prefixes)
     from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, healthy, vllm_serve_member
     from kvbridge.integrations.vllm.fleet_processes import find_tool, stop_session, vllm_python
     from kvbridge.pool.master import MooncakeMaster
@@ -125,14 +135,14 @@ def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: 
     work = Path(work or tempfile.mkdtemp(prefix="kvbridge-bench-pool-serve-")).resolve()
     if model is None:  # enough compute per token that a 512-token prefix costs real prefill time
         from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
-        model = add_byte_tokenizer(make_tiny_llama(work / "small-llama", num_heads=8, num_kv_heads=4, head_dim=64,
-                                                   num_layers=6, seed=11))
+        model = add_byte_tokenizer(make_tiny_llama(work / "small-llama", num_heads=heads, num_kv_heads=4,
+                                                   head_dim=64, num_layers=layers, seed=11))
     vllm = find_tool(vllm_python(python), "vllm") or "vllm"
     secret = work / "pool.key"
     secret.write_bytes(os.urandom(32))
     secret.chmod(0o600)
     rows = []
-    for setup in ("prefix cache only", "kvbridge pool", "vLLM CPU offload"):
+    for setup in setups:
         log_dir = work / setup.replace(" ", "-")
         log_dir.mkdir(parents=True, exist_ok=True)
         config = FleetConfig(model=Path(model), prefill=[], decode=[], log_dir=log_dir, max_model_len=1024)
@@ -166,10 +176,10 @@ def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: 
                 rows.append(row)
                 continue
             a, b = members
-            row["a"] = _bench(vllm, a.url, Path(model), prompts, concurrency, log_dir, "a.json")
+            row["a"] = _bench(vllm, a.url, Path(model), prompts, concurrency, log_dir, "a.json", workload)
             time.sleep(3)  # A stores each finished request at its next step
             before = _hits(b.url)
-            row["b"] = _bench(vllm, b.url, Path(model), prompts, concurrency, log_dir, "b.json")
+            row["b"] = _bench(vllm, b.url, Path(model), prompts, concurrency, log_dir, "b.json", workload)
             after = _hits(b.url)
             q = after["prefix_cache_queries"] - before["prefix_cache_queries"]
             local = after["prefix_cache_hits"] - before["prefix_cache_hits"]
@@ -185,7 +195,7 @@ def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: 
     for r in rows:
         if base and "b" in r and "error" not in r["b"] and r["b"].get("median_ttft_ms"):
             r["b_ttft_vs_prefix_cache_only"] = base["b"]["median_ttft_ms"] / r["b"]["median_ttft_ms"]
-    return {"model": str(model), "prompts": prompts, "concurrency": concurrency, "workload": PREFIX_WORKLOAD,
+    return {"model": str(model), "prompts": prompts, "concurrency": concurrency, "workload": workload,
             "rows": rows, "work": str(work)}
 
 

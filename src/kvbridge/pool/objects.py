@@ -41,7 +41,7 @@ class ObjectId(NamedTuple):
     head: int
 
 
-def pool_namespace(spec: ModelSpec, model_id: str, block_tokens: int, kernel_tokens: int) -> str:
+def pool_namespace(spec: ModelSpec, model_id: str, block_tokens: int, layout_tag: str | int) -> str:
     """The digest that keeps engines apart which must not read each other's objects.
 
     `model_id` names the weights (a path, a hub id with revision): two models of one geometry
@@ -53,7 +53,7 @@ def pool_namespace(spec: ModelSpec, model_id: str, block_tokens: int, kernel_tok
     # The layer classes too: a subclass may address components differently (vLLM CPU's K rows)
     # under the same geometry fingerprint, and its canonical bytes then differ.
     classes = ",".join(sorted({type(layer).__name__ for layer in spec.layers}))
-    payload = "\0".join((model_id, spec.fingerprint(), classes, str(block_tokens), str(kernel_tokens)))
+    payload = "\0".join((model_id, spec.fingerprint(), classes, str(block_tokens), str(layout_tag)))
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
@@ -84,6 +84,13 @@ class ObjectLayout:
                         f"blocks; the shared pool does not store recurrent checkpoints")
                 objs += [ObjectId(li, h) for h in range(max((c.heads for c in layer.components), default=0))]
             self.group_objects.append(objs)
+        a = self.addr  # (after the recurrent refusal: a state row has no token stride)
+        for li in range(spec.num_layers):
+            for ci in range(int(a.num_components[li])):
+                if int(a.token_stride[li, ci]) != int(a.row_bytes[li, ci]):
+                    raise NotCanonicalizable(
+                        f"staging layout {pool.layout.describe()} interleaves tokens of layer {li}'s component {ci} "
+                        f"with other heads; pool objects need a head's tokens back to back (a head-major layout)")
 
     def check_device(self, device: EngineLayout) -> int:
         """Device blocks per pool block for `device`, or the one-line reason it cannot use this pool."""

@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
 import torch
 
+from kvbridge.core.layout import EngineLayout
 from kvbridge.core.spec import ModelSpec
-from kvbridge.offload.errors import SpecMismatch
+from kvbridge.offload.errors import NotCanonicalizable, SpecMismatch
 from kvbridge.offload.keys import OffloadKey
 from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.spec import CPULoadStoreSpec, GPULoadStoreSpec, split_groups
@@ -63,10 +64,27 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError(f"pool staging_blocks must be in [1, {MAX_STAGING_BLOCKS}], got {self.staging_blocks}")
 
 
-def object_layout(spec: ModelSpec, config: PoolConfig, slots: int = 1) -> ObjectLayout:
-    pool = CPUPool.canonical(spec, config.block_tokens, slots, pin_memory=False)
-    return ObjectLayout(spec, pool, pool_namespace(spec, config.model_id, config.block_tokens,
-                                                   pool.layout.kernel_size))
+StagingLayout = Callable[[int, int], EngineLayout]
+"""(block tokens, slots) -> the layout objects are cut from; every engine of a pool must use the same."""
+
+
+def object_layout(spec: ModelSpec, config: PoolConfig, slots: int = 1,
+                  staging: StagingLayout | None = None) -> ObjectLayout:
+    """Objects of `spec` cut from canonical staging, or from `staging`'s layout when given.
+
+    An integration whose layer classes keep a head's components apart in the canonical layout
+    (vLLM CPU's K, one component per dimension: 34 runs per object) passes its own layout, in
+    which a head's bytes are one run. The layout is part of the namespace: its objects differ."""
+    if staging is None:
+        pool = CPUPool.canonical(spec, config.block_tokens, slots, pin_memory=False)
+    else:
+        pool = CPUPool.allocate(spec, staging(config.block_tokens, slots), "canonical", pin_memory=False)
+        if pool.layout.tp_size != 1 or pool.layout.world_size != 1:
+            raise NotCanonicalizable(f"a pool's staging layout must hold every head once (TP 1, no PP/CP), got "
+                                     f"{pool.layout.describe()}")
+    lay = pool.layout
+    tag = f"{type(lay).__name__}/{lay.kv_order}/{lay.kv_placement}/{lay.layer_placement}/{lay.kernel_size}"
+    return ObjectLayout(spec, pool, pool_namespace(spec, config.model_id, config.block_tokens, tag))
 
 
 def job_chunks(gpu: GPULoadStoreSpec, keys: Sequence[OffloadKey], layout: ObjectLayout, factor: int,
@@ -116,10 +134,11 @@ class PoolTier:
 
     `parallel=False` inside an engine process (see `OffloadWorker`): copies stay in one thread."""
 
-    def __init__(self, cache: RankCache, client: StoreClient, config: PoolConfig, parallel: bool = True):
+    def __init__(self, cache: RankCache, client: StoreClient, config: PoolConfig, parallel: bool = True,
+                 staging: StagingLayout | None = None):
         self.spec, self.device, self.rank = cache.spec, cache.layout, cache.rank
         self.config, self.client = config, client
-        self.layout = object_layout(self.spec, config, config.staging_blocks)
+        self.layout = object_layout(self.spec, config, config.staging_blocks, staging)
         self.staging = self.layout.pool
         self.factor = self.layout.check_device(self.device)
         self.writes = [sorted(s) for s in self.layout.written_by(self.device, self.rank)]
@@ -254,8 +273,9 @@ def _unregister(client: StoreClient, spans: list[tuple[int, int]]) -> None:
 class PoolIndex:
     """The scheduler's view: which blocks are complete in the store (no device, no staging)."""
 
-    def __init__(self, spec: ModelSpec, client: StoreClient, config: PoolConfig):
-        self.layout = object_layout(spec, config)
+    def __init__(self, spec: ModelSpec, client: StoreClient, config: PoolConfig,
+                 staging: StagingLayout | None = None):
+        self.layout = object_layout(spec, config, 1, staging)
         self.client = client
 
     def hits(self, keys: Sequence[OffloadKey]) -> list[bool | None]:

@@ -46,9 +46,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults, SupportsHMA)
 from vllm.logger import init_logger
 
+from kvbridge.core.layout import EngineLayout
 from kvbridge.core.spec import LayerSpec, ModelSpec, normalize_dtype
 from kvbridge.errors import ConfigError, IncompatibleEngines
-from kvbridge.integrations.vllm.layout import vllm_cpu_spec
+from kvbridge.integrations.vllm.layout import vllm_cpu_layout, vllm_cpu_spec
 from kvbridge.integrations.vllm.registration import spec_and_layout
 from kvbridge.offload.keys import chained_block_hashes, group_keys
 from kvbridge.offload.scheduling import load_job, store_job
@@ -67,6 +68,13 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.{__name__}")
 MAX_FINISHED_IDS = 1 << 16
+
+
+def vllm_staging(block_tokens: int, slots: int) -> EngineLayout:
+    """Pool objects of vLLM CPU caches are cut from vLLM CPU's own layout at TP 1: there a head's
+    transposed K and its V are one run (in the canonical layout, each K dimension is a component
+    of its own: 34 runs per object, and Mooncake's per-task cost made loads slower than prefill)."""
+    return vllm_cpu_layout(1, block_tokens, slots)
 
 
 class PoolSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -255,7 +263,7 @@ class _PoolScheduler:
             except PoolUnavailable as e:
                 logger.warning("KVBridgePoolConnector: store unreachable, serving without it: %s", e)
                 return None
-            self._index = PoolIndex(self.conn.spec, self._client, self.conn.config)
+            self._index = PoolIndex(self.conn.spec, self._client, self.conn.config, vllm_staging)
         return self._index
 
     def _keys(self, tokens: list[int]) -> list[bytes]:
@@ -368,7 +376,7 @@ class _PoolWorker:
             self._client = StoreClient(self.conn.settings.store_config(lend=self.conn.settings.segment_mib > 0))
             # Serial copies: numba's parallel (OpenMP) runtime in a vLLM CPU worker changed the
             # thread count its attention kernels check ("thread_num 1 vs. 2") and killed the engine.
-            self._tier = PoolTier(cache, self._client, self.conn.config, parallel=False)
+            self._tier = PoolTier(cache, self._client, self.conn.config, parallel=False, staging=vllm_staging)
             logger.info("KVBridgePoolConnector rank %d: %s; pool at %s, %d-token blocks, writes %d and reads %d "
                         "objects per block", self.rank, self._layout.describe(), self.conn.settings.master,
                         self.conn.config.block_tokens, len(self._tier.writes[0]), len(self._tier.reads[0]))
@@ -419,4 +427,4 @@ class _PoolWorker:
             self._client.close()
 
 
-__all__ = ["KVBridgePoolConnector", "PoolJob", "PoolMetadata", "PoolSettings", "pool_spec"]
+__all__ = ["KVBridgePoolConnector", "PoolJob", "PoolMetadata", "PoolSettings", "pool_spec", "vllm_staging"]
