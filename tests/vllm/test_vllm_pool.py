@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import time
 import urllib.request
@@ -22,16 +21,10 @@ from kvbridge.integrations.vllm.fleet_processes import stop_session
 from kvbridge.pool.master import MooncakeMaster
 from kvbridge.proofs.vllm.cluster import free_ports
 from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
-from kvbridge.testing.serving import prompt_text, request
+from kvbridge.testing.serving import metric_total, prompt_text, request
 
 pytestmark = pytest.mark.vllm
 START_S = 900.0
-
-
-def _metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
 
 def _tokens(url: str, prompt: str) -> list[int]:
@@ -102,17 +95,17 @@ def test_two_instances_of_different_shapes_share_a_prefix(vllm_env, tmp_path):
         reference = request(a.url, shared, 8)
         assert reference.ok, reference.error
         _wait_stored(master, model, _tokens(a.url, prefix), 4)
-        before = _metric(b.url, "vllm:external_prefix_cache_hits_total")
+        before = metric_total(b.url, "vllm:external_prefix_cache_hits_total")
         hit = request(b.url, shared, 8)
         assert hit.ok, hit.error
-        got = _metric(b.url, "vllm:external_prefix_cache_hits_total") - before
+        got = metric_total(b.url, "vllm:external_prefix_cache_hits_total") - before
         assert got >= 256, f"B reported {got} external hit tokens; logs: {b.log_tail(20)}"
         assert hit.token_ids == reference.token_ids
         # A prompt nobody stored: no external hit on B, and B computing it agrees with A.
-        before = _metric(b.url, "vllm:external_prefix_cache_hits_total")
+        before = metric_total(b.url, "vllm:external_prefix_cache_hits_total")
         fresh = prompt_text(2, 200)
         assert request(b.url, fresh, 8).token_ids == request(a.url, fresh, 8).token_ids
-        assert _metric(b.url, "vllm:external_prefix_cache_hits_total") == before
+        assert metric_total(b.url, "vllm:external_prefix_cache_hits_total") == before
         for m in members:
             assert "Traceback" not in m.log_path.read_text(errors="replace"), m.log_tail(40)
     finally:

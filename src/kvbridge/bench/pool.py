@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import statistics
 import subprocess
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvbridge.testing.serving import metric_total
 
 SETUPS = ("prefix cache only", "kvbridge pool", "vLLM CPU offload")
 
@@ -95,14 +95,8 @@ def bench_pool_transfer(tokens: int = 4096, rounds: int = 3, layers: int = 16, h
             "store_vs_copy": med["copy_s"] / med["store_s"], "load_vs_copy": med["copy_s"] / med["load_s"]}
 
 
-def _metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
-
-
 def _hits(url: str) -> dict[str, float]:
-    return {k: _metric(url, f"vllm:{k}_total") for k in ("prefix_cache_queries", "prefix_cache_hits",
+    return {k: metric_total(url, f"vllm:{k}_total") for k in ("prefix_cache_queries", "prefix_cache_hits",
                                                         "external_prefix_cache_queries", "external_prefix_cache_hits")}
 
 

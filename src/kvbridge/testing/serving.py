@@ -10,6 +10,7 @@ sequences can share.
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -101,6 +102,13 @@ class Case:
     def row(self) -> dict[str, Any]:
         return {"case": self.name, "equal": self.equal, "fleet_error": self.fleet.error,
                 "tokens": self.fleet.token_ids, "reference": self.reference.token_ids}
+
+
+def metric_total(url: str, name: str) -> float:
+    """Sum of the samples of Prometheus metric `name` (every label set) that `url`/metrics reports."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
 
 def prompt_text(seed: int, chars: int) -> str:
