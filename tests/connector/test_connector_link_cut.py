@@ -1,5 +1,5 @@
 """A network link cut mid-request (issue 6, item 4), as root: two network namespaces joined by a
-veth pair (`test_connector_two_hosts.namespaces`), the link taken down with `ip link set down`
+veth pair (the `namespaces` fixture, tests/conftest.py), the link taken down with `ip link set down`
 on both ends while requests are in flight, then brought back.
 
 A prefill engine (TP 2) runs in one namespace, a decode engine (TP 1) in the other, each a process
@@ -35,7 +35,6 @@ from pathlib import Path
 
 import pytest
 from connector_harness import disjoint_requests, require
-from test_connector_two_hosts import namespaces  # noqa: F401 - the fixture
 
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.spec import ModelSpec

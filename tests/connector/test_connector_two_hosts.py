@@ -21,7 +21,6 @@ import pytest
 from connector_harness import require
 
 from kvbridge.connector.secrets import generate_secret
-from kvbridge.testing.netns import Unavailable, veth_pair
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -35,15 +34,6 @@ SCRIPT = textwrap.dedent("""
         run = demo.run_prefill_server if role == "prefill" else demo.run_decode_client
         print("RESULT " + json.dumps(run(**args).to_dict()), flush=True)
 """)
-
-
-@pytest.fixture
-def namespaces():
-    try:
-        with veth_pair() as pair:
-            yield pair
-    except Unavailable as e:
-        pytest.skip(str(e))
 
 
 def _start(ns: str, script: Path, role: str, args: dict) -> subprocess.Popen:

@@ -25,8 +25,12 @@ from kvbridge.pool.tier import PoolConfig, PoolIndex, PoolTier
 HERE = Path(__file__).resolve().parent
 
 
+def _writer(master, client, secret=b"s3cret", staging=4):
+    return Engine(2, 4, seed=1).attach(master, config(secret, staging), client)
+
+
 def _pair(master, client, secret=b"s3cret", staging=4):
-    return (Engine(2, 4, seed=1).attach(master, config(secret, staging), client),
+    return (_writer(master, client, secret, staging),
             Engine(1, 8, seed=2, kv_order="HND").attach(master, config(secret, staging), client))
 
 
@@ -90,8 +94,7 @@ def test_a_forged_or_damaged_object_is_refused_and_the_device_untouched(master, 
 
 
 def test_a_reader_with_another_secret_uses_nothing(master, lender):
-    src, other = _pair(master, lender)
-    other.close()
+    src = _writer(master, lender)
     dst = Engine(1, 8, seed=2).attach(master, config(b"not-the-fleet-secret"), lender)
     try:
         keys = block_keys(2, "secret")
@@ -105,8 +108,7 @@ def test_a_reader_with_another_secret_uses_nothing(master, lender):
 
 
 def test_a_block_missing_one_object_is_not_a_hit(master, lender, client):
-    src, other = _pair(master, lender)
-    other.close()
+    src = _writer(master, lender)
     try:
         keys = block_keys(4, "missing")
         assert all(src.store(src.job(0, 4), keys))
@@ -118,8 +120,7 @@ def test_a_block_missing_one_object_is_not_a_hit(master, lender, client):
 
 def test_only_a_rank_that_stored_leaves_its_blocks_incomplete(master, lender, client):
     """Rank 1 of the writer dies before its puts: rank 0's objects are there, the blocks are not hits."""
-    src, other = _pair(master, lender)
-    other.close()
+    src = _writer(master, lender)
     try:
         keys = block_keys(3, "half")
         assert all(src.tiers[0].store(src.job(0, 3), keys).done)

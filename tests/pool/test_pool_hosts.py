@@ -1,4 +1,4 @@
-"""The pool across two 'hosts' (network namespaces joined by a veth pair, `kvbridge.testing.netns`),
+"""The pool across two 'hosts' (network namespaces joined by a veth pair: the `namespaces` fixture),
 through Mooncake's TCP transport: the master and a writer engine in one namespace, a reader of
 another shape in the other. The reader reaches the writer's memory only over the veth link."""
 
@@ -13,10 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from kvbridge.pool.master import MooncakeMaster
-from kvbridge.testing.netns import Unavailable, veth_pair
 
 SIDE = Path(__file__).with_name("netns_side.py")
 
@@ -42,17 +39,8 @@ def _result(proc: subprocess.Popen, timeout: float = 180) -> dict:
     raise AssertionError(f"no result (rc {proc.poll()}): {proc.stderr.read()[-2000:]}")
 
 
-@pytest.fixture
-def hosts():
-    try:
-        with veth_pair() as pair:
-            yield pair
-    except Unavailable as e:
-        pytest.skip(str(e))
-
-
-def test_a_reader_on_another_host_loads_what_a_writer_stored(hosts, tmp_path):
-    (ns_a, addr_a), (ns_b, addr_b) = hosts
+def test_a_reader_on_another_host_loads_what_a_writer_stored(namespaces, tmp_path):
+    (ns_a, addr_a), (ns_b, addr_b) = namespaces
     master = MooncakeMaster.prepare(tmp_path / "master.log", addr_a)
     master.argv = ["ip", "netns", "exec", ns_a, *master.argv]  # the master lives on host a
     with open(master.log_path, "wb") as log:
