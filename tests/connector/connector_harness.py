@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.secrets import generate_secret
+from kvbridge.core.secrets import generate_secret
 from kvbridge.connector.consumer import Consumer, RequestResult
 from kvbridge.connector.producer import Producer
 from kvbridge.connector.transports import allocate_cache, make_transport, unavailable_reason

@@ -17,7 +17,7 @@ from connector_harness import SPEC, disjoint_requests
 
 from kvbridge.connector import processes as rp
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.secrets import generate_secret
+from kvbridge.core.secrets import generate_secret
 from kvbridge.proofs.rank_engines import DecodeEngine, PrefillEngine
 from kvbridge.connector.processes import process_context
 from kvbridge.core.layout import EngineLayout

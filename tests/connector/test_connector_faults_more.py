@@ -25,7 +25,7 @@ from test_connector_faults import CFG, _adds, _receives, _releases, _requests, _
 from kvbridge.connector import messages as m
 from kvbridge.connector import processes as rp
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.secrets import generate_secret
+from kvbridge.core.secrets import generate_secret
 from kvbridge.connector.producer import Producer
 from kvbridge.connector.transports import make_transport
 from kvbridge.core.layout import EngineLayout

@@ -19,7 +19,7 @@ from connector_harness import Cluster, Workload, snapshot
 
 from kvbridge.connector import messages as m
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.secrets import generate_secret
+from kvbridge.core.secrets import generate_secret
 from kvbridge.core.layout import EngineLayout
 
 SECRET = generate_secret()  # per test run, shared by both engines of every cluster here

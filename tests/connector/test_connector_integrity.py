@@ -12,7 +12,7 @@ import pytest
 from connector_harness import Cluster, Workload
 
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.secrets import generate_secret
+from kvbridge.core.secrets import generate_secret
 from kvbridge.core.layout import EngineLayout
 
 SECRET = generate_secret()  # per test run, shared by both engines of every cluster here

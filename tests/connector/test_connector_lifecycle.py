@@ -15,7 +15,7 @@ from connector_harness import SPEC, Cluster, Workload, require, snapshot
 
 from kvbridge.connector import messages as m
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.secrets import generate_secret
+from kvbridge.core.secrets import generate_secret
 from kvbridge.errors import InvalidRequest
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.spec import ModelSpec

@@ -38,7 +38,7 @@ from connector_harness import disjoint_requests, require
 
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.spec import ModelSpec
-from kvbridge.connector.secrets import generate_secret
+from kvbridge.core.secrets import generate_secret
 from kvbridge.testing.netns import ip as _ip
 
 SIDE = Path(__file__).with_name("link_cut_side.py")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from connector_harness import require
 
-from kvbridge.connector.secrets import generate_secret
+from kvbridge.core.secrets import generate_secret
 
 SCRIPT = textwrap.dedent("""
     import json, sys

@@ -28,7 +28,7 @@ import zmq
 
 from kvbridge.connector import messages as m
 from kvbridge.connector.handshake import make_hello
-from kvbridge.connector.secrets import read_secret_file, write_secret_file
+from kvbridge.core.secrets import read_secret_file, write_secret_file
 from kvbridge.connector.side_channel import FrameAuth
 from kvbridge.core.layout import EngineLayout
 from kvbridge.transport.agent import META_VERSION, AgentMeta, RegionInfo, host_id

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.secrets import generate_secret, read_secret_file, resolve_secret, write_secret_file
+from kvbridge.core.secrets import generate_secret, read_secret_file, resolve_secret, write_secret_file
 from kvbridge.errors import ConfigError, InvalidRequest
 from kvbridge.transport.agent import META_VERSION, AgentMeta, RegionInfo, host_id
 from kvbridge.transport.notify import Channel
@@ -194,7 +194,7 @@ def test_secret_file_rules(tmp_path) -> None:
 
 @pytest.mark.parametrize("kind", ["shm", "nixl"])
 def test_connector_trusts_transport_notifications_only_when_they_carry_a_mac(kind) -> None:
-    from kvbridge.connector.secrets import authenticate_transport
+    from kvbridge.core.secrets import authenticate_transport
     from kvbridge.connector.transports import make_transport, unavailable_reason
     why = unavailable_reason(kind)
     if why:

@@ -194,7 +194,7 @@ def check_secret_file(path: Path | None) -> None:
     refused in one line before any work, not after the model is built."""
     if path is None:
         return
-    from kvbridge.connector.secrets import read_secret_file
+    from kvbridge.core.secrets import read_secret_file
     try:
         read_secret_file(path)
     except ConfigError as e:

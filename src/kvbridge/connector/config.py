@@ -12,7 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from kvbridge.connector.messages import MAX_FRAME_BYTES
-from kvbridge.connector.secrets import resolve_secret
+from kvbridge.core.secrets import resolve_secret
 from kvbridge.errors import ConfigError
 
 

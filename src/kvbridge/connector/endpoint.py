@@ -22,7 +22,6 @@ from kvbridge.connector import messages as m
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.handshake import make_hello
 from kvbridge.connector.transports import agent_name, transport_kind
-from kvbridge.connector.secrets import authenticate_transport
 from kvbridge.errors import InvalidRequest, KVBridgeError
 from kvbridge.core.topology import TransferTopology
 from kvbridge.transport.base import Handle, Runs, Transport, XferState
@@ -166,5 +165,15 @@ class RankEndpoint:
                 pending.append(rank)
         return pending
 
+
+
+def authenticate_transport(transport: Any, secret: bytes | None, replay_window: float = 300.0) -> bool:
+    """Extend `secret` to the transport's notification channel; True when the connector may act on
+    the transport's notifications (they are authenticated, or the side channel is not either)."""
+    auth = getattr(transport, "authenticate", None)
+    if auth is None:
+        return secret is None
+    trusted = auth(secret, replay_window)
+    return secret is None or bool(trusted)
 
 __all__ = ["BlockIds", "RankEndpoint"]

@@ -41,7 +41,7 @@ from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.processes import process_context
 from kvbridge.connector.rank_host import random_fill
 from kvbridge.connector.side_channel import parse_address
-from kvbridge.connector.secrets import generate_secret
+from kvbridge.core.secrets import generate_secret
 from kvbridge.errors import ConfigError, InvalidRequest
 from kvbridge.core.layout import EngineLayout
 from kvbridge.transport.cache import RankCache

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 from kvbridge.connector import messages as m
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.secrets import generate_secret
+from kvbridge.core.secrets import generate_secret
 from kvbridge.connector.consumer import Consumer
 from kvbridge.connector.producer import Producer
 from kvbridge.connector.transports import allocate_cache, make_transport

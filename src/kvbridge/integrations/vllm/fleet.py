@@ -136,7 +136,7 @@ class Fleet:
     def start(self) -> None:
         """Start every instance (together: their imports overlap), then the router."""
         self._started = time.time()
-        from kvbridge.connector.secrets import write_secret_file
+        from kvbridge.core.secrets import write_secret_file
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.secret_file.exists():
             self.secret_file.unlink()

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvbridge.connector.secrets import write_secret_file
+from kvbridge.core.secrets import write_secret_file
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.integrations.vllm.fleet_processes import free_ports, vllm_python  # noqa: F401 - re-exported
 

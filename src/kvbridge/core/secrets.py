@@ -1,11 +1,11 @@
-"""The side channel's shared secret: generating it, reading it from a file, checking it.
+"""A fleet's shared secrets (the side channel's, the pool's seals and key names): made, read, checked.
 
-Why a module: the secret decides whether a network peer can make a prefill rank act at all, so
-the rules live in one place: a secret is at least `MIN_SECRET_BYTES` bytes; a secret file is
-read once, must be a regular file we own (no symlink) that neither group nor others may read,
-and its whole content (one trailing newline stripped) is the secret; `generate_secret` is what
-loopback demos and tests hand to the other half. `authenticate_transport` extends the secret to
-the transport agent's own notification channel, so a forged completion cannot release blocks.
+Why one module: a secret decides whether a network peer can make a rank act at all, or read and
+poison a shared pool, so the rules live in one place for every user: a secret is at least
+`MIN_SECRET_BYTES` bytes; a secret file is read once, must be a regular file we own (no
+symlink) that neither group nor others may read, and its whole content (one trailing newline
+stripped) is the secret; `generate_secret` is what loopback demos and tests hand to the other
+half. A secret never travels on a command line (`ps` shows it): only its file's path does.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ def generate_secret() -> bytes:
     return _random.token_hex(32).encode()
 
 
-def check_secret(secret: Any) -> bytes:
-    """`secret` as bytes, or `ConfigError` naming what is wrong with it."""
+def check_secret(secret: Any, what: str = "the side-channel secret") -> bytes:
+    """`secret` as bytes, or `ConfigError` naming what is wrong with it (`what`: which secret, for the message)."""
     if isinstance(secret, str):
         secret = secret.encode()
     if not isinstance(secret, (bytes, bytearray)):
-        raise ConfigError(f"the side-channel secret must be bytes, got {type(secret).__name__}")
+        raise ConfigError(f"{what} must be bytes, got {type(secret).__name__}")
     if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
-        raise ConfigError(f"the side-channel secret must be at least {MIN_SECRET_BYTES} bytes (and at most "
+        raise ConfigError(f"{what} must be at least {MIN_SECRET_BYTES} bytes (and at most "
                           f"{MAX_SECRET_BYTES}), got {len(secret)}")
     return bytes(secret)
 
@@ -65,10 +65,7 @@ def read_secret_file(path: str | os.PathLike) -> bytes:
         data = data[:-1]
     if data.endswith(b"\r"):
         data = data[:-1]
-    try:
-        return check_secret(data)
-    except ConfigError as e:
-        raise ConfigError(f"secret file {name}: {e}") from None
+    return check_secret(data, f"secret file {name}")
 
 
 def write_secret_file(path: str | os.PathLike, secret: bytes | None = None) -> bytes:
@@ -101,15 +98,5 @@ def resolve_secret(secret: Any = None, secret_file: str | os.PathLike | None = N
                       "engines), or insecure=True to run unauthenticated on a trusted network")
 
 
-def authenticate_transport(transport: Any, secret: bytes | None, replay_window: float = 300.0) -> bool:
-    """Extend `secret` to the transport's notification channel; True when the connector may act on
-    the transport's notifications (they are authenticated, or the side channel is not either)."""
-    auth = getattr(transport, "authenticate", None)
-    if auth is None:
-        return secret is None
-    trusted = auth(secret, replay_window)
-    return secret is None or bool(trusted)
-
-
-__all__ = ["MAX_SECRET_BYTES", "MIN_SECRET_BYTES", "authenticate_transport", "check_secret", "generate_secret",
+__all__ = ["MAX_SECRET_BYTES", "MIN_SECRET_BYTES", "check_secret", "generate_secret",
            "read_secret_file", "resolve_secret", "write_secret_file"]
