@@ -11,11 +11,14 @@ os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's per-call INFO lines
 
 from kvbridge.pool.master import MooncakeMaster  # noqa: E402
 from kvbridge.pool.store import StoreClient, StoreConfig  # noqa: E402
+from pool_harness import CLIENT_TTL_S  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
-    m = MooncakeMaster.start(tmp_path_factory.mktemp("pool") / "master.log")
+    # A client that dies (the killed-writer test) keeps its segment mounted, and puts into it
+    # fail, until the master's client TTL (10 s by default) passes: 2 s here.
+    m = MooncakeMaster.start(tmp_path_factory.mktemp("pool") / "master.log", extra=(f"-client_ttl={CLIENT_TTL_S}",))
     yield m
     m.stop()
 

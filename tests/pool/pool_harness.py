@@ -21,9 +21,11 @@ from kvbridge.transport.cache import RankCache
 
 SPEC = ModelSpec.uniform(2, 4, 8, "bfloat16", name="pool-test")
 POOL_BLOCK = 8
+CLIENT_TTL_S = 2
+"""The test master's client TTL: a dead client's segment stays mounted (puts into it fail) this long."""
 
 
-def config(secret: bytes = b"s3cret", staging: int = 4, model_id: str = "pool-test") -> PoolConfig:
+def config(secret: bytes = b"fleet-secret-0123456789", staging: int = 4, model_id: str = "pool-test") -> PoolConfig:
     return PoolConfig(model_id=model_id, block_tokens=POOL_BLOCK, staging_blocks=staging, secret=secret)
 
 

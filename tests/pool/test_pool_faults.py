@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pool_harness import SPEC, Engine, block_keys, blocks_are, config, expected_load, same
+from pool_harness import CLIENT_TTL_S, SPEC, Engine, block_keys, blocks_are, config, expected_load, same
 
 from kvbridge.core.spec import ModelSpec
 from kvbridge.pool.master import MooncakeMaster
@@ -25,11 +25,11 @@ from kvbridge.pool.tier import PoolConfig, PoolIndex, PoolTier
 HERE = Path(__file__).resolve().parent
 
 
-def _writer(master, client, secret=b"s3cret", staging=4):
+def _writer(master, client, secret=b"fleet-secret-0123456789", staging=4):
     return Engine(2, 4, seed=1).attach(master, config(secret, staging), client)
 
 
-def _pair(master, client, secret=b"s3cret", staging=4):
+def _pair(master, client, secret=b"fleet-secret-0123456789", staging=4):
     return (_writer(master, client, secret, staging),
             Engine(1, 8, seed=2, kv_order="HND").attach(master, config(secret, staging), client))
 
@@ -86,8 +86,15 @@ def test_a_forged_or_damaged_object_is_refused_and_the_device_untouched(master, 
         done = dst.load(keys, dst.job(0, 3))
         assert done == [False] * 3  # one chunk: nothing of it reaches the device
         assert same(dst.caches, before)
-        refused = sum(t.stats["seal_failures"] + t.stats["missing"] for t in dst.tiers)
-        assert refused == 1
+        refused = sum(t.stats["seal_failures"] + t.stats["missing"] + t.stats["removed"] for t in dst.tiers)
+        assert refused == (1 if attack in ("truncated", "no seal") else 2)  # a bad seal is also removed
+        assert sum(t.stats["removed"] for t in dst.tiers) == 1 and client.exists([target]) == [False]
+        # Garbage costs one recompute: the next writer stores the block again, the next load takes it.
+        assert PoolIndex(SPEC, client, config()).hits(keys) == [True, False, True]
+        assert all(src.store(src.job(0, 3), keys))
+        expected = expected_load(src, src.job(0, 3), dst.caches, dst.layout, dst.job(0, 3))
+        assert all(dst.load(keys, dst.job(0, 3)))
+        assert same(dst.caches, expected)
     finally:
         src.close()
         dst.close()
@@ -174,6 +181,7 @@ def test_a_writer_killed_mid_store_never_serves_a_partial_or_broken_block(master
             assert blocks_are(dst.caches, expected if ok else before, [k]), (k, ok)
     finally:
         dst.close()
+    time.sleep(2 * CLIENT_TTL_S)  # the dead writer's segment unmounted, so later puts do not land in it
 
 
 def test_two_engines_storing_one_prefix_at_once_leave_whole_valid_objects(master, lender, client):
@@ -290,7 +298,7 @@ def test_vllm_cpu_caches_round_trip_through_the_pool(master, lender, store, load
     want = clone_caches(dst)
     expected_destination(want, Request((a_ids,), (b_ids,), 256), la)
     cfg = PoolConfig(model_id=f"vllm-cpu-{store}-{load}-{vllm_staging}", block_tokens=64, staging_blocks=8,
-                     secret=b"k")
+                     secret=b"vllm-cpu-secret-0123456789")
     keys = block_keys(4, f"vllm-cpu-{store}-{load}-{vllm_staging}")
     staging = (lambda bt, n: vllm_cpu_layout(1, bt, n)) if vllm_staging else None
     writers = [PoolTier(c, lender, cfg, staging=staging) for c in src]

@@ -45,7 +45,7 @@ def cases(draw):
     device = EngineLayout(tp_size=draw(st.sampled_from(tps)), pp_size=pp, block_size=block, num_blocks=32,
                           kv_order=draw(st.sampled_from(["NHD", "HND"])),
                           kv_placement=draw(st.sampled_from(["kv_first", "blocks_first"])))
-    return spec, device, PoolConfig(model_id="m", block_tokens=pool_block, staging_blocks=2)
+    return spec, device, PoolConfig(model_id="m", block_tokens=pool_block, staging_blocks=2, insecure=True)
 
 
 def _covered(runs, regions: bool) -> set[tuple[int, int]]:
@@ -127,16 +127,16 @@ def test_a_seal_catches_payload_length_and_key_changes():
 
 def test_engines_that_must_not_share_get_different_namespaces():
     spec = ModelSpec.uniform(2, 4, 8, "bfloat16")
-    base = object_layout(spec, PoolConfig(model_id="m", block_tokens=8)).namespace
-    assert object_layout(spec, PoolConfig(model_id="other", block_tokens=8)).namespace != base
-    assert object_layout(spec, PoolConfig(model_id="m", block_tokens=16)).namespace != base
-    assert object_layout(ModelSpec.uniform(2, 4, 8, "float16"), PoolConfig(model_id="m", block_tokens=8)).namespace != base
-    assert object_layout(spec, PoolConfig(model_id="m", block_tokens=8, secret=b"x")).namespace == base
+    base = object_layout(spec, PoolConfig(model_id="m", block_tokens=8, insecure=True)).namespace
+    assert object_layout(spec, PoolConfig(model_id="other", block_tokens=8, insecure=True)).namespace != base
+    assert object_layout(spec, PoolConfig(model_id="m", block_tokens=16, insecure=True)).namespace != base
+    assert object_layout(ModelSpec.uniform(2, 4, 8, "float16"), PoolConfig(model_id="m", block_tokens=8, insecure=True)).namespace != base
+    assert object_layout(spec, PoolConfig(model_id="m", block_tokens=8, secret=b"another-fleet-secret")).namespace == base
 
 
 def test_shapes_the_pool_cannot_serve_are_refused_in_one_line():
     spec = ModelSpec.uniform(2, 4, 8, "bfloat16")
-    layout = object_layout(spec, PoolConfig(model_id="m", block_tokens=8))
+    layout = object_layout(spec, PoolConfig(model_id="m", block_tokens=8, insecure=True))
     for device, why in ((EngineLayout(tp_size=1, block_size=16, num_blocks=4), "does not divide"),
                         (EngineLayout(tp_size=2, dcp_size=2, block_size=8, num_blocks=4), "context-parallel")):
         with pytest.raises(NotCanonicalizable, match=why) as e:
@@ -145,7 +145,7 @@ def test_shapes_the_pool_cannot_serve_are_refused_in_one_line():
     for bad, why in ((dict(model_id=""), "model id"), (dict(model_id="m", block_tokens=0), "block_tokens"),
                      (dict(model_id="m", block_tokens=8, staging_blocks=0), "staging_blocks")):
         with pytest.raises((ConfigError, NotCanonicalizable), match=why):
-            object_layout(spec, PoolConfig(**{"block_tokens": 8, **bad}))
+            object_layout(spec, PoolConfig(**{"block_tokens": 8, "insecure": True, **bad}))
     for bad, why in ((dict(segment_bytes=1 << 20), "16 MiB"), (dict(protocol="udp"), "protocol"),
                      (dict(master="nohost"), "host:port")):
         with pytest.raises(ConfigError, match=why):

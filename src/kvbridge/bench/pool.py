@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kvbridge.core.secrets import generate_secret
 from kvbridge.testing.serving import metric_total
 
 SETUPS = ("prefix cache only", "kvbridge pool", "vLLM CPU offload")
@@ -63,7 +64,7 @@ def bench_pool_transfer(tokens: int = 4096, rounds: int = 3, layers: int = 16, h
     client = StoreClient(StoreConfig(master.address, master.metadata_url, segment_bytes=max(64 << 20, 2 * payload)))
     out: dict[str, list[float]] = {"store_s": [], "load_s": [], "copy_s": []}
     try:
-        cfg = PoolConfig(model_id="bench", block_tokens=block_tokens, staging_blocks=min(n, 32), secret=b"bench")
+        cfg = PoolConfig(model_id="bench", block_tokens=block_tokens, staging_blocks=min(n, 32), secret=generate_secret())
         writers, readers = [PoolTier(c, client, cfg) for c in src], [PoolTier(c, client, cfg) for c in dst]
         a, b = torch.empty(payload, dtype=torch.uint8), torch.empty(payload, dtype=torch.uint8)
         a.random_(0, 255)

@@ -1,8 +1,9 @@
 """A `mooncake_master` process: the Mooncake Store that a fleet's pool lives in, started and stopped here.
 
 The master keeps the object directory and leases; the memory itself is what clients mount
-(`StoreConfig.segment_bytes`). It serves the transfer engines' metadata over its own HTTP
-server, so one process is the whole store on a host. Tests, `kvbridge serve --pool` and the
+(`StoreConfig.segment_bytes`). Clients find each other by Mooncake's P2P handshake, so the
+master runs no metadata server, and it binds its RPC and metrics ports on `host` only (the
+fleet's interface; Mooncake's defaults are every interface). Tests, `kvbridge serve --pool` and the
 benchmark start one with `MooncakeMaster.start()`; a fleet that runs its own names it by address.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbridge.errors import ConfigError
+from kvbridge.pool.store import P2P_METADATA
 from kvbridge.transport.ports import free_ports
 
 
@@ -47,7 +49,7 @@ class MooncakeMaster:
 
     host: str
     rpc_port: int
-    http_port: int
+    metrics_port: int
     log_path: Path
     argv: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
@@ -58,7 +60,12 @@ class MooncakeMaster:
 
     @property
     def metadata_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}/metadata"
+        return P2P_METADATA
+
+    @property
+    def ports(self) -> tuple[int, int]:
+        """Every port the master binds (RPC, metrics)."""
+        return self.rpc_port, self.metrics_port
 
     @classmethod
     def prepare(cls, log_path: str | os.PathLike, host: str = "127.0.0.1", lease_ms: int = 5000,
@@ -69,11 +76,10 @@ class MooncakeMaster:
         `lease_ms` is how long a read pins an object against eviction and removal (Mooncake's
         `default_kv_lease_ttl`); `eviction_ratio` the share of objects dropped when memory fills.
         """
-        base = free_ports(3)
+        base = free_ports(2)
         m = cls(host, base, base + 1, Path(log_path))
         m.argv = [master_binary(), f"-rpc_address={host}", f"-rpc_port={m.rpc_port}", "-rpc_thread_num=2",
-                  "-enable_http_metadata_server=true", f"-http_metadata_server_host={host}",
-                  f"-http_metadata_server_port={m.http_port}", f"-metrics_port={base + 2}",
+                  "-enable_http_metadata_server=false", f"-metrics_host={host}", f"-metrics_port={m.metrics_port}",
                   f"-default_kv_lease_ttl={int(lease_ms)}", f"-eviction_ratio={eviction_ratio}", *extra]
         return m
 
@@ -97,7 +103,7 @@ class MooncakeMaster:
         while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise ConfigError(f"mooncake_master exited (rc {self.proc.returncode}) at start; see {self.log_path}")
-            if _accepts(self.host, self.rpc_port) and _accepts(self.host, self.http_port):
+            if _accepts(self.host, self.rpc_port):
                 return
             time.sleep(0.1)
         self.stop()

@@ -10,9 +10,13 @@ fills a canonical copy (`source_slices`, so replicated heads are written once), 
 objects of the heads and layers it holds. No rank gathers another's bytes; no rank reads an
 object it does not need.
 
-Keys are `kvb1/<namespace>/<block hash hex>/<group>/<layer>/<head>`; the namespace digests the
-model id the fleet agreed on, the spec fingerprint (geometry and KV dtype), the layer classes and
-the canonical block shape, so engines that could misread each other's bytes never share a key.
+Keys are `kvb2/<block name>/<layer>/<head>`. The block name is a MAC, under the fleet's secret,
+of the namespace, the block's chained hash and its group: fleets with different secrets never
+share (or collide on) a name, and nobody without the secret can predict one, so nobody can
+squat a prefix before it is stored. The namespace digests the format version, the model id the
+fleet agreed on (weights and revision), the spec fingerprint (geometry and KV dtype), the layer
+classes and the canonical block shape, so engines that could misread each other's bytes never
+share a key. Without a secret (`insecure`) names are plain digests: anyone can compute them.
 """
 
 from __future__ import annotations
@@ -29,8 +33,11 @@ from kvbridge.core.spec import ModelSpec
 from kvbridge.offload.errors import NotCanonicalizable
 from kvbridge.offload.keys import OffloadKey, split_offload_key
 from kvbridge.offload.pool import CPUPool
+from kvbridge.pool.seal import mac_key
 
-KEY_PREFIX = "kvb1"
+KEY_PREFIX = "kvb2"
+FORMAT_VERSION = 2
+"""Bumped whenever the bytes of an object or the key derivation change: older objects become misses."""
 MAX_MODEL_ID = 256
 
 
@@ -39,6 +46,14 @@ class ObjectId(NamedTuple):
 
     layer: int
     head: int
+
+
+def block_name(secret: bytes, namespace: str, block_key: OffloadKey) -> str:
+    """The store name of one offloaded block (its objects add layer and head): see the module."""
+    h = hashlib.blake2b(digest_size=20, key=mac_key(secret) if secret else b"", person=b"kvbridge-name")
+    h.update(namespace.encode())
+    h.update(bytes(block_key))
+    return h.hexdigest()
 
 
 def pool_namespace(spec: ModelSpec, model_id: str, block_tokens: int, layout_tag: str | int) -> str:
@@ -53,7 +68,8 @@ def pool_namespace(spec: ModelSpec, model_id: str, block_tokens: int, layout_tag
     # The layer classes too: a subclass may address components differently (vLLM CPU's K rows)
     # under the same geometry fingerprint, and its canonical bytes then differ.
     classes = ",".join(sorted({type(layer).__name__ for layer in spec.layers}))
-    payload = "\0".join((model_id, spec.fingerprint(), classes, str(block_tokens), str(layout_tag)))
+    payload = "\0".join((f"format {FORMAT_VERSION}", model_id, spec.fingerprint(), classes, str(block_tokens),
+                         str(layout_tag)))
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
@@ -67,10 +83,10 @@ class ObjectLayout:
     the pool's block, another geometry).
     """
 
-    def __init__(self, spec: ModelSpec, pool: CPUPool, namespace: str):
+    def __init__(self, spec: ModelSpec, pool: CPUPool, namespace: str, secret: bytes = b""):
         if pool.format != "canonical":
             raise NotCanonicalizable(f"a shared pool stages blocks in the canonical format, got a {pool.format} pool")
-        self.spec, self.pool, self.namespace = spec, pool, namespace
+        self.spec, self.pool, self.namespace, self._secret = spec, pool, namespace, secret
         self.addr = pool.caches[0].addr
         self.kernel_per_block = pool.layout.kernel_blocks_per_block
         self.group_objects: list[list[ObjectId]] = []
@@ -102,13 +118,13 @@ class ObjectLayout:
 
     # -- keys -----------------------------------------------------------------------------------------
     def key(self, block_key: OffloadKey, obj: ObjectId) -> str:
-        block_hash, group = split_offload_key(block_key)
-        return f"{KEY_PREFIX}/{self.namespace}/{block_hash.hex()}/{group}/{obj.layer}/{obj.head}"
+        return f"{KEY_PREFIX}/{block_name(self._secret, self.namespace, block_key)}/{obj.layer}/{obj.head}"
 
     def keys(self, block_key: OffloadKey, objs: Sequence[ObjectId] | None = None) -> list[str]:
         """Keys of `objs` (default: every object) of one offloaded block."""
         _, group = split_offload_key(block_key)
-        return [self.key(block_key, o) for o in (self.group_objects[group] if objs is None else objs)]
+        name = block_name(self._secret, self.namespace, block_key)
+        return [f"{KEY_PREFIX}/{name}/{o.layer}/{o.head}" for o in (self.group_objects[group] if objs is None else objs)]
 
     def group_of(self, block_key: OffloadKey) -> int:
         _, group = split_offload_key(block_key)
@@ -162,4 +178,4 @@ def object_sizes(layout: ObjectLayout, group: int) -> np.ndarray:
     return np.array([layout.nbytes(o) for o in layout.group_objects[group]], dtype=np.int64)
 
 
-__all__ = ["KEY_PREFIX", "ObjectId", "ObjectLayout", "object_sizes", "pool_namespace"]
+__all__ = ["FORMAT_VERSION", "KEY_PREFIX", "ObjectId", "ObjectLayout", "block_name", "object_sizes", "pool_namespace"]

@@ -4,15 +4,19 @@ Anyone who reaches the store can put, overwrite or truncate objects, and a store
 node or a client that died mid-put can hand back bytes that were never whole. So an object is
 its payload followed by a seal: magic, payload length, and a BLAKE2b-128 MAC over the object's
 key, that length and the payload. With the fleet's secret the MAC is keyed (a peer without it
-cannot forge or move an object to another key); without one it is a checksum (corruption and
-misplaced objects are still caught). A load uses an object only if its seal checks.
+cannot forge or move an object to another key); without one (`insecure`) it is a checksum
+(corruption and misplaced objects are still caught). A load uses an object only if its seal
+checks; MACs are compared in constant time. The same secret, under another personalisation,
+names the objects (`mac_key`, `objects.block_name`), so names say nothing without it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import struct
+from functools import lru_cache
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,8 +28,14 @@ _PERSON = b"kvbridge-pool1"
 _HEAD = struct.Struct("<4sQ")  # magic, payload length; then the 16-byte MAC and 4 reserved zero bytes
 
 
+@lru_cache(maxsize=8)
+def mac_key(secret: bytes) -> bytes:
+    """BLAKE2b's key (at most 64 bytes) for a secret of any length: longer ones are digested, not cut."""
+    return secret if len(secret) <= 64 else hashlib.blake2b(secret, person=b"kvbridge-key").digest()
+
+
 def _mac(secret: bytes, key: str, length: int, pieces: Sequence[torch.Tensor]) -> bytes:
-    h = hashlib.blake2b(digest_size=16, key=secret[:64], person=_PERSON)
+    h = hashlib.blake2b(digest_size=16, key=mac_key(secret), person=_PERSON)
     h.update(key.encode())
     h.update(length.to_bytes(8, "little"))
     for p in pieces:
@@ -49,7 +59,7 @@ def check_seal(secret: bytes, key: str, pieces: Sequence[torch.Tensor], trailer:
     want = sum(int(p.numel()) for p in pieces)
     if length != want:
         return f"sealed payload of {length} bytes, expected {want}"
-    if _mac(secret, key, length, pieces) != trailer[_HEAD.size:_HEAD.size + 16]:
+    if not hmac.compare_digest(_mac(secret, key, length, pieces), trailer[_HEAD.size:_HEAD.size + 16]):
         return "MAC differs (corrupt, forged or stored under another key)"
     return ""
 
@@ -83,4 +93,4 @@ def check_many(secret: bytes, objects: list[tuple[str, Sequence[torch.Tensor], b
     return _batched(lambda key, pieces, trailer: check_seal(secret, key, pieces, trailer), objects)
 
 
-__all__ = ["MAGIC", "SEAL_BYTES", "check_many", "check_seal", "seal", "seal_many"]
+__all__ = ["MAGIC", "SEAL_BYTES", "check_many", "check_seal", "mac_key", "seal", "seal_many"]

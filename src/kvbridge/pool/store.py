@@ -36,15 +36,21 @@ class PoolUnavailable(KVBridgeError, RuntimeError):
     """The store cannot be reached or refused this client (one line: address and Mooncake's code)."""
 
 
+P2P_METADATA = "P2PHANDSHAKE"
+"""Mooncake's metadata by direct handshake between clients: the master needs no metadata server
+(Mooncake's own HTTP one binds every interface whatever it is told, so kvbridge does not start it)."""
+
+
 class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where the store is and what this client brings to it.
 
+    `metadata_url` is `P2PHANDSHAKE` (default) or the http URL of a metadata server.
     `segment_bytes` is host memory this client lends to the pool (0: it only reads and writes
     others' memory); `local_buffer_bytes` is Mooncake's own staging for non-registered copies.
     """
 
     master: str
-    metadata_url: str
+    metadata_url: str = P2P_METADATA
     local_hostname: str = "127.0.0.1"
     protocol: str = "tcp"
     rdma_devices: str = ""
@@ -61,8 +67,10 @@ class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if 0 < self.segment_bytes < MIN_SEGMENT_BYTES:
             raise ConfigError(f"pool segment_bytes must be 0 (lend no memory) or at least 16 MiB (Mooncake refuses "
                               f"smaller segments), got {self.segment_bytes}")
-        if ":" not in self.master or not self.metadata_url.startswith(("http://", "https://")):
-            raise ConfigError(f"pool master must be host:port and metadata_url an http URL, got "
+        host, _, port = self.master.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536 or not (
+                self.metadata_url == P2P_METADATA or self.metadata_url.startswith(("http://", "https://"))):
+            raise ConfigError(f"pool master must be host:port and metadata_url {P2P_METADATA} or an http URL, got "
                               f"{self.master[:80]!r} and {self.metadata_url[:80]!r}")
 
 
@@ -75,6 +83,8 @@ class StoreClient:
         except ImportError as e:
             raise ConfigError(f"the pool needs the Mooncake wheel (`pip install 'kvbridge[mooncake]'`): {e}") from None
         self.config = config
+        if not reachable(config.master):  # Mooncake would retry for 90 s before saying so
+            raise PoolUnavailable(f"Mooncake Store master {config.master} does not accept connections")
         self._store = MooncakeDistributedStore()
         rc = self._store.setup({"local_hostname": config.local_hostname, "metadata_server": config.metadata_url,
                                 "global_segment_size": config.segment_bytes,
@@ -148,8 +158,23 @@ class StoreClient:
             out += [True if c == 1 else False if c == 0 else None for c in codes]
         return out
 
+    def sizes(self, keys: Sequence[str]) -> list[int | None]:
+        """Per key its object's size in bytes, or None when it is missing or the store did not answer."""
+        out: list[int | None] = []
+        for k in keys:
+            try:
+                n = int(self._store.get_size(k))
+            except RuntimeError:
+                n = -1
+            out.append(n if n >= 0 else None)
+        return out
+
     def remove(self, keys: Sequence[str]) -> list[int]:
-        return [int(c) for c in self._store.batch_remove(list(keys), True)] if keys else []
+        """Remove each object even if a reader holds its lease (0: removed); -900 when unreachable."""
+        try:
+            return [int(c) for c in self._store.batch_remove(list(keys), True)] if keys else []
+        except RuntimeError:
+            return [-900] * len(keys)
 
     def healthy(self) -> bool:
         return not self.closed and self._store.health_check() == 0
@@ -158,6 +183,19 @@ class StoreClient:
         if not self.closed:
             self.closed = True
             self._store.close()
+
+
+def reachable(address: str, timeout: float = 1.0) -> bool:
+    """Whether `host:port` accepts a TCP connection within `timeout` (a master that is down
+    refuses at once; one that is stopped still accepts: its calls then need a deadline)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def close_all(clients: Sequence[StoreClient]) -> None:
@@ -171,4 +209,5 @@ def close_all(clients: Sequence[StoreClient]) -> None:
         t.join()
 
 
-__all__ = ["MAX_BATCH", "close_all", "Pieces", "PoolUnavailable", "StoreClient", "StoreConfig"]
+__all__ = ["MAX_BATCH", "P2P_METADATA", "close_all", "Pieces", "PoolUnavailable", "StoreClient", "StoreConfig",
+           "reachable"]

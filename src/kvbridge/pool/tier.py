@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import msgspec
@@ -47,21 +48,40 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What every engine sharing one pool must agree on, and this engine's staging size.
 
     `block_tokens` is the pool's block (the key granularity): every engine's block size must
-    divide it. `model_id` names the weights (see `pool_namespace`). `secret` keys the seals.
+    divide it. `model_id` names the weights (see `pool_namespace`). `secret` keys the seals and
+    the object names (`kvbridge.core.secrets` rules: at least 16 bytes); no secret is refused
+    unless `insecure` says so by name (then seals are checksums and names are predictable).
     """
 
     model_id: str
     block_tokens: int
     staging_blocks: int = 32
     secret: bytes = b""
+    insecure: bool = False
 
     def __post_init__(self) -> None:
+        from kvbridge.core.secrets import check_secret
         from kvbridge.errors import ConfigError
 
+        if self.secret:
+            check_secret(self.secret, "the pool's secret")
+            if self.insecure:
+                raise ConfigError("the pool got a secret and insecure: true; drop one")
+        elif not self.insecure:
+            raise ConfigError("the pool needs a secret (at least 16 bytes, the same on every engine) to seal and name "
+                              "its objects, or insecure: true to run with checksums and predictable names")
         if not 1 <= self.block_tokens <= 1 << 20:
             raise ConfigError(f"pool block_tokens must be in [1, 2^20], got {self.block_tokens}")
         if not 1 <= self.staging_blocks <= MAX_STAGING_BLOCKS:
             raise ConfigError(f"pool staging_blocks must be in [1, {MAX_STAGING_BLOCKS}], got {self.staging_blocks}")
+
+
+DeviceAccess = Callable[[], AbstractContextManager[bool]]
+"""A gate around every touch of device memory: yields False when the caller stopped waiting."""
+
+
+def _always() -> AbstractContextManager[bool]:
+    return nullcontext(True)
 
 
 StagingLayout = Callable[[int, int], EngineLayout]
@@ -84,7 +104,7 @@ def object_layout(spec: ModelSpec, config: PoolConfig, slots: int = 1,
                                      f"{pool.layout.describe()}")
     lay = pool.layout
     tag = f"{type(lay).__name__}/{lay.kv_order}/{lay.kv_placement}/{lay.layer_placement}/{lay.kernel_size}"
-    return ObjectLayout(spec, pool, pool_namespace(spec, config.model_id, config.block_tokens, tag))
+    return ObjectLayout(spec, pool, pool_namespace(spec, config.model_id, config.block_tokens, tag), config.secret)
 
 
 def job_chunks(gpu: GPULoadStoreSpec, keys: Sequence[OffloadKey], layout: ObjectLayout, factor: int,
@@ -154,7 +174,7 @@ class PoolTier:
         # overlaps a stale registration, and freed staging is soon reused.
         self._unregister = weakref.finalize(self, _unregister, client, spans)
         self.stats = {"objects_put": 0, "objects_got": 0, "bytes_put": 0, "bytes_got": 0, "seal_failures": 0,
-                      "missing": 0, "put_failures": 0}
+                      "missing": 0, "put_failures": 0, "removed": 0}
 
     # -- bytes of objects in staging ----------------------------------------------------------------------
     def _views(self, slot: int, obj: ObjectId) -> list[torch.Tensor]:
@@ -176,21 +196,36 @@ class PoolTier:
         return all(r.success for r in self.worker.get_finished() if r.job_id == job_id)
 
     # -- store ---------------------------------------------------------------------------------------------
-    def store(self, gpu: GPULoadStoreSpec, keys: Sequence[OffloadKey]) -> TierResult:
-        """Put the objects this rank writes of every block of the job; `done[i]`: all of key i's are in."""
+    def store(self, gpu: GPULoadStoreSpec, keys: Sequence[OffloadKey], device_access: DeviceAccess = _always,
+              skip_present: bool = False) -> TierResult:
+        """Put the objects this rank writes of every block of the job; `done[i]`: all of key i's are in.
+
+        `device_access` gates each read of the device (see `pool.background`); `skip_present`
+        first asks the store which of this rank's objects exist and puts only the others (an
+        object is never overwritten: a bad one is removed by the load that finds it)."""
         t0 = time.perf_counter()
         result = TierResult([])
         for chunk, chunk_keys in job_chunks(gpu, keys, self.layout, self.factor, self.config.staging_blocks):
+            wanted = [[obj for obj in self.writes[self.layout.group_of(key)]] for key in chunk_keys]
+            if skip_present:
+                flat = [self.layout.key(key, o) for key, objs in zip(chunk_keys, wanted) for o in objs]
+                there = iter(self.client.exists(flat))
+                wanted = [[o for o in objs if next(there) is not True] for objs in wanted]
+                if not any(wanted):
+                    result.done += [True] * len(chunk_keys)
+                    continue
             if any(f % self.factor for f in chunk.block_indices):  # a skipped head: no stale bytes in objects
                 for r in self._regions:
                     r.zero_()
-            if not self._run_worker((chunk, CPULoadStoreSpec(range(len(chunk_keys))))):
+            with device_access() as allowed:
+                copied = allowed and self._run_worker((chunk, CPULoadStoreSpec(range(len(chunk_keys)))))
+            if not copied:
                 result.done += [False] * len(chunk_keys)
-                result.reasons.append("device -> staging copy failed")
+                result.reasons.append("device -> staging copy failed" if allowed else "abandoned (deadline)")
                 continue
             names, runs, owner, views_of = [], [], [], []
             for slot, key in enumerate(chunk_keys):
-                for obj in self.writes[self.layout.group_of(key)]:
+                for obj in wanted[slot]:
                     views = self._views(slot, obj)
                     runs.append(self._runs(views, len(names)))
                     names.append(self.layout.key(key, obj))
@@ -216,8 +251,14 @@ class PoolTier:
         return result
 
     # -- load ----------------------------------------------------------------------------------------------
-    def load(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> TierResult:
-        """Fetch, check and copy into the device; `done[i]`: key i's bytes are on the device."""
+    def load(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec, device_access: DeviceAccess = _always
+             ) -> TierResult:
+        """Fetch, check and copy into the device; `done[i]`: key i's bytes are on the device.
+
+        An object that exists but is not what its name promises (another size, a seal that does
+        not check) is removed, so that the next writer stores it again: garbage put by anyone
+        costs one recompute, never a blocked prefix. `device_access` gates the copy into the
+        device (see `pool.background`)."""
         t0 = time.perf_counter()
         result = TierResult([])
         for chunk, chunk_keys in job_chunks(gpu, keys, self.layout, self.factor, self.config.staging_blocks):
@@ -231,25 +272,39 @@ class PoolTier:
                     want.append(sum(v.numel() for v in views) + SEAL_BYTES)
             codes = self.client.get(names, runs) if names else []
             why = ""
-            readable = []
+            readable, unreadable, bad_objects = [], [], []
             for i, (name, code) in enumerate(zip(names, codes)):
                 if code != want[i]:
-                    self.stats["missing"] += 1
+                    unreadable.append(i)
                     why = why or f"object {name} unreadable (Mooncake code {code}, expected {want[i]} bytes)"
                 else:
                     readable.append(i)
+            if unreadable:  # missing, unreachable, or there with another size: only the last is garbage
+                sizes = self.client.sizes([names[i] for i in unreadable])
+                wrong = [names[i] for i, n in zip(unreadable, sizes) if n is not None and n != want[i]]
+                self.stats["missing"] += len(unreadable) - len(wrong)
+                bad_objects += wrong
             trailers = bytes(self._seals[:len(names) * SEAL_BYTES].numpy())
             verdicts = check_many(self.config.secret, [
                 (names[i], views_of[i], trailers[i * SEAL_BYTES:(i + 1) * SEAL_BYTES]) for i in readable])
             for i, bad in zip(readable, verdicts):
                 if bad:
                     self.stats["seal_failures"] += 1
+                    bad_objects.append(names[i])
                     why = why or f"object {names[i]} refused: {bad}"
+            if bad_objects:
+                self.stats["removed"] += sum(c == 0 for c in self.client.remove(bad_objects))
             got = sum(1 for i, c in enumerate(codes) if c == want[i])
             self.stats["objects_got"] += got
-            if why or not self._run_worker((CPULoadStoreSpec(range(len(chunk_keys))), chunk)):
+            if not why:
+                with device_access() as allowed:
+                    if not allowed:
+                        why = "abandoned (deadline)"
+                    elif not self._run_worker((CPULoadStoreSpec(range(len(chunk_keys))), chunk)):
+                        why = "staging -> device copy failed"
+            if why:
                 result.done += [False] * len(chunk_keys)
-                result.reasons.append(why or "staging -> device copy failed")
+                result.reasons.append(why)
                 continue
             nbytes = sum(w - SEAL_BYTES for w in want)
             result.done += [True] * len(chunk_keys)
@@ -294,4 +349,4 @@ class PoolIndex:
         return answer
 
 
-__all__ = ["PoolConfig", "PoolIndex", "PoolTier", "TierResult", "job_chunks", "object_layout"]
+__all__ = ["DeviceAccess", "PoolConfig", "PoolIndex", "PoolTier", "TierResult", "job_chunks", "object_layout"]

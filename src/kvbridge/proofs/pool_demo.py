@@ -119,7 +119,7 @@ class SharedPoolBackend:
 def run_pool_demo(model: str = "tiny-gemma2", seed: int = 0, store: Shape = Shape(), load: Shape = Shape(tp=2),
                   pool_block: int = 8, prompt_len: int = 40, prefix_len: int | None = None, suffix_len: int = 8,
                   new_tokens: int = 8, master: MooncakeMaster | None = None, log_dir: str | Path = "/tmp",
-                  secret: bytes = b"proof-secret",
+                  secret: bytes = b"proof-secret-0123456789",
                   tamper: Callable[[StoreClient, list[str]], None] | None = None,
                   client: StoreClient | None = None) -> OffloadDemoResult:
     """Prefill A on `store`, put it in a Mooncake Store, load B's shared prefix on `load`, decode, compare.

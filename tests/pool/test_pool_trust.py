@@ -1,0 +1,174 @@
+"""What keeps a shared pool trustworthy without a store (issue 27 points 2-4): object names that
+say nothing without the fleet's secret, one way to read secrets, a breaker that stops calling a
+dead store, and a background thread that never touches device memory after its caller gave up."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from kvbridge.core.spec import ModelSpec
+from kvbridge.errors import ConfigError
+from kvbridge.offload.keys import chained_block_hashes, group_keys
+from kvbridge.pool.background import PoolThread
+from kvbridge.pool.breaker import CLOSED, OPEN, PROBING, Breaker
+from kvbridge.pool.tier import PoolConfig, object_layout
+
+SPEC = ModelSpec.uniform(2, 4, 8, "bfloat16")
+SECRET = b"fleet-secret-0123456789"
+
+
+def _names(secret: bytes = SECRET, insecure: bool = False, model_id: str = "m") -> list[str]:
+    cfg = PoolConfig(model_id=model_id, block_tokens=8, secret=secret, insecure=insecure)
+    layout = object_layout(SPEC, cfg)
+    return [n for k in group_keys(chained_block_hashes(list(range(32)), 8), 0) for n in layout.keys(k)]
+
+
+def test_object_names_depend_on_the_secret_and_reveal_neither_tokens_nor_namespace():
+    mine, theirs, again = _names(), _names(b"another-fleet-secret"), _names()
+    assert mine == again  # a restarted fleet with the same secret finds its objects
+    assert not set(mine) & set(theirs)  # fleets with different secrets never collide
+    layout = object_layout(SPEC, PoolConfig(model_id="m", block_tokens=8, secret=SECRET))
+    hashes = [h.hex() for h in chained_block_hashes(list(range(32)), 8)]
+    for name in mine:
+        assert name.startswith("kvb2/") and layout.namespace not in name
+        assert not any(h[:16] in name for h in hashes)
+    assert len(set(mine)) == len(mine)
+    assert _names(model_id="other") != mine
+
+
+def test_without_a_secret_names_are_plain_digests_and_that_must_be_asked_for():
+    assert _names(b"", insecure=True) == _names(b"", insecure=True)
+    with pytest.raises(ConfigError, match="needs a secret"):
+        PoolConfig(model_id="m", block_tokens=8)
+    with pytest.raises(ConfigError, match="at least 16 bytes"):
+        PoolConfig(model_id="m", block_tokens=8, secret=b"short")
+    with pytest.raises(ConfigError, match="drop one"):
+        PoolConfig(model_id="m", block_tokens=8, secret=SECRET, insecure=True)
+
+
+def test_a_secret_longer_than_blake2b_keys_is_digested_not_cut():
+    a, b = b"x" * 64 + b"tail-one", b"x" * 64 + b"tail-two"
+    assert set(_names(a)).isdisjoint(_names(b))
+
+
+def test_breaker_opens_on_failure_probes_after_backoff_and_doubles_it():
+    now = [0.0]
+    seen: list[tuple[str, str]] = []
+    br = Breaker(1.0, 8.0, on_change=lambda s, why: seen.append((s, why)), clock=lambda: now[0])
+    assert br.allow() and br.state == CLOSED
+    br.failure("refused")
+    assert br.state == OPEN and not br.allow()
+    now[0] = 1.0
+    assert br.allow() and br.state == PROBING and not br.allow()  # one probe at a time
+    br.failure("still refused")
+    assert br.backoff == 2.0 and not br.allow()
+    for _ in range(5):
+        now[0] = br.retry_at
+        assert br.allow()
+        br.failure("down")
+    assert br.backoff == 8.0  # capped
+    now[0] = br.retry_at
+    assert br.allow()
+    br.success()
+    assert br.state == CLOSED and br.allow()
+    assert seen == [(OPEN, "refused"), (CLOSED, "")]  # said once each way, not per failure
+
+
+def test_a_probe_that_never_reports_is_replaced():
+    now = [0.0]
+    br = Breaker(1.0, 4.0, clock=lambda: now[0])
+    br.failure("x")
+    now[0] = 1.0
+    assert br.allow() and not br.allow()
+    now[0] = 6.0
+    assert br.allow()
+
+
+def test_an_abandoned_call_never_touches_the_device_after_abandon_returns():
+    """The store answers only after the caller gave up: the copy into the device must not happen."""
+    thread = PoolThread("test-pool")
+    release = threading.Event()
+    touched: list[str] = []
+
+    def load(call, name):
+        release.wait(10)  # a stopped master
+        with call.device_access() as ok:
+            if ok:
+                touched.append(name)
+        return name
+
+    try:
+        late = thread.submit(load, "late")
+        assert not late.wait(0.05)
+        late.abandon()
+        release.set()
+        assert late.wait(10) and touched == []
+        ok = thread.submit(load, "in time")
+        assert ok.wait(10) and ok.result == "in time" and touched == ["in time"]
+    finally:
+        thread.close()
+
+
+def test_abandon_waits_for_a_device_copy_in_progress():
+    thread = PoolThread("test-pool")
+    inside, leave = threading.Event(), threading.Event()
+    log: list[str] = []
+
+    def store(call):
+        with call.device_access() as ok:
+            assert ok
+            inside.set()
+            leave.wait(10)
+            log.append("copied")
+
+    try:
+        call = thread.submit(store)
+        assert inside.wait(10)
+        threading.Timer(0.2, leave.set).start()
+        t0 = time.monotonic()
+        call.abandon()
+        log.append("abandoned")
+        assert log == ["copied", "abandoned"] and time.monotonic() - t0 >= 0.1
+    finally:
+        thread.close()
+
+
+def test_a_full_queue_refuses_instead_of_growing_and_errors_come_back():
+    thread = PoolThread("test-pool", max_queue=2)
+    gate = threading.Event()
+    try:
+        first = thread.submit(lambda call: gate.wait(10))
+        time.sleep(0.05)
+        queued = [thread.submit(lambda call: 1) for _ in range(2)]
+        assert all(queued) and thread.submit(lambda call: 1) is None
+        assert thread.busy_for() > 0
+        gate.set()
+        assert first.wait(10) and all(c.wait(10) for c in queued)
+        boom = thread.submit(lambda call: 1 / 0)
+        assert boom.wait(10) and isinstance(boom.error, ZeroDivisionError)
+    finally:
+        thread.close()
+
+
+def test_pool_secret_files_follow_the_side_channel_rules(tmp_path):
+    from kvbridge.core.secrets import read_secret_file
+
+    good = tmp_path / "key"
+    good.write_bytes(os.urandom(16).hex().encode())
+    good.chmod(0o600)
+    assert len(read_secret_file(good)) == 32
+    link = tmp_path / "link"
+    link.symlink_to(good)
+    loose = tmp_path / "loose"
+    loose.write_bytes(b"x" * 32)
+    loose.chmod(0o644)
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    empty.chmod(0o600)
+    for path, why in ((link, "symlink"), (loose, "chmod 600"), (empty, "at least 16 bytes")):
+        with pytest.raises(ConfigError, match=why):
+            read_secret_file(path)
