@@ -1,84 +1,95 @@
-"""Two `vllm serve` instances of different shapes share prefixes through one Mooncake Store pool
-(issue 23 points 2-3): instance A (TP 1, block 64) serves a prompt and stores its blocks; instance
-B (TP 2, block 32, another process) gets a prompt sharing that prefix, reports it as an external
-prefix-cache hit, loads it, and answers with A's tokens (A computed the prompt itself, the store
-being empty: a plain instance's answer; B's own computation agrees with A's on a prompt nobody
-stored, which is no hit).
+"""Two `vllm serve` instances of different shapes (X: TP 1, block 64; Y: TP 2, block 32) on one
+Mooncake Store pool, as a shared fleet uses it (issues 23 and 27):
+
+1. the master is down when they start: they serve, say once that the pool is unavailable, and
+   use it once it is up (Y loads what X stored, as external hits, answering as X computed);
+2. tenants (`cache_salt`) never hit each other's prefix and each hits its own;
+3. LoRA adapters never share KV with each other or with the base model, and each hits its own;
+4. a master stopped for 60 s under load costs requests no more than the pool's deadlines;
+5. a master SIGKILLed under load costs no request and no engine, and a new master is used.
+
+The tests share the instances (a vLLM CPU start costs a minute or two) and run in file order.
+Every reference answer is the answer of an instance that computed the prompt itself (the store
+did not hold it): a plain instance's answer.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import signal
 import subprocess
+import threading
 import time
-import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, healthy, vllm_serve_member
-from kvbridge.integrations.vllm.fleet_processes import stop_session
+from kvbridge.integrations.vllm.fleet_processes import Member, stop_session
 from kvbridge.pool.master import MooncakeMaster
 from kvbridge.proofs.vllm.cluster import free_ports
-from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
-from kvbridge.testing.serving import metric_total, prompt_text, request
+from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama, make_tiny_lora
+from kvbridge.testing.serving import Answer, metric_total, prompt_text, request
 
 pytestmark = pytest.mark.vllm
 START_S = 900.0
+OBJECTS_PER_BLOCK = 4  # the tiny llama: 2 layers x 2 KV heads
+BLOCKS = 4  # a 300-token prompt holds four 64-token pool blocks
+HITS = "vllm:external_prefix_cache_hits_total"
+STALL_S = 60.0
+DEADLINE_BOUND_S = 25.0  # a request during an outage: the pool's deadlines (1 s lookup, 5 s load) plus compute
 
 
-def _tokens(url: str, prompt: str) -> list[int]:
-    body = json.dumps({"model": "model", "prompt": prompt}).encode()
-    req = urllib.request.Request(f"{url}/tokenize", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())["tokens"]
+@dataclass
+class Pool:
+    master: MooncakeMaster
+    x: Member
+    y: Member
 
+    def keys(self) -> float:
+        return metric_total(f"http://{self.master.host}:{self.master.metrics_port}", "master_key_count")
 
-def _wait_stored(master: MooncakeMaster, model, tokens: list[int], blocks: int, timeout: float = 300.0) -> None:
-    """Until the store holds the first `blocks` pool blocks of `tokens` whole (A stores them at its
-    next engine step after the request finished, asynchronously to the reply)."""
-    from kvbridge.core.spec import LayerSpec, ModelSpec
-    from kvbridge.integrations.vllm.layout import vllm_cpu_layout, vllm_cpu_spec
-    from kvbridge.offload.keys import chained_block_hashes, group_keys
-    from kvbridge.pool.store import StoreClient, StoreConfig
-    from kvbridge.pool.tier import PoolConfig, PoolIndex
-
-    spec = vllm_cpu_spec(ModelSpec(tuple(LayerSpec("full", 2, 32, 32) for _ in range(2)), "float32", "tiny"))
-    client = StoreClient(StoreConfig(master.address, master.metadata_url, segment_bytes=0))
-    try:
-        index = PoolIndex(spec, client, PoolConfig(model_id=str(model.resolve()), block_tokens=64),
-                          lambda bt, n: vllm_cpu_layout(1, bt, n))  # the connector's `vllm_staging`
-        keys = group_keys(chained_block_hashes(tokens[:blocks * 64], 64), 0)
+    def wait_keys(self, at_least: float, timeout: float = 300.0) -> None:
+        """Until the store holds `at_least` objects (a finished request is stored on the rank's pool
+        thread, after its reply)."""
         end = time.monotonic() + timeout
-        while not all(index.hits(keys)):
-            assert time.monotonic() < end, "instance A never stored the prompt's blocks"
+        while self.keys() < at_least:
+            assert time.monotonic() < end, f"the store holds {self.keys()} objects, expected {at_least}"
             time.sleep(0.5)
-    finally:
-        client.close()
 
 
-def _kv(master: MooncakeMaster, secret_file: str) -> dict:
+def _kv(master: MooncakeMaster, secret_file: Path) -> dict:
     return {"kv_connector": "KVBridgePoolConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
-                "master": master.address, "metadata_url": master.metadata_url, "secret_file": secret_file,
-                "block_tokens": 64, "segment_mib": 32, "staging_blocks": 16}}
+                "master": master.address, "secret_file": str(secret_file), "block_tokens": 64, "segment_mib": 32,
+                "staging_blocks": 16, "lookup_timeout_ms": 1000, "load_timeout_ms": 5000,
+                "store_timeout_ms": 5000, "max_backoff_s": 5}}
 
 
-def test_two_instances_of_different_shapes_share_a_prefix(vllm_env, tmp_path):
-    model = add_byte_tokenizer(make_tiny_llama(tmp_path / "tiny-llama", seed=5))
-    secret = tmp_path / "pool.key"
-    secret.write_bytes(os.urandom(32))
+@pytest.fixture(scope="module")
+def pool(vllm_env, tmp_path_factory):
+    work = tmp_path_factory.mktemp("vllm-pool")
+    model = add_byte_tokenizer(make_tiny_llama(work / "tiny-llama", seed=5))
+    adapters = {name: make_tiny_lora(model, work / f"lora-{name}", seed=seed) for name, seed in (("a", 1), ("b", 2))}
+    secret = work / "pool.key"
+    secret.write_bytes(os.urandom(32).hex().encode())
     secret.chmod(0o600)
-    master = MooncakeMaster.start(tmp_path / "master.log")
-    config = FleetConfig(model=model, prefill=[], decode=[], log_dir=tmp_path)
+    master = MooncakeMaster.prepare(work / "master.log")  # launched by the first test: down at start
+    config = FleetConfig(model=model, prefill=[], decode=[], log_dir=work)
     vllm = str(vllm_env.python.parent / "vllm")
-    port_a = free_ports(1)
-    port_b = free_ports(1, {port_a})
-    members = [vllm_serve_member(config, vllm, "pool-a", InstanceShape(tp=1, block=64), port_a, tmp_path,
-                                 kv=_kv(master, str(secret))),
-               vllm_serve_member(config, vllm, "pool-b", InstanceShape(tp=2, block=32), port_b, tmp_path,
-                                 kv=_kv(master, str(secret)))]
+    port_x = free_ports(1, set(master.ports))
+    port_y = free_ports(1, {port_x, *master.ports})
+    # vLLM CPU's LoRA ops index adapter slots with -1 for "no adapter", which picks the last slot:
+    # one slot more than adapters keeps it empty, so base requests batched with LoRA ones stay exact.
+    lora = ["--enable-lora", "--max-loras", str(len(adapters) + 1), "--max-lora-rank", "8", "--lora-modules",
+            *(f"{n}={p}" for n, p in adapters.items())]
+    members = [vllm_serve_member(config, vllm, "pool-x", InstanceShape(tp=1, block=64), port_x, work,
+                                 kv=_kv(master, secret)),
+               vllm_serve_member(config, vllm, "pool-y", InstanceShape(tp=2, block=32), port_y, work,
+                                 kv=_kv(master, secret))]
     for m in members:
+        m.argv += lora
         with open(m.log_path, "wb") as log:
             m.proc = subprocess.Popen(m.argv, env=m.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -88,28 +99,132 @@ def test_two_instances_of_different_shapes_share_a_prefix(vllm_env, tmp_path):
                 assert m.proc.poll() is None, m.log_tail(30)
                 assert time.monotonic() < end, f"{m.name} did not start"
                 time.sleep(1)
-        a, b = members
-        # A computes the prompt itself (the store is empty): the plain answer. It stores the blocks.
-        prefix = prompt_text(1, 300)  # 300 byte tokens: four 64-token pool blocks, then the ending
-        shared = prefix + " but a second ending here"
-        reference = request(a.url, shared, 8)
-        assert reference.ok, reference.error
-        _wait_stored(master, model, _tokens(a.url, prefix), 4)
-        before = metric_total(b.url, "vllm:external_prefix_cache_hits_total")
-        hit = request(b.url, shared, 8)
-        assert hit.ok, hit.error
-        got = metric_total(b.url, "vllm:external_prefix_cache_hits_total") - before
-        assert got >= 256, f"B reported {got} external hit tokens; logs: {b.log_tail(20)}"
-        assert hit.token_ids == reference.token_ids
-        # A prompt nobody stored: no external hit on B, and B computing it agrees with A.
-        before = metric_total(b.url, "vllm:external_prefix_cache_hits_total")
-        fresh = prompt_text(2, 200)
-        assert request(b.url, fresh, 8).token_ids == request(a.url, fresh, 8).token_ids
-        assert metric_total(b.url, "vllm:external_prefix_cache_hits_total") == before
+        yield Pool(master, *members)
         for m in members:
-            assert "Traceback" not in m.log_path.read_text(errors="replace"), m.log_tail(40)
+            text = m.log_path.read_text(errors="replace")
+            assert "Traceback" not in text and "EngineDeadError" not in text, m.log_tail(40)
     finally:
         for m in members:
             if m.proc is not None:
                 stop_session(m.proc)
         master.stop()
+
+
+def _ok(answer: Answer) -> Answer:
+    assert answer.ok, answer.error
+    return answer
+
+
+def _shared_prefix_loads(pool: Pool, seed: int, timeout: float = 240.0) -> None:
+    """X answers a fresh prompt and stores it; Y then loads it as external hits and answers as X did.
+    Retried with fresh prompts while either has not yet found the master again (each breaker
+    probes on its own backoff, up to 5 s here): a miss meanwhile is computed, never wrong."""
+    end = time.monotonic() + timeout
+    while True:
+        assert time.monotonic() < end, "X and Y never shared a prefix through the pool after the master came up"
+        text = prompt_text(seed, 300)
+        seed += 1000
+        before = pool.keys()
+        reference = _ok(request(pool.x.url, text, 8))
+        try:
+            pool.wait_keys(before + BLOCKS * OBJECTS_PER_BLOCK, timeout=15)
+        except AssertionError:
+            continue
+        hits = metric_total(pool.y.url, HITS)
+        got = _ok(request(pool.y.url, text, 8))
+        assert got.token_ids == reference.token_ids
+        if metric_total(pool.y.url, HITS) - hits >= BLOCKS * 64:
+            return
+        time.sleep(1.0)
+
+
+def test_instances_serve_with_the_master_down_and_use_the_pool_once_it_is_up(pool):
+    for m in (pool.x, pool.y):
+        _ok(request(m.url, prompt_text(10, 300), 8))
+    for m, sides in ((pool.x, 2), (pool.y, 3)):  # the scheduler and each rank say it once, at most
+        said = m.log_path.read_text(errors="replace").count("is unavailable")
+        assert 1 <= said <= sides, m.log_tail(30)
+    pool.master.launch()
+    _shared_prefix_loads(pool, seed=11)
+    # A prompt nobody stored: no external hit on Y, and Y computing it agrees with X.
+    hits = metric_total(pool.y.url, HITS)
+    fresh = prompt_text(12, 200)
+    assert request(pool.y.url, fresh, 8).token_ids == request(pool.x.url, fresh, 8).token_ids
+    assert metric_total(pool.y.url, HITS) == hits
+
+
+def test_tenants_never_share_a_prefix_and_each_hits_its_own(pool):
+    text = prompt_text(20, 300)
+    salted = {t: {"cache_salt": f"tenant-{t}"} for t in "ab"}
+    keys = pool.keys()
+    reference = _ok(request(pool.x.url, text, 8, extra=salted["a"]))
+    pool.wait_keys(keys + BLOCKS * OBJECTS_PER_BLOCK)  # tenant a's blocks are new objects
+    hits = metric_total(pool.y.url, HITS)
+    _ok(request(pool.y.url, text, 8, extra=salted["b"]))
+    _ok(request(pool.y.url, text, 8))  # no salt is a tenant of its own too
+    assert metric_total(pool.y.url, HITS) == hits, "tenant b (or no tenant) was served tenant a's prefix"
+    got = _ok(request(pool.y.url, text, 8, extra=salted["a"]))
+    assert metric_total(pool.y.url, HITS) - hits >= BLOCKS * 64
+    assert got.token_ids == reference.token_ids
+
+
+def test_lora_adapters_never_share_kv_with_each_other_or_the_base_model(pool):
+    text = prompt_text(30, 300)
+    keys = pool.keys()
+    reference = _ok(request(pool.x.url, text, 8, model="a"))
+    pool.wait_keys(keys + BLOCKS * OBJECTS_PER_BLOCK)
+    hits = metric_total(pool.y.url, HITS)
+    other = _ok(request(pool.y.url, text, 8, model="b"))
+    base = _ok(request(pool.y.url, text, 8))
+    assert metric_total(pool.y.url, HITS) == hits, "KV of adapter a was loaded for adapter b or the base model"
+    assert other.token_ids != reference.token_ids and base.token_ids != reference.token_ids  # the adapters matter
+    got = _ok(request(pool.y.url, text, 8, model="a"))
+    assert metric_total(pool.y.url, HITS) - hits >= BLOCKS * 64
+    assert got.token_ids == reference.token_ids
+
+
+def _load(pool: Pool, seconds: float, seed: int) -> list[tuple[float, Answer]]:
+    """Requests of fresh prompts to X and Y, two at a time, for `seconds`: (latency, answer) each."""
+    out: list[tuple[float, Answer]] = []
+    lock = threading.Lock()
+
+    def one(url: str, s: int) -> None:
+        t0 = time.monotonic()
+        a = request(url, prompt_text(s, 300), 4, timeout=120)
+        with lock:
+            out.append((time.monotonic() - t0, a))
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        threads = [threading.Thread(target=one, args=(m.url, seed + i)) for i, m in enumerate((pool.x, pool.y))]
+        seed += 2
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return out
+
+
+def test_a_master_stopped_for_a_minute_costs_requests_only_the_deadlines(pool):
+    os.kill(pool.master.proc.pid, signal.SIGSTOP)
+    try:
+        answers = _load(pool, STALL_S, seed=40_000)
+    finally:
+        os.kill(pool.master.proc.pid, signal.SIGCONT)
+    assert answers and all(a.ok for _, a in answers), [a.error for _, a in answers if not a.ok][:3]
+    slowest = max(t for t, _ in answers)
+    assert slowest < DEADLINE_BOUND_S, f"a request took {slowest:.1f} s while the master was stopped {STALL_S:.0f} s"
+    assert healthy(pool.x.url) and healthy(pool.y.url)
+    _shared_prefix_loads(pool, seed=41)  # and the pool serves again once the master runs
+
+
+def test_a_master_killed_under_load_costs_no_request_and_a_new_one_is_used(pool):
+    killer = threading.Timer(3.0, pool.master.stop, kwargs={"kill": True})
+    killer.start()
+    answers = _load(pool, 15.0, seed=50_000)
+    killer.join()
+    assert not pool.master.alive()
+    assert answers and all(a.ok for _, a in answers), [a.error for _, a in answers if not a.ok][:3]
+    assert pool.x.proc.poll() is None and pool.y.proc.poll() is None and healthy(pool.x.url) and healthy(pool.y.url)
+    pool.master.launch()  # a new, empty master on the same ports: the instances find it by themselves
+    _shared_prefix_loads(pool, seed=51)

@@ -30,13 +30,22 @@ def split_offload_key(key: OffloadKey) -> tuple[bytes, int]:
     return key[:-_GROUP_BYTES], int.from_bytes(key[-_GROUP_BYTES:], "big")
 
 
-def chained_block_hashes(token_ids: Sequence[int], block_tokens: int, parent: bytes = b"") -> list[bytes]:
-    """SHA-256 of every *full* block of `block_tokens` tokens, each chained on the previous one."""
+def chained_block_hashes(token_ids: Sequence[int], block_tokens: int, parent: bytes = b"",
+                         extras: Sequence[bytes | None] | None = None) -> list[bytes]:
+    """SHA-256 of every *full* block of `block_tokens` tokens, each chained on the previous one.
+
+    `extras[i]` (bytes or None) is folded into block i after its tokens: what else makes a
+    block's KV what it is (a tenant's salt, an adapter, an image), as vLLM's extra keys do.
+    Token bytes have a fixed length per block and an extra is length-prefixed, so no block with
+    extras hashes like one without."""
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
     out, prev = [], parent
-    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+    for i, start in enumerate(range(0, len(token_ids) - block_tokens + 1, block_tokens)):
         chunk = b"".join(int(t).to_bytes(8, "little", signed=True) for t in token_ids[start:start + block_tokens])
+        extra = extras[i] if extras is not None and i < len(extras) else None
+        if extra:
+            chunk += b"\xffextra" + len(extra).to_bytes(8, "little") + extra
         prev = hashlib.sha256(prev + chunk).digest()
         out.append(prev)
     return out

@@ -117,4 +117,44 @@ class PoolThread:
         self._thread.join(timeout)
 
 
-__all__ = ["Call", "PoolThread"]
+class Prober:
+    """While `breaker` is open, probe the store with `probe` on `thread` once its backoff has passed.
+
+    Why a thread of its own: an idle engine takes no steps, so a breaker probed only from the
+    engine's hooks would stay open until a request came, and that request would miss the pool
+    although it had been back for minutes."""
+
+    def __init__(self, thread: PoolThread, breaker: Any, probe: Callable[[Call], Any], timeout: float,
+                 name: str = "kvbridge-pool-probe"):
+        self._thread, self._breaker, self._probe, self._timeout = thread, breaker, probe, timeout
+        self._stop = threading.Event()
+        self._runner = threading.Thread(target=self._run, name=name, daemon=True)
+        self._runner.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            if self._breaker.is_closed or not self._breaker.allow():
+                continue
+            call = self._thread.submit(self._probe)
+            if call is None:
+                self._breaker.failure("the pool thread is behind")
+            elif not call.wait(self._timeout):
+                call.abandon()
+                self._breaker.failure(f"no answer within {self._timeout:.1f} s")
+            elif call.error is not None:
+                self._breaker.failure(one_line(call.error))
+            else:
+                self._breaker.success()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._runner.join(1.0)
+
+
+def one_line(error: BaseException) -> str:
+    """An error as one bounded line (for logs and breaker reasons)."""
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:300]
+
+
+__all__ = ["Call", "PoolThread", "Prober", "one_line"]

@@ -25,6 +25,12 @@ MAX_RUNS = 2048
 tasks beyond its lane queue ("queue-full"), failing the whole batch (seen with vLLM CPU's
 transposed K: 34 runs per object, 64 blocks of 12 objects in one call)."""
 
+RPC_FAIL = -900
+"""Mooncake's code for a call the master did not answer (also what a dead master's calls return)."""
+RPC_CODES = (RPC_FAIL, -901)
+"""Codes of calls the master did not answer: -900 at once when it is gone, -901 after Mooncake's
+30 s RPC timeout when it is stopped."""
+
 MIN_SEGMENT_BYTES = 16 << 20
 """Smallest segment a Mooncake client may lend (0.3.13 refuses less with code -600)."""
 
@@ -75,7 +81,12 @@ class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class StoreClient:
-    """A `MooncakeDistributedStore` set up for one rank; `register` memory before moving it."""
+    """A `MooncakeDistributedStore` set up for one rank; `register` memory before moving it.
+
+    Every call but the constructor releases the GIL while it waits for the master, so it may run
+    on a thread beside an engine; the constructor refuses at once when the master does not accept
+    connections (Mooncake would retry for 90 s), and holds the GIL while an accepting but stopped
+    master does not answer: build one client per process, once, and keep it."""
 
     def __init__(self, config: StoreConfig):
         try:
@@ -94,6 +105,10 @@ class StoreClient:
             raise PoolUnavailable(f"Mooncake Store at {config.master} refused this client (setup code {rc})")
         self._registered: list[tuple[int, int]] = []
         self.closed = False
+        self.unreachable = 0
+        """Calls the master did not answer. The client itself is kept: Mooncake's clients find a
+        restarted master by themselves, and building a new one (`setup`) holds Python's GIL for as
+        long as a stopped master does not answer, which would stop every thread of an engine."""
 
     def register(self, address: int, nbytes: int) -> None:
         """Make `[address, address + nbytes)` usable as put source and get destination (until
@@ -142,8 +157,10 @@ class StoreClient:
             try:
                 codes = call(ks, [[a for a, _ in p] for p in ps], [[n for _, n in p] for p in ps])
             except RuntimeError:  # the binding raises when the master cannot be reached at all
-                codes = [-900] * len(ks)
-            out += [int(c) for c in codes]
+                codes = [RPC_FAIL] * len(ks)
+            codes = [int(c) for c in codes]
+            self.unreachable += any(c in RPC_CODES for c in codes)
+            out += codes
             start = stop
         return out
 
@@ -154,8 +171,10 @@ class StoreClient:
             try:
                 codes = self._store.batch_is_exist(list(keys[i:i + MAX_BATCH]))
             except RuntimeError:
-                codes = [-1] * len(keys[i:i + MAX_BATCH])
-            out += [True if c == 1 else False if c == 0 else None for c in codes]
+                codes = [RPC_FAIL] * len(keys[i:i + MAX_BATCH])
+            answer = [True if c == 1 else False if c == 0 else None for c in codes]
+            self.unreachable += None in answer
+            out += answer
         return out
 
     def sizes(self, keys: Sequence[str]) -> list[int | None]:
@@ -174,7 +193,8 @@ class StoreClient:
         try:
             return [int(c) for c in self._store.batch_remove(list(keys), True)] if keys else []
         except RuntimeError:
-            return [-900] * len(keys)
+            self.unreachable += 1
+            return [RPC_FAIL] * len(keys)
 
     def healthy(self) -> bool:
         return not self.closed and self._store.health_check() == 0

@@ -33,10 +33,11 @@ class Answer:
 
 
 def request(base: str, prompt: str, max_tokens: int, *, chat: bool = False, stream: bool = False,
-            timeout: float = TIMEOUT_S, model: str = "model") -> Answer:
-    """One greedy completion (or chat completion) from `base` (http://host:port)."""
+            timeout: float = TIMEOUT_S, model: str = "model", extra: dict[str, Any] | None = None) -> Answer:
+    """One greedy completion (or chat completion) from `base` (http://host:port); `extra` adds
+    fields to the body (vLLM's `cache_salt`, ...)."""
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
-                            "return_token_ids": True, "ignore_eos": True}
+                            "return_token_ids": True, "ignore_eos": True, **(extra or {})}
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:

@@ -98,6 +98,36 @@ def make_tiny_hybrid(path: str | Path, *, kind: str = "nemotron_h", seed: int = 
     return path
 
 
+def make_tiny_lora(model_dir: str | Path, out_dir: str | Path, *, seed: int, rank: int = 8,
+                   targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> Path:
+    """A random PEFT LoRA adapter for the tiny llama at `model_dir`, strong enough to change greedy tokens."""
+    import torch
+    from safetensors.torch import save_file
+
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    h, q, kv = c["hidden_size"], c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    shapes = {"q_proj": ("self_attn", h, q), "k_proj": ("self_attn", h, kv), "v_proj": ("self_attn", h, kv),
+              "o_proj": ("self_attn", q, h), "gate_proj": ("mlp", h, c["intermediate_size"]),
+              "up_proj": ("mlp", h, c["intermediate_size"]), "down_proj": ("mlp", c["intermediate_size"], h)}
+    gen = torch.Generator().manual_seed(seed)
+    weights: dict[str, torch.Tensor] = {}
+    for i in range(c["num_hidden_layers"]):
+        for t in targets:
+            block, fan_in, fan_out = shapes[t]
+            p = f"base_model.model.model.layers.{i}.{block}.{t}."
+            # std 0.2 for A and B with scaling 2: B @ A is about as large as the base weights (std 0.2)
+            weights[p + "lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.2
+            weights[p + "lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.2
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_dir), "r": rank,
+              "lora_alpha": 2 * rank, "lora_dropout": 0.0, "target_modules": list(targets), "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(weights, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 

@@ -1,0 +1,162 @@
+"""What both sides of KVBridgePoolConnector share: its settings, the spec it registers, its jobs.
+
+Split from the connector so that its scheduler side (`pool_scheduler`) and worker side
+(`pool_worker`) import these without importing each other.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvbridge.core.layout import EngineLayout
+from kvbridge.core.secrets import resolve_secret
+from kvbridge.core.spec import LayerSpec, ModelSpec, normalize_dtype
+from kvbridge.errors import ConfigError, IncompatibleEngines
+from kvbridge.integrations.vllm.layout import vllm_cpu_layout, vllm_cpu_spec
+from kvbridge.offload.spec import GPULoadStoreSpec
+from kvbridge.pool.background import one_line
+from kvbridge.pool.breaker import CLOSED
+from kvbridge.pool.store import P2P_METADATA, StoreConfig
+from kvbridge.pool.tier import PoolConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+def vllm_staging(block_tokens: int, slots: int) -> EngineLayout:
+    """Pool objects of vLLM CPU caches are cut from vLLM CPU's own layout at TP 1: there a head's
+    transposed K and its V are one run (in the canonical layout, each K dimension is a component
+    of its own: 34 runs per object, and Mooncake's per-task cost made loads slower than prefill)."""
+    return vllm_cpu_layout(1, block_tokens, slots)
+
+
+class PoolSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`kv_connector_extra_config` of KVBridgePoolConnector; an unknown key is refused (named).
+
+    `master` is the `mooncake_master` RPC address; clients find each other by Mooncake's P2P
+    handshake unless `metadata_url` names an http metadata server. `model_id` defaults to the
+    model path vLLM serves (with its revision); `block_tokens` must be the same on every
+    instance and a multiple of each one's block size. The secret comes from `secret_file`
+    (`kvbridge.core.secrets` rules: a 0600 regular file of this user, no symlink, 16+ bytes; never
+    inline: a command line is visible in `ps`); `insecure: true` runs without one (checksums,
+    predictable names).
+
+    The pool is a cache, never a dependency: a lookup not answered within `lookup_timeout_ms` is
+    a miss (the request waits at most that long), a load not done within `load_timeout_ms` is
+    recomputed, a store not done within `store_timeout_ms` is dropped (its blocks released); any
+    of these, or an error, opens a breaker that skips the pool and probes it again after a
+    backoff doubling up to `max_backoff_s`. `load_async` hands loads to vLLM's asynchronous path
+    (the request waits two more engine steps); by default a load runs at the start of the step
+    that computes the rest of the prompt.
+    """
+
+    master: str
+    metadata_url: str = P2P_METADATA
+    model_id: str = ""
+    block_tokens: int = 64
+    staging_blocks: int = 64
+    segment_mib: int = 64
+    protocol: str = "tcp"
+    rdma_devices: str = ""
+    local_hostname: str = "127.0.0.1"
+    load: bool = True
+    store: bool = True
+    load_async: bool = False
+    secret_file: str = ""
+    insecure: bool = False
+    lookup_timeout_ms: int = 1000
+    load_timeout_ms: int = 10_000
+    store_timeout_ms: int = 30_000
+    max_backoff_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not (self.secret_file or self.insecure):
+            raise ConfigError("KVBridgePoolConnector needs a secret: set kv_connector_extra_config secret_file (a 0600 "
+                              "file, the same on every instance), or insecure: true")
+        if not 0 <= self.segment_mib <= 1 << 20:
+            raise ConfigError(f"KVBridgePoolConnector segment_mib must be in [0, 2^20], got {self.segment_mib}")
+        for name in ("lookup_timeout_ms", "load_timeout_ms", "store_timeout_ms"):
+            if not 1 <= getattr(self, name) <= 3_600_000:
+                raise ConfigError(f"KVBridgePoolConnector {name} must be in [1, 3600000], got {getattr(self, name)}")
+        if not 1.0 <= self.max_backoff_s <= 3600.0:
+            raise ConfigError(f"KVBridgePoolConnector max_backoff_s must be in [1, 3600], got {self.max_backoff_s}")
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any]) -> PoolSettings:
+        if "secret" in extra:
+            raise ConfigError("KVBridgePoolConnector takes no inline secret (a command line is visible in ps): put it "
+                              "in a 0600 file and give its path as secret_file")
+        try:
+            return msgspec.convert(extra, cls)
+        except msgspec.ValidationError as e:
+            raise ConfigError(f"KVBridgePoolConnector kv_connector_extra_config: {e}") from None
+
+    def store_config(self, lend: bool) -> StoreConfig:
+        return StoreConfig(self.master, self.metadata_url or P2P_METADATA, self.local_hostname, self.protocol,
+                           rdma_devices=self.rdma_devices, segment_bytes=(self.segment_mib << 20) if lend else 0)
+
+    def pool_config(self, model_id: str) -> PoolConfig:
+        try:
+            secret = resolve_secret(None, self.secret_file or None, self.insecure)
+        except ConfigError as e:
+            raise ConfigError(f"KVBridgePoolConnector: {e}") from None
+        return PoolConfig(model_id=model_id, block_tokens=self.block_tokens, staging_blocks=self.staging_blocks,
+                          secret=secret or b"", insecure=secret is None)
+
+
+def pool_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelSpec:
+    """The spec every rank registers, from the configs alone (the scheduler has no tensors)."""
+    mc = vllm_config.model_config
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or getattr(kv_cache_config, "has_mamba_layers", False):
+        raise IncompatibleEngines(f"KVBridgePoolConnector serves one KV-cache group of full attention; this model "
+                                  f"has {len(groups)} groups (hybrid or sliding-window models are not supported yet)")
+    if mc.use_mla:
+        raise IncompatibleEngines("KVBridgePoolConnector does not serve MLA models through vLLM yet")
+    kv = groups[0].kv_cache_spec
+    if getattr(kv, "sliding_window", None):
+        raise IncompatibleEngines("KVBridgePoolConnector serves full attention only; this model slides a window")
+    heads, head = mc.get_total_num_kv_heads(), int(kv.head_size)
+    layers = tuple(LayerSpec("full", heads, head, head) for _ in groups[0].layer_names)
+    return vllm_cpu_spec(ModelSpec(layers, normalize_dtype(str(kv.dtype)), str(mc.model)))
+
+
+@dataclass
+class PoolJob:
+    """One request's load or store: its pool keys and the device side (`GPULoadStoreSpec` fields)."""
+
+    request_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+    group_sizes: tuple[int, ...]
+    block_indices: tuple[int, ...]
+
+    def gpu(self) -> GPULoadStoreSpec:
+        return GPULoadStoreSpec(self.block_ids, self.group_sizes, self.block_indices)
+
+
+@dataclass
+class PoolMetadata(KVConnectorMetadata):
+    loads: list[PoolJob] = field(default_factory=list)
+    stores: list[PoolJob] = field(default_factory=list)
+
+
+def announce(logger: logging.Logger, master: str, side: str) -> Callable[[str, str], None]:
+    """A breaker's `on_change`: the pool going away and coming back, said once each."""
+    def on_change(state: str, why: str) -> None:
+        if state == CLOSED:
+            logger.warning("KVBridgePoolConnector (%s): the pool at %s is available again", side, master)
+        else:
+            logger.warning("KVBridgePoolConnector (%s): the pool at %s is unavailable (%s); serving without it and "
+                           "trying again with backoff", side, master, why)
+    return on_change
+
+
+__all__ = ["PoolJob", "PoolMetadata", "PoolSettings", "announce", "one_line", "pool_spec", "vllm_staging"]

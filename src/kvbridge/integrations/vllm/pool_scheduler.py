@@ -1,0 +1,176 @@
+"""The scheduler side of KVBridgePoolConnector: lookups off the scheduler's path, loads and stores queued.
+
+Why a thread: a lookup is a Mooncake RPC, and Mooncake's RPCs have no deadline (a stopped master
+blocks them, a dead one costs 90 s of client retries). vLLM's scheduler may answer "not yet"
+(`get_num_new_matched_tokens` -> None, asked again next step), so a lookup is submitted to this
+side's `PoolThread`, waited for a few milliseconds inline (an answer in time costs no step), and
+otherwise polled on later steps until `lookup_timeout_ms`, after which it is a miss and the
+breaker opens. While the breaker is open every lookup is a miss at once and no store is queued;
+a probe (a new client and one existence check, never a request's lookup) closes it again.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm.logger import init_logger
+
+from kvbridge.integrations.vllm.pool_config import PoolJob, PoolMetadata, announce, one_line, vllm_staging
+from kvbridge.integrations.vllm.pool_identity import request_pool_keys
+from kvbridge.offload.scheduling import load_job, store_job
+from kvbridge.pool.background import Call, PoolThread, Prober
+from kvbridge.pool.breaker import Breaker
+from kvbridge.pool.store import PoolUnavailable, StoreClient
+from kvbridge.pool.tier import PoolIndex
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+    from kvbridge.integrations.vllm.pool_connector import KVBridgePoolConnector
+
+logger = init_logger(f"vllm.{__name__}")
+INLINE_WAIT_S = 0.02
+"""How long a lookup waits inline before answering "not yet": a healthy store answers in less."""
+PROBE_KEY = "kvb2/probe"
+
+
+class PoolScheduler:
+    def __init__(self, conn: KVBridgePoolConnector):
+        self.conn = conn
+        s = conn.settings
+        self.bt = conn.config.block_tokens
+        self.factor = self.bt // conn.block_size
+        self.lookup_timeout = s.lookup_timeout_ms / 1000
+        self._client: StoreClient | None = None  # thread-only
+        self._index: PoolIndex | None = None  # thread-only
+        self._thread = PoolThread("kvbridge-pool-scheduler", max_queue=4096)
+        self.breaker = Breaker(1.0, s.max_backoff_s, on_change=announce(logger, s.master, "scheduler"))
+        self._asked: dict[str, Call] = {}  # lookups in flight, by request
+        self._prober = Prober(self._thread, self.breaker, self._probe_store, self.lookup_timeout)
+        self._pending: dict[str, tuple[list[bytes], int]] = {}
+        self._loaded: set[str] = set()  # requests a load was scheduled for (until they finish)
+        self._meta = PoolMetadata()
+        self.stats = {"lookups": 0, "hit_tokens": 0, "stores": 0, "lookup_timeouts": 0, "skipped": 0}
+
+    # -- on the pool thread -------------------------------------------------------------------------
+    def _ensure_index(self) -> PoolIndex:
+        """The client, built once (`StoreClient` says why it is kept), and the scheduler's index."""
+        if self._index is None:
+            self._client = StoreClient(self.conn.settings.store_config(lend=False))
+            self._index = PoolIndex(self.conn.spec, self._client, self.conn.config, vllm_staging)
+        return self._index
+
+    def _hits(self, call: Call, keys: list[bytes]) -> list[bool | None]:
+        answer = self._ensure_index().hits(keys)
+        if any(a is None for a in answer):
+            raise PoolUnavailable(f"Mooncake Store at {self.conn.settings.master} did not answer a lookup")
+        return answer
+
+    def _probe_store(self, call: Call) -> None:
+        if self._ensure_index().client.exists([PROBE_KEY])[0] is None:
+            raise PoolUnavailable(f"Mooncake Store at {self.conn.settings.master} did not answer")
+
+    # -- on the engine's scheduler ------------------------------------------------------------------
+    def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        rid = request.request_id
+        if not self.conn.settings.load or rid in self._loaded:
+            return 0, False  # one load per request: after a refused one, vLLM recomputes (no retry loop)
+        tokens = list(request.all_token_ids)
+        usable = (len(tokens) - 1) // self.bt  # vLLM computes at least the last token itself
+        if usable * self.bt <= num_computed_tokens:
+            self._forget_lookup(rid)
+            return 0, False
+        call = self._asked.get(rid)
+        if call is None:
+            if not self.breaker.is_closed:
+                self.stats["skipped"] += 1
+                return 0, False
+            keys = request_pool_keys(request, tokens[:usable * self.bt], self.bt)
+            call = self._thread.submit(self._hits, keys)
+            if call is None:
+                return 0, False
+            self._asked[rid] = call
+            self.stats["lookups"] += 1
+            call.wait(INLINE_WAIT_S)
+        if not call.done.is_set():
+            if call.age() < self.lookup_timeout:
+                return None, False  # vLLM asks again at its next step
+            self._forget_lookup(rid)
+            self.stats["lookup_timeouts"] += 1
+            self.breaker.failure(f"no answer to a lookup within {self.conn.settings.lookup_timeout_ms} ms")
+            return 0, False
+        del self._asked[rid]
+        if call.error is not None:
+            self.breaker.failure(one_line(call.error))
+            return 0, False
+        self.breaker.success()
+        keys = call.args[0]
+        hits = 0
+        for present in call.result:
+            if present is not True:
+                break
+            hits += 1
+        tokens_hit = hits * self.bt
+        logger.debug("KVBridgePoolConnector: %s: %d of %d pool blocks complete, %d tokens computed here", rid, hits,
+                     len(keys), num_computed_tokens)
+        if tokens_hit <= num_computed_tokens:
+            return 0, False
+        self._pending[rid] = (keys[:hits], tokens_hit)
+        self.stats["hit_tokens"] += tokens_hit - num_computed_tokens
+        # Synchronous by default: the worker loads at the start of the very step that computes the
+        # rest of the prompt (an asynchronous load costs two more engine steps before the request
+        # runs, which on a busy CPU engine cost more than the tokens it saved).
+        return tokens_hit - num_computed_tokens, self.conn.settings.load_async
+
+    def _forget_lookup(self, rid: str) -> None:
+        call = self._asked.pop(rid, None)
+        if call is not None:
+            call.abandon()
+
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        pending = self._pending.pop(request.request_id, None)
+        if not num_external_tokens or pending is None:
+            return
+        keys, tokens_hit = pending
+        self._loaded.add(request.request_id)
+        bs = self.conn.block_size
+        local = tokens_hit - num_external_tokens
+        table = [int(b) for b in blocks.get_block_ids()[0]][: tokens_hit // bs]
+        on_device = [i < local // bs for i in range(len(table))]
+        load_keys, gpu = load_job([table], [keys], tokens_hit, bs, self.factor, [on_device])
+        self._meta.loads.append(PoolJob(request.request_id, load_keys, gpu.block_ids.tolist(), gpu.group_sizes,
+                                        gpu.block_indices))
+
+    def finished(self, request: Request, block_ids: list[int]) -> bool:
+        """Queue the store of the request's full pool blocks (each rank puts those of its objects the
+        store lacks); True: hold its blocks until the ranks have copied them out."""
+        rid = request.request_id
+        self._loaded.discard(rid)
+        self._pending.pop(rid, None)
+        self._forget_lookup(rid)
+        if not self.conn.settings.store or not self.breaker.is_closed:
+            return False
+        n = min(int(request.num_computed_tokens), len(request.all_token_ids)) // self.bt
+        table = [int(b) for b in block_ids][: n * self.factor]
+        n = min(n, len(table) // self.factor)
+        if n <= 0:
+            return False
+        keys = request_pool_keys(request, list(request.all_token_ids)[: n * self.bt], self.bt)
+        gpu = store_job([table], [keys], keys, self.factor)
+        self._meta.stores.append(PoolJob(rid, keys, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices))
+        self.stats["stores"] += 1
+        return True
+
+    def take_meta(self) -> PoolMetadata:
+        meta, self._meta = self._meta, PoolMetadata()
+        return meta
+
+    def close(self) -> None:
+        self._prober.close()
+        self._thread.close(timeout=5.0)
+        if self._thread.current is None and self._client is not None:
+            self._client.close()
+
+
+__all__ = ["PoolScheduler"]

@@ -1,0 +1,232 @@
+"""The worker side of KVBridgePoolConnector: one engine rank's loads and stores, on a thread, with deadlines.
+
+Why a thread: a store or load is several Mooncake RPCs, and a master that is stopped blocks them
+for as long as it is stopped. Every job runs on this rank's `PoolThread` and touches device
+memory only through its call's gate (`pool.background`), so the step that waits for a load waits
+at most `load_timeout_ms` (then the load's blocks are reported failed and recomputed, and the
+late answer never reaches them), and a store holds its blocks at most `store_timeout_ms`. The
+store client and tier are built on the thread at first use (a dead master costs the thread,
+never the engine, its connection attempt) and kept: Mooncake's client finds a restarted master
+by itself, and a new one would hold the GIL while a stopped master does not answer. No pool error leaves this
+module: a load that cannot complete is failed blocks for vLLM, a store that cannot is dropped.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.logger import init_logger
+
+from kvbridge.errors import IncompatibleEngines
+from kvbridge.integrations.vllm.pool_config import PoolJob, PoolMetadata, announce, one_line, vllm_staging
+from kvbridge.integrations.vllm.registration import spec_and_layout
+from kvbridge.pool.background import Call, PoolThread, Prober
+from kvbridge.pool.breaker import Breaker
+from kvbridge.pool.store import PoolUnavailable, StoreClient
+from kvbridge.pool.tier import PoolTier, TierResult
+from kvbridge.transport.cache import RankCache
+
+if TYPE_CHECKING:
+    from kvbridge.integrations.vllm.pool_connector import KVBridgePoolConnector
+
+logger = init_logger(f"vllm.{__name__}")
+MAX_FINISHED_IDS = 1 << 16
+PROBE_KEY = "kvb2/probe"
+
+
+class PoolWorker:
+    """One engine rank: its store client and tier on its own thread (see the module)."""
+
+    def __init__(self, conn: KVBridgePoolConnector, rank: int, tp_size: int):
+        self.conn, self.rank, self.tp_size = conn, rank, tp_size
+        s = conn.settings
+        self.load_timeout, self.store_timeout = s.load_timeout_ms / 1000, s.store_timeout_ms / 1000
+        self._caches: dict[str, torch.Tensor] = {}
+        self._tier: PoolTier | None = None  # thread-only
+        self._client: StoreClient | None = None  # thread-only
+        self._thread = PoolThread(f"kvbridge-pool-rank{rank}", max_queue=1024)
+        self.breaker = Breaker(1.0, s.max_backoff_s, on_change=announce(logger, s.master, f"rank {rank}"))
+        self._prober = Prober(self._thread, self.breaker, self._probe_store, self.load_timeout)
+        self._stores: dict[str, Call] = {}  # in flight
+        self._loads: dict[str, tuple[Call, PoolJob]] = {}  # asynchronous loads in flight
+        self._stored: set[str] = set()  # stores done, dropped or given up: their blocks may go
+        self._finished: OrderedDict[str, None] = OrderedDict()  # recent finished ids (bounded)
+        self._res = KVConnectorTransferResults()
+        self._failed_blocks: set[int] = set()
+        self.stats = {"loads": 0, "load_failures": 0, "stores": 0, "stores_dropped": 0, "timeouts": 0}
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        spec, layout, names = spec_and_layout(self.conn._vllm_config, self.conn._kv_cache_config, kv_caches,
+                                              self.tp_size)
+        if spec.fingerprint() != self.conn.spec.fingerprint() or spec.num_layers != self.conn.spec.num_layers:
+            raise IncompatibleEngines(f"KVBridgePoolConnector: the registered cache ({spec.describe()}) differs from "
+                                      f"the one the scheduler derived from the configs ({self.conn.spec.describe()})")
+        self._caches = kv_caches
+        # The VllmCpuLayout itself: its addressing places K transposed per head (a plain
+        # EngineLayout of the same fields describes other bytes, and same-shape round trips hid it).
+        self._names, self._spec, self._layout = names, spec, layout
+
+    # -- on the pool thread ---------------------------------------------------------------------------
+    def _ensure_tier(self) -> PoolTier:
+        # Built at first use: another connector (MultiConnector) may re-point the cache tensors at
+        # registration; the tensors themselves are what vLLM computes into.
+        if self._tier is None:
+            cache = RankCache(self._spec, self._layout, self.rank, [self._caches[n] for n in self._names])
+            client = StoreClient(self.conn.settings.store_config(lend=self.conn.settings.segment_mib > 0))
+            try:
+                # Serial copies: numba's parallel (OpenMP) runtime in a vLLM CPU worker changed the
+                # thread count its attention kernels check ("thread_num 1 vs. 2") and killed the engine.
+                self._tier = PoolTier(cache, client, self.conn.config, parallel=False, staging=vllm_staging)
+            except BaseException:
+                client.close()
+                raise
+            self._client = client
+            logger.info("KVBridgePoolConnector rank %d: %s; pool at %s, %d-token blocks, writes %d and reads %d "
+                        "objects per block", self.rank, self._layout.describe(), self.conn.settings.master,
+                        self.conn.config.block_tokens, len(self._tier.writes[0]), len(self._tier.reads[0]))
+        return self._tier
+
+    def _drop_tier(self) -> None:
+        tier, client, self._tier, self._client = self._tier, self._client, None, None
+        if tier is not None:
+            tier.close()
+        if client is not None:
+            client.close()
+
+    def _job(self, call: Call, kind: str, job: PoolJob) -> TierResult:
+        tier = self._ensure_tier()
+        before = tier.client.unreachable
+        if kind == "store":
+            res = tier.store(job.gpu(), job.keys, call.device_access, skip_present=True)
+        else:
+            res = tier.load(job.keys, job.gpu(), call.device_access)
+        if tier.client.unreachable != before:  # the client is kept: see `StoreClient`
+            raise PoolUnavailable(f"Mooncake Store at {self.conn.settings.master} stopped answering during a {kind}")
+        return res
+
+    def _probe_store(self, call: Call) -> None:
+        if self._ensure_tier().client.exists([PROBE_KEY])[0] is None:
+            raise PoolUnavailable(f"Mooncake Store at {self.conn.settings.master} did not answer")
+
+    # -- on the engine's step ---------------------------------------------------------------------------
+    def run(self, meta: PoolMetadata) -> None:
+        """At the step's start: queue the stores, run (or queue) the loads; never raises."""
+        if not (meta.loads or meta.stores):
+            return
+        try:
+            for job in meta.stores:
+                call = self._thread.submit(self._job, "store", job) if self.breaker.is_closed and self._caches else None
+                if call is None:  # the pool is away or the thread is behind: a cache drops, it never waits
+                    self.stats["stores_dropped"] += 1
+                    self._stored.add(job.request_id)
+                else:
+                    self._stores[job.request_id] = call
+            for job in meta.loads:
+                call = self._thread.submit(self._job, "load", job) if self.breaker.is_closed and self._caches else None
+                if call is None:
+                    self._fail_load(job, "the pool is unavailable")
+                elif self.conn.settings.load_async:
+                    self._loads[job.request_id] = (call, job)
+                elif call.wait(self.load_timeout):
+                    self._settle_load(call, job)
+                else:
+                    self._give_up_load(call, job)
+        except Exception as e:  # noqa: BLE001 - a cache's error must never reach a request or the engine
+            logger.warning("KVBridgePoolConnector rank %d: %s; recomputing this step's loads", self.rank, one_line(e))
+            for job in meta.loads:
+                self._fail_load(job, one_line(e))
+
+    def _give_up_load(self, call: Call, job: PoolJob) -> None:
+        call.abandon()  # from here on the late answer never reaches the blocks
+        self.stats["timeouts"] += 1
+        self.breaker.failure(f"a load took over {self.conn.settings.load_timeout_ms} ms")
+        self._fail_load(job, "no answer in time")
+
+    def _settle_load(self, call: Call, job: PoolJob) -> None:
+        if call.error is not None:
+            if isinstance(call.error, PoolUnavailable):
+                self.breaker.failure(one_line(call.error))
+            self._fail_load(job, one_line(call.error))
+            return
+        self.breaker.success()
+        res: TierResult = call.result
+        if not res.ok:
+            self._fail_load(job, "; ".join(res.reasons)[:500])
+            return
+        self.stats["loads"] += 1
+        if self.conn.settings.load_async:
+            self._res.finished_recving.add(job.request_id)
+
+    def _fail_load(self, job: PoolJob, why: str) -> None:
+        logger.warning("KVBridgePoolConnector rank %d: load of %s refused, recomputing: %s", self.rank,
+                       job.request_id, why)
+        self.stats["load_failures"] += 1
+        if self.conn.settings.load_async:
+            self._res.failed_recving.add(job.request_id)
+            self._res.finished_recving.add(job.request_id)
+        self._failed_blocks.update(job.block_ids)  # vLLM recomputes from the first of them
+
+    def _settle_stores(self) -> None:
+        for rid, call in list(self._stores.items()):
+            if call.done.is_set():
+                if call.error is not None:
+                    self.breaker.failure(one_line(call.error))
+                elif not call.result.ok:
+                    logger.warning("KVBridgePoolConnector rank %d: store of %s incomplete: %s", self.rank, rid,
+                                   "; ".join(call.result.reasons)[:500])
+                else:
+                    self.breaker.success()
+                    self.stats["stores"] += 1
+            elif call.age() > self.store_timeout:
+                call.abandon()  # it reads no device block from here on: they may go
+                self.stats["timeouts"] += 1
+                self.breaker.failure(f"a store took over {self.conn.settings.store_timeout_ms} ms")
+            else:
+                continue
+            del self._stores[rid]
+            self._stored.add(rid)
+
+    def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        for rid in finished_req_ids:
+            self._finished[rid] = None
+        while len(self._finished) > MAX_FINISHED_IDS:
+            self._finished.popitem(last=False)
+        try:
+            for rid, (call, job) in list(self._loads.items()):
+                if call.done.is_set():
+                    self._settle_load(call, job)
+                elif call.age() > self.load_timeout:
+                    self._give_up_load(call, job)
+                else:
+                    continue
+                del self._loads[rid]
+            self._settle_stores()
+        except Exception as e:  # noqa: BLE001 - see run
+            logger.warning("KVBridgePoolConnector rank %d: %s", self.rank, one_line(e))
+        res, self._res = self._res, KVConnectorTransferResults()
+        done = {r for r in self._stored if r in self._finished}  # vLLM accepts a finished send only of a
+        res.finished_sending |= done                               # request it told us finished
+        self._stored -= done
+        for r in done:
+            del self._finished[r]
+        return res
+
+    def take_failed_blocks(self) -> set[int]:
+        out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def close(self) -> None:
+        self._prober.close()
+        for call in self._stores.values():
+            call.abandon()
+        for call, _ in self._loads.values():
+            call.abandon()
+        self._thread.close(timeout=10.0)
+        if self._thread.current is None:
+            self._drop_tier()
+
+
+__all__ = ["PoolWorker"]
