@@ -26,22 +26,33 @@ def test_bad_shapes_are_one_bounded_line(text, why):
     assert "\n" not in message and len(message) < 300 and message.startswith("--decode ")
 
 
-@pytest.mark.parametrize("pool, block_tokens, connector, why", [
-    ("nohost", 64, "kvbridge", "must be 'start' or the host:port"),
-    ("start", 48, "kvbridge", "does not divide the pool's 48-token block"),
-    ("127.0.0.1:99999", 64, "kvbridge", "host:port"),
-    ("start", 64, "nixl", "needs kvbridge's connector"),
+@pytest.mark.parametrize("pool, block_tokens, connector, secret, why", [
+    ("nohost", 64, "kvbridge", None, "must be 'start' or the host:port"),
+    ("start", 48, "kvbridge", None, "does not divide the pool's 48-token block"),
+    ("127.0.0.1:99999", 64, "kvbridge", None, "host:port"),
+    ("start", 64, "nixl", None, "needs kvbridge's connector"),
+    ("", 64, "kvbridge", (b"x" * 32, 0o600), "need --pool"),
+    ("", 32, "kvbridge", None, "need --pool"),
+    ("start", 64, "kvbridge", (b"x" * 32, 0o644), "--pool-secret-file .*chmod 600"),
+    ("start", 64, "kvbridge", (b"short", 0o600), "--pool-secret-file .*at least 16 bytes"),
+    ("start", 64, "kvbridge", (b"", 0o600), "--pool-secret-file .*at least 16 bytes"),
 ])
-def test_a_pool_the_fleet_cannot_use_is_refused_in_one_line(tmp_path, pool, block_tokens, connector, why):
+def test_a_pool_the_fleet_cannot_use_is_refused_in_one_line(tmp_path, pool, block_tokens, connector, secret, why):
     from pathlib import Path
 
     from kvbridge.integrations.vllm.fleet_config import FleetConfig, check_shapes
     from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
 
     model = add_byte_tokenizer(make_tiny_llama(tmp_path / "m", seed=1))
+    secret_file = ""
+    if secret is not None:
+        secret_file = str(tmp_path / "pool.key")
+        Path(secret_file).write_bytes(secret[0])
+        Path(secret_file).chmod(secret[1])
     config = FleetConfig(model=Path(model), prefill=[InstanceShape.parse("tp=1,block=64", "--prefill")],
                          decode=[InstanceShape.parse("tp=2,block=32", "--decode")], log_dir=tmp_path, port=1,
-                         pool=pool, pool_block_tokens=block_tokens, connector=connector)
+                         pool=pool, pool_block_tokens=block_tokens, connector=connector,
+                         pool_secret_file=secret_file)
     with pytest.raises(ConfigError, match=why) as e:
         check_shapes(config)
     assert "\n" not in str(e.value)

@@ -28,7 +28,7 @@ from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, healthy
 from kvbridge.integrations.vllm.fleet_processes import remove_unused_segments, session_segments, stop_session
 from kvbridge.proofs.vllm.cluster import free_ports
 from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
-from kvbridge.testing.serving import edge_cases, transfer_events
+from kvbridge.testing.serving import edge_cases, metric_total, prompt_text, request, transfer_events
 
 pytestmark = pytest.mark.vllm
 START_S = 900.0
@@ -51,15 +51,35 @@ def _read_json_line(proc: subprocess.Popen, timeout: float) -> dict:
     raise AssertionError(f"kvbridge serve gave no endpoint (rc {proc.poll()}): {proc.stderr.read()[-3000:]!r}")
 
 
+def _pool_hits(fleet: dict, reference_url: str) -> None:
+    """The pool is used: a prompt the prefill instance computed (and stored) is an external hit on the
+    decode instance, which never saw it, and its answer is the plain instance's."""
+    prefill, decode = (next(i for i in fleet["instances"] if i["name"] == n) for n in ("prefill-0", "decode-0"))
+    text = prompt_text(77, 300)
+    keys = metric_total(fleet["pool"]["metrics"], "master_key_count")
+    assert request(prefill["url"], text, 8).ok
+    end = time.monotonic() + 300
+    while metric_total(fleet["pool"]["metrics"], "master_key_count") < keys + 4 * 4:  # 4 blocks x 2 layers x 2 heads
+        assert time.monotonic() < end, "the prefill instance never stored the prompt in the pool"
+        time.sleep(0.5)
+    hits = metric_total(decode["url"], "vllm:external_prefix_cache_hits_total")
+    got = request(decode["url"], text, 8)
+    assert got.ok and got.token_ids == request(reference_url, text, 8).token_ids
+    assert metric_total(decode["url"], "vllm:external_prefix_cache_hits_total") - hits >= 256
+
+
 def test_serve_fleet_answers_as_one_instance_and_stops_clean(vllm_env, tmp_path):
     model = add_byte_tokenizer(make_tiny_llama(tmp_path / "tiny-llama", seed=3))
     logs = tmp_path / "fleet"
     stats = tmp_path / "transfers.jsonl"
     port = free_ports(1)
+    pool_key = tmp_path / "pool.key"  # kept across the fleet's restarts (here: read from it)
+    pool_key.write_bytes(os.urandom(32).hex().encode())
+    pool_key.chmod(0o600)
     cli = [str(Path(sys.executable).parent / "kvbridge")]
     serve = subprocess.Popen([*cli, "serve", str(model), "--prefill", "tp=1,block=64", "--decode", "tp=2,block=32",
                               "--port", str(port), "--log-dir", str(logs), "--stats-path", str(stats), "--pool", "start",
-                              "--vllm-python", str(vllm_env.python), "--json"],
+                              "--pool-secret-file", str(pool_key), "--vllm-python", str(vllm_env.python), "--json"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     config = FleetConfig(model=model, prefill=[], decode=[], log_dir=tmp_path)
     ref = vllm_serve_member(config, str(vllm_env.python.parent / "vllm"), "reference", InstanceShape(tp=1, block=32),
@@ -81,6 +101,7 @@ def test_serve_fleet_answers_as_one_instance_and_stops_clean(vllm_env, tmp_path)
         loads = [e for e in transfer_events(str(stats)) if e.get("event") == "recv"]
         assert loads and all(e["ok"] for e in loads), loads[-3:]
         assert {e["rank"] for e in loads} == {0, 1}  # both decode ranks read their heads through kvbridge
+        _pool_hits(fleet, ref.url)
         pids = [i["pid"] for i in fleet["instances"]] + [fleet["router"]["pid"], fleet["pool"]["pid"]]
         segments = session_segments(*pids)
         assert any(s.startswith("kvbridge-") for s in segments), segments
@@ -97,6 +118,7 @@ def test_serve_fleet_answers_as_one_instance_and_stops_clean(vllm_env, tmp_path)
     from kvbridge.integrations.vllm.fleet_processes import _pids_in_groups
     assert not left and not _pids_in_groups(set(pids)), "fleet processes left running"
     assert not [s for s in segments if os.path.exists(f"/dev/shm/{s}")], "fleet segments left in /dev/shm"
+    assert pool_key.read_bytes() and not list(logs.glob("*.secret")), "the fleet removes its own secret, not the pool's"
     ports = [port, int(fleet["pool"]["master"].rsplit(":", 1)[1])] + [int(i["url"].rsplit(":", 1)[1])
                                                                       for i in fleet["instances"]]
     assert all(port_free("127.0.0.1", p) for p in ports), ports

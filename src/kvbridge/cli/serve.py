@@ -45,6 +45,10 @@ def serve(
     pool: str = typer.Option("", help="A prefix cache every instance shares (Mooncake Store): 'start' runs a "
                              "mooncake_master of the fleet's, host:port names a running one [default: none]."),
     pool_block_tokens: int = typer.Option(64, help="Tokens per pool block; every instance's block size divides it."),
+    pool_secret_file: Optional[Path] = typer.Option(None, help="The pool's secret (a 0600 file of 16+ bytes, the "
+                                                    "same for every fleet that shares the pool): keeps what the "
+                                                    "pool stored usable across restarts [default: a new secret per "
+                                                    "run]."),
 ) -> None:
     """Start P/D instances (`vllm serve` with KVBridgeConnector) and vLLM's router in front of them.
 
@@ -63,7 +67,8 @@ def serve(
                             else Path(tempfile.mkdtemp(prefix="kvbridge-serve-"))), host=host, port=port,
         side_channel_host=side_channel_host, max_model_len=max_model_len, dtype=dtype, kv_cache_gib=kv_cache_gib,
         router_policy=router_policy, vllm_python=str(vllm_python) if vllm_python else None,
-        stats_path=str(stats_path.resolve()) if stats_path else "", pool=pool, pool_block_tokens=pool_block_tokens)
+        stats_path=str(stats_path.resolve()) if stats_path else "", pool=pool, pool_block_tokens=pool_block_tokens,
+        pool_secret_file=str(pool_secret_file) if pool_secret_file else "")
     fleet = Fleet(config)
     if dry_run:
         if fleet.master is not None:
@@ -74,6 +79,8 @@ def serve(
             console.print(f"# {m.name} (log {m.log_path})", highlight=False, markup=False)
             console.print(" ".join(_quote(a) for a in m.argv), highlight=False, markup=False, soft_wrap=True)
         return
+    if (unreachable := fleet.pool_unreachable()):
+        err_console.print(f"warning: {unreachable}", highlight=False, markup=False)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -92,6 +99,12 @@ def serve(
             sys.stdout.flush()
         else:
             console.print(f"fleet ready at [bold]{fleet.endpoint}[/] (logs in {config.log_dir})", highlight=False)
+            if fleet.pool_address:
+                where = "the fleet's own master" if fleet.master else "a running master"
+                secret = (f"secret from {fleet.pool_secret_file}" if config.pool_secret_file
+                          else "secret new this run: --pool-secret-file keeps one across restarts")
+                console.print(f"  {'pool':<10} {fleet.pool_address} ({where}; {secret})", highlight=False,
+                              markup=False)
             for m in fleet.members:
                 console.print(f"  {m.name:<10} {m.shape.describe():<32} {m.url}", highlight=False, markup=False)
             console.print(fleet.curl_example(), highlight=False, markup=False, soft_wrap=True)

@@ -52,8 +52,11 @@ class Fleet:
         config.log_dir = self.log_dir
         if config.stats_path:
             config.stats_path = str(Path(config.stats_path).resolve())
-        self.secret_file = self.log_dir / "fleet.secret"  # written by `start`, removed by `stop`
         self.tag = os.urandom(4).hex()
+        # Written by `start`, removed by `stop`; named by the fleet's tag, so two fleets sharing a
+        # log directory never remove each other's.
+        self.secret_file = self.log_dir / f"fleet-{self.tag}.secret"
+        self.pool_secret_file = Path(config.pool_secret_file) if config.pool_secret_file else self.secret_file
         self.segments: set[str] = set()  # /dev/shm names the fleet's processes mapped (`track_segments`)
         self._vllm, self._router_bin = vllm, router
         self._promised: set[int] = {config.port}
@@ -112,7 +115,7 @@ class Fleet:
         if self.pool_address:  # P/D first (a decode instance loads from its prefill), then the shared pool
             pool = {"kv_connector": "KVBridgePoolConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
                     "kv_role": "kv_both", "kv_connector_extra_config": {
-                        "master": self.pool_address, "secret_file": str(self.secret_file),
+                        "master": self.pool_address, "secret_file": str(self.pool_secret_file),
                         "block_tokens": c.pool_block_tokens, "model_id": str(Path(c.model).resolve())}}
             children = [{k: v for k, v in kv.items() if k != "engine_id"}, pool]
             kv = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": engine_id,
@@ -124,6 +127,17 @@ class Fleet:
     @property
     def endpoint(self) -> str:
         return self.router.url
+
+    def pool_unreachable(self) -> str:
+        """'' when the fleet has no pool or its master accepts connections, else the one line to say
+        (the instances serve without the pool and start using it when it answers)."""
+        if not self.pool_address or self.master is not None:
+            return ""
+        from kvbridge.pool.store import reachable
+        if reachable(self.pool_address):
+            return ""
+        return (f"the pool's master {self.pool_address} does not accept connections: the instances serve without "
+                f"the pool and use it once it does")
 
     def everyone(self) -> list[Member]:
         return [*self.members, self.router]
@@ -256,6 +270,8 @@ class Fleet:
                 "router": {"url": self.router.url, "pid": self.router.proc.pid if self.router.proc else None,
                            "log": str(self.router.log_path)},
                 "pool": {"master": self.pool_address, "block_tokens": self.config.pool_block_tokens,
+                         "metrics": (f"http://{self.master.host}:{self.master.metrics_port}" if self.master
+                                     else None),
                          "pid": self.master.proc.pid if self.master and self.master.proc else None,
                          "log": str(self.master.log_path) if self.master else None} if self.pool_address else None}
 

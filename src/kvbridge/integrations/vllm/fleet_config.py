@@ -94,6 +94,7 @@ class FleetConfig:
     connector: str = "kvbridge"  # or "nixl": vLLM's own NixlConnector (kv_buffer_device cpu), for benchmarks
     pool: str = ""  # "" none; "start": a mooncake_master of the fleet's; "host:port": a running one (issue 23)
     pool_block_tokens: int = 64  # the shared pool's block; every instance's block size divides it
+    pool_secret_file: str = ""  # the pool's secret, kept across restarts (default: the fleet's own, new per run)
 
 
 def check_shapes(config: FleetConfig) -> list[str]:
@@ -158,10 +159,19 @@ def check_shapes(config: FleetConfig) -> list[str]:
                                   f"{config.pool[:80]!r}")
         if not 1 <= config.pool_block_tokens <= 1 << 16:
             raise ConfigError(f"--pool-block-tokens must be in 1..65536, got {config.pool_block_tokens}")
+        if config.pool_secret_file:
+            from kvbridge.core.secrets import read_secret_file
+            try:
+                read_secret_file(config.pool_secret_file)
+            except ConfigError as e:
+                raise ConfigError(str(e).replace("secret file ", "--pool-secret-file ", 1)) from None
+            config.pool_secret_file = str(Path(config.pool_secret_file).resolve())
         for s in everyone:
             if config.pool_block_tokens % s.block:
                 raise ConfigError(f"instance {s.describe()}: block {s.block} does not divide the pool's "
                                   f"{config.pool_block_tokens}-token block (--pool-block-tokens)")
+    elif config.pool_secret_file or config.pool_block_tokens != 64:
+        raise ConfigError("--pool-secret-file and --pool-block-tokens need --pool (start or HOST:PORT)")
     if config.router_policy not in ROUTER_POLICIES:
         raise ConfigError(f"--router-policy must be one of {', '.join(ROUTER_POLICIES)}, got {config.router_policy!r}")
     if not 1 <= config.port < 65536:
