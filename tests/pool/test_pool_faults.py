@@ -114,6 +114,34 @@ def test_a_reader_with_another_secret_uses_nothing(master, lender):
         dst.close()
 
 
+def test_a_restarted_fleet_hits_what_it_stored_and_a_fleet_of_another_secret_shares_nothing(master, lender, client):
+    """Names are MACs under the fleet's secret: a fleet restarted with the same secret file finds its
+    objects; a fleet with another secret on the same master sees none of them, refuses and removes
+    nothing of them (it is not slowed: its lookups are plain misses), and stores its own beside them."""
+    keys = block_keys(4, "restart-secret")
+    src = _writer(master, lender)
+    src.store(src.job(0, 4), keys)
+    src.close()
+    restarted = Engine(1, 8, seed=2, kv_order="HND").attach(master, config())  # new processes, new clients
+    other_cfg = config(b"another-fleet-secret-42")
+    other = Engine(1, 8, seed=6).attach(master, other_cfg, lender)
+    try:
+        assert PoolIndex(SPEC, client, config()).hits(keys) == [True] * 4
+        expected = expected_load(src, src.job(0, 4), restarted.caches, restarted.layout, restarted.job(0, 4))
+        assert all(restarted.load(keys, restarted.job(0, 4)))
+        assert same(restarted.caches, expected)
+        assert PoolIndex(SPEC, client, other_cfg).hits(keys) == [False] * 4
+        before = other.clone()
+        assert other.load(keys, other.job(0, 4)) == [False] * 4 and same(other.caches, before)
+        assert sum(t.stats["seal_failures"] + t.stats["removed"] for t in other.tiers) == 0
+        assert all(other.store(other.job(0, 4), keys))
+        assert PoolIndex(SPEC, client, other_cfg).hits(keys) == [True] * 4
+        assert PoolIndex(SPEC, client, config()).hits(keys) == [True] * 4  # the first fleet's objects untouched
+    finally:
+        restarted.close()
+        other.close()
+
+
 def test_a_block_missing_one_object_is_not_a_hit(master, lender, client):
     src = _writer(master, lender)
     try:
