@@ -1,5 +1,7 @@
 """Two `vllm serve` instances of different shapes (X: TP 1, block 64; Y: TP 2, block 32) on one
-Mooncake Store pool, as a shared fleet uses it (issues 23 and 27):
+Mooncake Store pool, as a shared fleet uses it (issues 23 and 27). The key file, the master and X
+are started from docs/pool.md's standalone example as written (the test adds its ports, the
+served model's name, eager mode, LoRA adapters and shorter deadlines), so the docs stay true:
 
 1. the master is down when they start: they serve, say once that the pool is unavailable, and
    use it once it is up (Y loads what X stored, as external hits, answering as X computed);
@@ -15,7 +17,10 @@ did not hold it): a plain instance's answer.
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
+import shlex
 import signal
 import subprocess
 import threading
@@ -27,7 +32,7 @@ import pytest
 
 from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, healthy, vllm_serve_member
 from kvbridge.integrations.vllm.fleet_processes import Member, stop_session
-from kvbridge.pool.master import MooncakeMaster
+from kvbridge.pool.master import MooncakeMaster, master_binary
 from kvbridge.proofs.vllm.cluster import free_ports
 from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama, make_tiny_lora
 from kvbridge.testing.serving import Answer, metric_total, prompt_text, request
@@ -59,12 +64,61 @@ class Pool:
             time.sleep(0.5)
 
 
+DOC = Path(__file__).resolve().parents[2] / "docs" / "pool.md"
+MARK = "<!-- the standalone example: tests/vllm/test_vllm_pool.py"
+FAST = {"staging_blocks": 16, "lookup_timeout_ms": 1000, "load_timeout_ms": 5000, "store_timeout_ms": 5000,
+        "max_backoff_s": 5}  # deadlines of minutes' worth of outage tests, not of production
+
+
 def _kv(master: MooncakeMaster, secret_file: Path) -> dict:
     return {"kv_connector": "KVBridgePoolConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
                 "master": master.address, "secret_file": str(secret_file), "block_tokens": 64, "segment_mib": 32,
-                "staging_blocks": 16, "lookup_timeout_ms": 1000, "load_timeout_ms": 5000,
-                "store_timeout_ms": 5000, "max_backoff_s": 5}}
+                **FAST}}
+
+
+def _doc_example() -> tuple[str, list[str], list[str]]:
+    """docs/pool.md's standalone example: the key line, the master's and the instance's words."""
+    block = DOC.read_text().split(MARK, 1)[1].split("```", 2)[1]
+    lines, acc = [], ""
+    for raw in block.splitlines():
+        text = raw.strip()
+        if text.endswith("\\"):  # a continued line
+            acc += text[:-1] + " "
+            continue
+        acc += text
+        if acc.count("'") % 2:  # inside a quoted word (the JSON): its newline is a space
+            acc += " "
+            continue
+        if acc:
+            lines.append(acc)
+        acc = ""
+    key, master, serve = lines
+    return key, shlex.split(master.rstrip("& ")), shlex.split(serve)
+
+
+def _from_doc(work: Path, model: Path, vllm: str, port: int, lora: list[str]) -> tuple[MooncakeMaster, Member]:
+    """The example's key file, master (not launched: the first test launches it) and instance X."""
+    key, master_words, serve_words = _doc_example()
+    subprocess.run(["bash", "-c", key], cwd=work, check=True)
+    rpc = free_ports(2, {port})
+    swap = {"50051": str(rpc), "50052": str(rpc + 1)}
+    argv = [master_binary(), *(w.split("=", 1)[0] + "=" + swap.get(w.split("=", 1)[1], w.split("=", 1)[1])
+                               for w in master_words[1:])]
+    master = MooncakeMaster("127.0.0.1", rpc, rpc + 1, work / "master.log", argv)
+    env_words = list(itertools.takewhile(lambda w: "=" in w and w[0].isupper(), serve_words))
+    words = serve_words[len(env_words):]
+    assert words[:3] == ["vllm", "serve", "MODEL_DIR"], words[:3]
+    kv = json.loads(words[words.index("--kv-transfer-config") + 1])
+    extra = kv["kv_connector_extra_config"]
+    assert extra["master"] == "127.0.0.1:50051" and kv["kv_load_failure_policy"] == "recompute"
+    extra.update(master=master.address, **FAST)
+    words[words.index("--kv-transfer-config") + 1] = json.dumps(kv)
+    argv = [vllm, "serve", str(model), *words[3:], "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", "model", "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", *lora]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+           "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-x"), **dict(w.split("=", 1) for w in env_words)}
+    return master, Member("pool-x", argv, env, work / "pool-x.log", port, InstanceShape(tp=1, block=64))
 
 
 @pytest.fixture(scope="module")
@@ -72,26 +126,23 @@ def pool(vllm_env, tmp_path_factory):
     work = tmp_path_factory.mktemp("vllm-pool")
     model = add_byte_tokenizer(make_tiny_llama(work / "tiny-llama", seed=5))
     adapters = {name: make_tiny_lora(model, work / f"lora-{name}", seed=seed) for name, seed in (("a", 1), ("b", 2))}
-    secret = work / "pool.key"
-    secret.write_bytes(os.urandom(32).hex().encode())
-    secret.chmod(0o600)
-    master = MooncakeMaster.prepare(work / "master.log")  # launched by the first test: down at start
-    config = FleetConfig(model=model, prefill=[], decode=[], log_dir=work)
     vllm = str(vllm_env.python.parent / "vllm")
-    port_x = free_ports(1, set(master.ports))
-    port_y = free_ports(1, {port_x, *master.ports})
+    port_x = free_ports(1)
     # vLLM CPU's LoRA ops index adapter slots with -1 for "no adapter", which picks the last slot:
     # one slot more than adapters keeps it empty, so base requests batched with LoRA ones stay exact.
     lora = ["--enable-lora", "--max-loras", str(len(adapters) + 1), "--max-lora-rank", "8", "--lora-modules",
             *(f"{n}={p}" for n, p in adapters.items())]
-    members = [vllm_serve_member(config, vllm, "pool-x", InstanceShape(tp=1, block=64), port_x, work,
-                                 kv=_kv(master, secret)),
-               vllm_serve_member(config, vllm, "pool-y", InstanceShape(tp=2, block=32), port_y, work,
-                                 kv=_kv(master, secret))]
+    master, x = _from_doc(work, model, vllm, port_x, lora)  # the master is down at start: the first test launches it
+    config = FleetConfig(model=model, prefill=[], decode=[], log_dir=work)
+    port_y = free_ports(1, {port_x, *master.ports})
+    y = vllm_serve_member(config, vllm, "pool-y", InstanceShape(tp=2, block=32), port_y, work,
+                          kv=_kv(master, work / "pool.key"))
+    y.argv += lora
+    members = [x, y]
     for m in members:
-        m.argv += lora
         with open(m.log_path, "wb") as log:
-            m.proc = subprocess.Popen(m.argv, env=m.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            m.proc = subprocess.Popen(m.argv, env=m.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                      cwd=work)
     try:
         end = time.monotonic() + START_S
         for m in members:

@@ -102,6 +102,7 @@ class StoreClient:
                                 "local_buffer_size": config.local_buffer_bytes, "protocol": config.protocol,
                                 "rdma_devices": config.rdma_devices, "master_server_addr": config.master})
         if rc != 0:
+            self._store.close()
             raise PoolUnavailable(f"Mooncake Store at {config.master} refused this client (setup code {rc})")
         self._registered: list[tuple[int, int]] = []
         self.closed = False

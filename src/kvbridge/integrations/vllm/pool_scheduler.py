@@ -73,6 +73,14 @@ class PoolScheduler:
 
     # -- on the engine's scheduler ------------------------------------------------------------------
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        try:
+            return self._lookup(request, num_computed_tokens)
+        except Exception as e:  # noqa: BLE001 - a cache's error is a miss, never a failed request
+            logger.warning("KVBridgePoolConnector: lookup of %s failed, a miss: %s", request.request_id, one_line(e))
+            self._forget_lookup(request.request_id)
+            return 0, False
+
+    def _lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
         if not self.conn.settings.load or rid in self._loaded:
             return 0, False  # one load per request: after a refused one, vLLM recomputes (no retry loop)
@@ -137,14 +145,26 @@ class PoolScheduler:
         bs = self.conn.block_size
         local = tokens_hit - num_external_tokens
         table = [int(b) for b in blocks.get_block_ids()[0]][: tokens_hit // bs]
-        on_device = [i < local // bs for i in range(len(table))]
-        load_keys, gpu = load_job([table], [keys], tokens_hit, bs, self.factor, [on_device])
-        self._meta.loads.append(PoolJob(request.request_id, load_keys, gpu.block_ids.tolist(), gpu.group_sizes,
-                                        gpu.block_indices))
+        try:
+            on_device = [i < local // bs for i in range(len(table))]
+            load_keys, gpu = load_job([table], [keys], tokens_hit, bs, self.factor, [on_device])
+            job = PoolJob(request.request_id, load_keys, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices)
+        except Exception as e:  # noqa: BLE001 - vLLM counts these tokens as coming: the worker must fail them
+            logger.warning("KVBridgePoolConnector: load of %s not planned, recomputing: %s", request.request_id,
+                           one_line(e))
+            job = PoolJob(request.request_id, [], table[local // bs:], (), ())
+        self._meta.loads.append(job)
 
     def finished(self, request: Request, block_ids: list[int]) -> bool:
         """Queue the store of the request's full pool blocks (each rank puts those of its objects the
         store lacks); True: hold its blocks until the ranks have copied them out."""
+        try:
+            return self._finished(request, block_ids)
+        except Exception as e:  # noqa: BLE001 - a store that cannot be queued is dropped
+            logger.warning("KVBridgePoolConnector: store of %s dropped: %s", request.request_id, one_line(e))
+            return False
+
+    def _finished(self, request: Request, block_ids: list[int]) -> bool:
         rid = request.request_id
         self._loaded.discard(rid)
         self._pending.pop(rid, None)

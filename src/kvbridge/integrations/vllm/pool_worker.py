@@ -125,6 +125,9 @@ class PoolWorker:
                 else:
                     self._stores[job.request_id] = call
             for job in meta.loads:
+                if not job.keys:  # the scheduler could not plan it (said in its log): recompute
+                    self._fail_load(job, "not planned")
+                    continue
                 call = self._thread.submit(self._job, "load", job) if self.breaker.is_closed and self._caches else None
                 if call is None:
                     self._fail_load(job, "the pool is unavailable")
