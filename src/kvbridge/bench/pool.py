@@ -37,7 +37,7 @@ def prefix_workload(prefix_len: int = 512, num_prefixes: int = 4) -> list[str]:
 
 
 def bench_pool_transfer(tokens: int = 4096, rounds: int = 3, layers: int = 16, heads: int = 8,
-                        head_dim: int = 128) -> dict[str, Any]:
+                        head_dim: int = 128, block_tokens: int = 64) -> dict[str, Any]:
     """Store from TP 2 / block 16, load into TP 1 / block 64 (HND), through a real master."""
     import hashlib
 
@@ -52,13 +52,13 @@ def bench_pool_transfer(tokens: int = 4096, rounds: int = 3, layers: int = 16, h
     from kvbridge.transport.cache import RankCache
 
     spec = ModelSpec.uniform(layers, heads, head_dim, "bfloat16", name="bench")
-    block_tokens = 64
     n = tokens // block_tokens
-    src_l = EngineLayout(tp_size=2, block_size=16, num_blocks=n * 4 + 1)
-    dst_l = EngineLayout(tp_size=1, block_size=64, num_blocks=n + 1, kv_order="HND")
+    fs, fd = block_tokens // 16, block_tokens // 64  # device blocks per pool block
+    src_l = EngineLayout(tp_size=2, block_size=16, num_blocks=n * fs + 1)
+    dst_l = EngineLayout(tp_size=1, block_size=64, num_blocks=n * fd + 1, kv_order="HND")
     src, dst = RankCache.allocate_engine(spec, src_l, fill=None), RankCache.allocate_engine(spec, dst_l, fill=None)
     random_bytes(src, 1)
-    payload = sum(dst[0].addr.region_nbytes) // dst_l.num_blocks * n  # one copy of n blocks, every head once
+    payload = sum(dst[0].addr.region_nbytes) // dst_l.num_blocks * n * fd  # one copy of n blocks, every head once
     work = Path(tempfile.mkdtemp(prefix="kvbridge-bench-pool-"))
     master = MooncakeMaster.start(work / "master.log")
     client = StoreClient(StoreConfig(master.address, master.metadata_url, segment_bytes=max(64 << 20, 2 * payload)))
@@ -71,9 +71,9 @@ def bench_pool_transfer(tokens: int = 4096, rounds: int = 3, layers: int = 16, h
         for r in range(rounds):
             keys = [make_offload_key(hashlib.sha256(f"{r}/{i}".encode()).digest(), 0) for i in range(n)]
             t0 = time.perf_counter()
-            stored = [t.store(GPULoadStoreSpec(list(range(1, 1 + 4 * n)), [4 * n], [0]), keys) for t in writers]
+            stored = [t.store(GPULoadStoreSpec(list(range(1, 1 + fs * n)), [fs * n], [0]), keys) for t in writers]
             t1 = time.perf_counter()
-            loaded = [t.load(keys, GPULoadStoreSpec(list(range(1, 1 + n)), [n], [0])) for t in readers]
+            loaded = [t.load(keys, GPULoadStoreSpec(list(range(1, 1 + fd * n)), [fd * n], [0])) for t in readers]
             t2 = time.perf_counter()
             why = [w for res in stored + loaded for w in res.reasons]
             b.copy_(a)

@@ -2,29 +2,30 @@
 
 Anyone who reaches the store can put, overwrite or truncate objects, and a store that lost a
 node or a client that died mid-put can hand back bytes that were never whole. So an object is
-its payload followed by a seal: magic, payload length, and a BLAKE2b-128 MAC over the object's
-key, that length and the payload. With the fleet's secret the MAC is keyed (a peer without it
-cannot forge or move an object to another key); without one (`insecure`) it is a checksum
-(corruption and misplaced objects are still caught). A load uses an object only if its seal
-checks; MACs are compared in constant time. The same secret, under another personalisation,
-names the objects (`mac_key`, `objects.block_name`), so names say nothing without it.
+its payload followed by a seal: magic, payload length, and a 128-bit MAC over the object's
+name, that length and the payload: BLAKE3 in keyed mode (its key derived from the fleet's
+secret; 3.5-4.5 GB/s per core here, against BLAKE2b's 1, which bounded the pool's store and
+load). With a secret a peer without it cannot forge an object or move one to another name;
+without one (`insecure`) the MAC is a BLAKE3 checksum (corruption and misplaced objects are
+still caught). A load uses an object only if its seal checks; MACs are compared in constant
+time. The same secret, under another personalisation, names the objects (`mac_key`,
+`objects.block_name`), so names say nothing without it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import struct
 from functools import lru_cache
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
+import blake3
 import torch
 
-MAGIC = b"KVB1"
+MAGIC = b"KVB2"
 SEAL_BYTES = 32
-_PERSON = b"kvbridge-pool1"
+_CONTEXT = "kvbridge 2026-11 pool object seal v2"
 _HEAD = struct.Struct("<4sQ")  # magic, payload length; then the 16-byte MAC and 4 reserved zero bytes
 
 
@@ -34,13 +35,19 @@ def mac_key(secret: bytes) -> bytes:
     return secret if len(secret) <= 64 else hashlib.blake2b(secret, person=b"kvbridge-key").digest()
 
 
+@lru_cache(maxsize=8)
+def _seal_key(secret: bytes) -> bytes:
+    """BLAKE3's 32-byte key for seals, derived from the secret (BLAKE3's key-derivation mode)."""
+    return blake3.blake3(secret, derive_key_context=_CONTEXT).digest()
+
+
 def _mac(secret: bytes, key: str, length: int, pieces: Sequence[torch.Tensor]) -> bytes:
-    h = hashlib.blake2b(digest_size=16, key=mac_key(secret), person=_PERSON)
+    h = blake3.blake3(key=_seal_key(secret)) if secret else blake3.blake3()
     h.update(key.encode())
     h.update(length.to_bytes(8, "little"))
     for p in pieces:
         h.update(p.numpy())  # a 1-D uint8 view: hashed in place, no copy
-    return h.digest()
+    return h.digest(16)
 
 
 def seal(secret: bytes, key: str, pieces: Sequence[torch.Tensor]) -> bytes:
@@ -64,33 +71,15 @@ def check_seal(secret: bytes, key: str, pieces: Sequence[torch.Tensor], trailer:
     return ""
 
 
-_POOL: ThreadPoolExecutor | None = None
-_BATCH = 64  # objects per task: enough hashing per task to outweigh the hand-off
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="kvbridge-seal")
-    return _POOL
-
-
-def _batched(fn, items: list) -> list:
-    """`fn` over `items` on the seal threads (hashlib releases the GIL while it hashes), in order."""
-    if len(items) <= _BATCH:
-        return [fn(*x) for x in items]
-    parts = [items[i:i + _BATCH] for i in range(0, len(items), _BATCH)]
-    return [r for part in _pool().map(lambda p: [fn(*x) for x in p], parts) for r in part]
-
-
 def seal_many(secret: bytes, objects: list[tuple[str, Sequence[torch.Tensor]]]) -> list[bytes]:
-    """`seal` of each (key, pieces), hashed on several threads."""
-    return _batched(lambda key, pieces: seal(secret, key, pieces), objects)
+    """`seal` of each (key, pieces). On the caller's thread: the blake3 binding holds the GIL for
+    object-sized inputs, so threads only add hand-offs (measured: 3.8 GB/s on one, 3.2 on two)."""
+    return [seal(secret, key, pieces) for key, pieces in objects]
 
 
 def check_many(secret: bytes, objects: list[tuple[str, Sequence[torch.Tensor], bytes]]) -> list[str]:
-    """`check_seal` of each (key, pieces, trailer), on several threads."""
-    return _batched(lambda key, pieces, trailer: check_seal(secret, key, pieces, trailer), objects)
+    """`check_seal` of each (key, pieces, trailer)."""
+    return [check_seal(secret, key, pieces, trailer) for key, pieces, trailer in objects]
 
 
 __all__ = ["MAGIC", "SEAL_BYTES", "check_many", "check_seal", "mac_key", "seal", "seal_many"]
