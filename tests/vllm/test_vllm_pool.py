@@ -202,6 +202,14 @@ def test_instances_serve_with_the_master_down_and_use_the_pool_once_it_is_up(poo
     fresh = prompt_text(12, 200)
     assert request(pool.y.url, fresh, 8).token_ids == request(pool.x.url, fresh, 8).token_ids
     assert metric_total(pool.y.url, HITS) == hits
+    # The pool's own figures are in each instance's /metrics (vLLM's connector-stats path).
+    pool_metric = lambda m, name: metric_total(m.url, f"vllm:kvbridge_pool_{name}_total")  # noqa: E731
+    assert pool_metric(pool.x, "objects_put") >= BLOCKS * OBJECTS_PER_BLOCK and pool_metric(pool.x, "bytes_put") > 0
+    assert pool_metric(pool.y, "hit_tokens") >= BLOCKS * 64 and pool_metric(pool.y, "loads") >= 1
+    assert pool_metric(pool.y, "objects_got") >= BLOCKS * OBJECTS_PER_BLOCK and pool_metric(pool.y, "lookups") >= 2
+    for m in (pool.x, pool.y):  # down at start, then back: each side that noticed counts it both ways
+        assert pool_metric(m, "breaker_opened") >= 1 and pool_metric(m, "breaker_closed") >= 1
+        assert pool_metric(m, "seal_failures") == 0
 
 
 def test_tenants_never_share_a_prefix_and_each_hits_its_own(pool):
@@ -265,6 +273,9 @@ def test_a_master_stopped_for_a_minute_costs_requests_only_the_deadlines(pool):
     assert answers and all(a.ok for _, a in answers), [a.error for _, a in answers if not a.ok][:3]
     slowest = max(t for t, _ in answers)
     assert slowest < DEADLINE_BOUND_S, f"a request took {slowest:.1f} s while the master was stopped {STALL_S:.0f} s"
+    gave_up = sum(metric_total(m.url, f"vllm:kvbridge_pool_{n}_total") for m in (pool.x, pool.y)
+                  for n in ("lookup_timeouts", "timeouts", "lookups_skipped"))
+    assert gave_up >= 1, "the outage left no trace in the pool's metrics"
     assert healthy(pool.x.url) and healthy(pool.y.url)
     _shared_prefix_loads(pool, seed=41)  # and the pool serves again once the master runs
 

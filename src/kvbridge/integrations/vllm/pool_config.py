@@ -148,9 +148,11 @@ class PoolMetadata(KVConnectorMetadata):
     stores: list[PoolJob] = field(default_factory=list)
 
 
-def announce(logger: logging.Logger, master: str, side: str) -> Callable[[str, str], None]:
-    """A breaker's `on_change`: the pool going away and coming back, said once each."""
+def announce(logger: logging.Logger, master: str, side: str, tally: Any = None) -> Callable[[str, str], None]:
+    """A breaker's `on_change`: the pool going away and coming back, said once each (and counted)."""
     def on_change(state: str, why: str) -> None:
+        if tally is not None:
+            tally.add(breaker_closed=int(state == CLOSED), breaker_opened=int(state != CLOSED))
         if state == CLOSED:
             logger.warning("KVBridgePoolConnector (%s): the pool at %s is available again", side, master)
         else:

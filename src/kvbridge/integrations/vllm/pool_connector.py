@@ -47,10 +47,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults, SupportsHMA)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.pool_config import PoolJob, PoolMetadata, PoolSettings, pool_spec, vllm_staging
 from kvbridge.integrations.vllm.pool_identity import pool_model_id, refuse_unkeyable
+from kvbridge.integrations.vllm.pool_metrics import PoolPromMetrics, PoolStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -132,6 +134,20 @@ class KVBridgePoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()
+
+    # -- metrics (vLLM adds up the scheduler's and every rank's, see `pool_metrics`) ------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._scheduler if self._scheduler is not None else self._worker
+        return side.tally.take() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return PoolStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return PoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
         if self._worker is not None:

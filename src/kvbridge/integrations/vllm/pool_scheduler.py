@@ -17,6 +17,7 @@ from vllm.logger import init_logger
 
 from kvbridge.integrations.vllm.pool_config import PoolJob, PoolMetadata, announce, one_line, vllm_staging
 from kvbridge.integrations.vllm.pool_identity import request_pool_keys
+from kvbridge.integrations.vllm.pool_metrics import StatsTally
 from kvbridge.offload.scheduling import load_job, store_job
 from kvbridge.pool.background import Call, PoolThread, Prober
 from kvbridge.pool.breaker import Breaker
@@ -45,13 +46,13 @@ class PoolScheduler:
         self._client: StoreClient | None = None  # thread-only
         self._index: PoolIndex | None = None  # thread-only
         self._thread = PoolThread("kvbridge-pool-scheduler", max_queue=4096)
-        self.breaker = Breaker(1.0, s.max_backoff_s, on_change=announce(logger, s.master, "scheduler"))
+        self.tally = StatsTally()
+        self.breaker = Breaker(1.0, s.max_backoff_s, on_change=announce(logger, s.master, "scheduler", self.tally))
         self._asked: dict[str, Call] = {}  # lookups in flight, by request
         self._prober = Prober(self._thread, self.breaker, self._probe_store, self.lookup_timeout)
         self._pending: dict[str, tuple[list[bytes], int]] = {}
         self._loaded: set[str] = set()  # requests a load was scheduled for (until they finish)
         self._meta = PoolMetadata()
-        self.stats = {"lookups": 0, "hit_tokens": 0, "stores": 0, "lookup_timeouts": 0, "skipped": 0}
 
     # -- on the pool thread -------------------------------------------------------------------------
     def _ensure_index(self) -> PoolIndex:
@@ -92,20 +93,20 @@ class PoolScheduler:
         call = self._asked.get(rid)
         if call is None:
             if not self.breaker.is_closed:
-                self.stats["skipped"] += 1
+                self.tally.add(lookups_skipped=1)
                 return 0, False
             keys = request_pool_keys(request, tokens[:usable * self.bt], self.bt)
             call = self._thread.submit(self._hits, keys)
             if call is None:
                 return 0, False
             self._asked[rid] = call
-            self.stats["lookups"] += 1
+            self.tally.add(lookups=1, queried_tokens=usable * self.bt - num_computed_tokens)
             call.wait(INLINE_WAIT_S)
         if not call.done.is_set():
             if call.age() < self.lookup_timeout:
                 return None, False  # vLLM asks again at its next step
             self._forget_lookup(rid)
-            self.stats["lookup_timeouts"] += 1
+            self.tally.add(lookup_timeouts=1)
             self.breaker.failure(f"no answer to a lookup within {self.conn.settings.lookup_timeout_ms} ms")
             return 0, False
         del self._asked[rid]
@@ -125,7 +126,7 @@ class PoolScheduler:
         if tokens_hit <= num_computed_tokens:
             return 0, False
         self._pending[rid] = (keys[:hits], tokens_hit)
-        self.stats["hit_tokens"] += tokens_hit - num_computed_tokens
+        self.tally.add(hit_tokens=tokens_hit - num_computed_tokens)
         # Synchronous by default: the worker loads at the start of the very step that computes the
         # rest of the prompt (an asynchronous load costs two more engine steps before the request
         # runs, which on a busy CPU engine cost more than the tokens it saved).
@@ -179,7 +180,6 @@ class PoolScheduler:
         keys = request_pool_keys(request, list(request.all_token_ids)[: n * self.bt], self.bt)
         gpu = store_job([table], [keys], keys, self.factor)
         self._meta.stores.append(PoolJob(rid, keys, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices))
-        self.stats["stores"] += 1
         return True
 
     def take_meta(self) -> PoolMetadata:

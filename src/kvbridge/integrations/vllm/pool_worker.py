@@ -22,6 +22,7 @@ from vllm.logger import init_logger
 
 from kvbridge.errors import IncompatibleEngines
 from kvbridge.integrations.vllm.pool_config import PoolJob, PoolMetadata, announce, one_line, vllm_staging
+from kvbridge.integrations.vllm.pool_metrics import StatsTally
 from kvbridge.integrations.vllm.registration import spec_and_layout
 from kvbridge.pool.background import Call, PoolThread, Prober
 from kvbridge.pool.breaker import Breaker
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.{__name__}")
 MAX_FINISHED_IDS = 1 << 16
+TIER_COUNTS = ("objects_put", "objects_got", "bytes_put", "bytes_got", "seal_failures", "missing", "removed")
 PROBE_KEY = "kvb2/probe"
 
 
@@ -48,7 +50,8 @@ class PoolWorker:
         self._tier: PoolTier | None = None  # thread-only
         self._client: StoreClient | None = None  # thread-only
         self._thread = PoolThread(f"kvbridge-pool-rank{rank}", max_queue=1024)
-        self.breaker = Breaker(1.0, s.max_backoff_s, on_change=announce(logger, s.master, f"rank {rank}"))
+        self.tally = StatsTally()
+        self.breaker = Breaker(1.0, s.max_backoff_s, on_change=announce(logger, s.master, f"rank {rank}", self.tally))
         self._prober = Prober(self._thread, self.breaker, self._probe_store, self.load_timeout)
         self._stores: dict[str, Call] = {}  # in flight
         self._loads: dict[str, tuple[Call, PoolJob]] = {}  # asynchronous loads in flight
@@ -56,7 +59,6 @@ class PoolWorker:
         self._finished: OrderedDict[str, None] = OrderedDict()  # recent finished ids (bounded)
         self._res = KVConnectorTransferResults()
         self._failed_blocks: set[int] = set()
-        self.stats = {"loads": 0, "load_failures": 0, "stores": 0, "stores_dropped": 0, "timeouts": 0}
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         spec, layout, names = spec_and_layout(self.conn._vllm_config, self.conn._kv_cache_config, kv_caches,
@@ -98,11 +100,12 @@ class PoolWorker:
 
     def _job(self, call: Call, kind: str, job: PoolJob) -> TierResult:
         tier = self._ensure_tier()
-        before = tier.client.unreachable
+        before, counts = tier.client.unreachable, dict(tier.stats)
         if kind == "store":
             res = tier.store(job.gpu(), job.keys, call.device_access, skip_present=True)
         else:
             res = tier.load(job.keys, job.gpu(), call.device_access)
+        self.tally.add(**{k: tier.stats[k] - counts[k] for k in TIER_COUNTS}, **{f"{kind}_seconds": res.seconds})
         if tier.client.unreachable != before:  # the client is kept: see `StoreClient`
             raise PoolUnavailable(f"Mooncake Store at {self.conn.settings.master} stopped answering during a {kind}")
         return res
@@ -120,7 +123,7 @@ class PoolWorker:
             for job in meta.stores:
                 call = self._thread.submit(self._job, "store", job) if self.breaker.is_closed and self._caches else None
                 if call is None:  # the pool is away or the thread is behind: a cache drops, it never waits
-                    self.stats["stores_dropped"] += 1
+                    self.tally.add(stores_dropped=1)
                     self._stored.add(job.request_id)
                 else:
                     self._stores[job.request_id] = call
@@ -144,7 +147,7 @@ class PoolWorker:
 
     def _give_up_load(self, call: Call, job: PoolJob) -> None:
         call.abandon()  # from here on the late answer never reaches the blocks
-        self.stats["timeouts"] += 1
+        self.tally.add(timeouts=1)
         self.breaker.failure(f"a load took over {self.conn.settings.load_timeout_ms} ms")
         self._fail_load(job, "no answer in time")
 
@@ -159,14 +162,14 @@ class PoolWorker:
         if not res.ok:
             self._fail_load(job, "; ".join(res.reasons)[:500])
             return
-        self.stats["loads"] += 1
+        self.tally.add(loads=1)
         if self.conn.settings.load_async:
             self._res.finished_recving.add(job.request_id)
 
     def _fail_load(self, job: PoolJob, why: str) -> None:
         logger.warning("KVBridgePoolConnector rank %d: load of %s refused, recomputing: %s", self.rank,
                        job.request_id, why)
-        self.stats["load_failures"] += 1
+        self.tally.add(load_failures=1)
         if self.conn.settings.load_async:
             self._res.failed_recving.add(job.request_id)
             self._res.finished_recving.add(job.request_id)
@@ -182,10 +185,10 @@ class PoolWorker:
                                    "; ".join(call.result.reasons)[:500])
                 else:
                     self.breaker.success()
-                    self.stats["stores"] += 1
+                    self.tally.add(stores=1)
             elif call.age() > self.store_timeout:
                 call.abandon()  # it reads no device block from here on: they may go
-                self.stats["timeouts"] += 1
+                self.tally.add(timeouts=1, stores_dropped=1)
                 self.breaker.failure(f"a store took over {self.conn.settings.store_timeout_ms} ms")
             else:
                 continue
