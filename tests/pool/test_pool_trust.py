@@ -172,3 +172,43 @@ def test_pool_secret_files_follow_the_side_channel_rules(tmp_path):
     for path, why in ((link, "symlink"), (loose, "chmod 600"), (empty, "at least 16 bytes")):
         with pytest.raises(ConfigError, match=why):
             read_secret_file(path)
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` listens on (IPv4 and IPv6)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    addr, port = cols[1].split(":")
+                    out.add((addr, int(port, 16)))
+    return out
+
+
+def test_the_master_listens_only_on_the_fleets_interface(tmp_path):
+    """Mooncake binds every interface by default (its metadata server whatever it is told): the
+    master kvbridge starts opens its RPC and metrics ports on the host it was given, and no other."""
+    pytest.importorskip("mooncake.store", reason="the pool needs the Mooncake wheel (installed by `make test`)")
+    from kvbridge.pool.master import MooncakeMaster
+
+    with MooncakeMaster.start(tmp_path / "master.log") as master:
+        end = time.monotonic() + 30  # the metrics server starts beside the RPC one, a little later
+        while True:
+            listening = _listening(master.proc.pid)
+            if set(master.ports) <= {p for _, p in listening}:
+                break
+            assert time.monotonic() < end, listening
+            time.sleep(0.1)
+    loopback = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it
+    assert {p for _, p in listening} == set(master.ports), listening
+    assert all(a == loopback for a, _ in listening), listening
