@@ -35,7 +35,18 @@ def main(argv: list[str] | None = None) -> int:
         for r in result["rows"]:
             table.add_row(*(str(r[c]) if r[c] is not None else "-" for c in cols))
         console.print(table)
+        for r in result.get("rotation", []):
+            if "by_second" in r:
+                console.print(f"{r['member']} SIGKILLed under a load of {r['clients']} clients; errors by the second "
+                              f"each request was sent (relative to the kill): "
+                              + ", ".join(f"{b['second']}: {b['errors']}/{b['sent']}" for b in r["by_second"]))
+            else:
+                console.print(f"{r['member']} stopped (SIGSTOP) for {r['stopped_s']:.0f} s under load: unhealthy in "
+                              f"{r['unhealthy_samples']} of {r['health_samples']} router samples, {r['errors']} "
+                              f"errors in {r['requests']} requests, slowest {r['slowest_request_s']} s")
         console.print(f"after stop: {result['leaks']}  (logs: {result['work']})")
+        bad |= any(r.get("unhealthy_samples") or (r.get("last_error_sent_s") or 0) > 10
+                   for r in result.get("rotation", []))
         bad |= any(r["wrong"] for r in result["rows"]) or any(result["leaks"].get(k) for k in
                                                              ("processes_left", "segments_left", "ports_left"))
     if not args.skip_bench:

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvbridge.integrations.vllm.fleet import Fleet, FleetConfig, InstanceShape, healthy, port_free, vllm_serve_member
 from kvbridge.integrations.vllm.fleet_processes import remove_unused_segments, session_segments, stop_session
+from kvbridge.testing.rotation import errors_by_second, starved_member
 from kvbridge.testing.serving import edge_cases, prompt_text, request, transfer_events
 
 SHAPES = {"prefill": ["tp=1,block=64", "tp=2,block=32"], "decode": ["tp=2,block=32", "tp=1,block=128"]}
@@ -48,6 +49,7 @@ class Check:
         self.ref = vllm_serve_member(config, self.fleet._vllm, "reference", InstanceShape(tp=1, block=32),
                                      free_ports(1, self.fleet._promised), work, kv=None)
         self.rows: list[dict[str, Any]] = []
+        self.rotation: list[dict[str, Any]] = []  # out of rotation after a kill; a starved member kept
         self._seed = 1000
         self._reference: dict[str, list[int]] = {}
 
@@ -172,6 +174,11 @@ def run(work: Path | None = None, python: str | None = None, quick: bool = False
             check.load("load, decode-1 killed", 24, 8, check.kill_then("decode-1"))
             check.restart("decode-1")
             check.load("load after decode-1 restarted", 16, 8)
+            check.rotation.append(errors_by_second(check.fleet, "prefill-1"))
+            _log(f"errors by second after prefill-1's kill: {check.rotation[-1]}")
+            check.restart("prefill-1")
+            check.rotation.append(starved_member(check.fleet, "decode-1", 60.0))
+            _log(f"decode-1 stopped for 60 s: {check.rotation[-1]}")
             check.load("load, host starved", 24, 8, check.starve(60.0))
             check.load("load, decode-2 joins", 24, 8, check.join("tp=1,block=64"))
             check.load("load after the join", 16, 8)
@@ -180,7 +187,7 @@ def run(work: Path | None = None, python: str | None = None, quick: bool = False
         ref_segments = session_segments(check.ref.proc.pid) if check.ref.proc else set()
         stop_session(check.ref.proc)
         remove_unused_segments(ref_segments)
-    return {"work": str(work), "rows": check.rows, "leaks": leaks}
+    return {"work": str(work), "rows": check.rows, "rotation": check.rotation, "leaks": leaks}
 
 
 __all__ = ["Check", "run"]

@@ -87,10 +87,7 @@ class Fleet:
         argv = [self._router_bin, "--host", c.host, "--port", str(c.port), "--vllm-pd-disaggregation",
                 "--policy", c.router_policy, "--prometheus-host", "127.0.0.1", "--prometheus-port",
                 str(self._prometheus), "--request-timeout-secs", str(c.request_timeout_s),
-                "--worker-startup-timeout-secs", "1800",
-                # A starved instance answers /health late, not never: the router's 5 s default
-                # took live instances out under load ("No available workers: 0 prefill").
-                "--health-check-timeout-secs", "30", "--health-failure-threshold", "4"]
+                "--worker-startup-timeout-secs", "1800", *health_flags()]
         for m in self.members:
             argv += ["--prefill" if m.name.startswith("prefill") else "--decode", m.url]
         return Member("router", argv, dict(os.environ), self.log_dir / "router.log", c.port, argv_host=c.host)
@@ -268,6 +265,7 @@ class Fleet:
                                "engine_id": m.engine_id, "pid": m.proc.pid if m.proc else None,
                                "log": str(m.log_path)} for m in self.members],
                 "router": {"url": self.router.url, "pid": self.router.proc.pid if self.router.proc else None,
+                           "metrics": f"http://127.0.0.1:{self._prometheus}",
                            "log": str(self.router.log_path)},
                 "pool": {"master": self.pool_address, "block_tokens": self.config.pool_block_tokens,
                          "metrics": (f"http://{self.master.host}:{self.master.metrics_port}" if self.master
@@ -278,6 +276,20 @@ class Fleet:
     def curl_example(self) -> str:
         body = json.dumps({"model": "model", "prompt": "Hello", "max_tokens": 16, "temperature": 0})
         return f"curl -s {self.endpoint}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
+
+
+# The router's health checks (issue 28 point 2). A SIGKILLed instance's port refuses at once, so a
+# check every second takes it out of rotation after HEALTH_FAILURES checks (5 s); a starved one
+# answers late, and vllm-router checks every worker of a round together and starts the next round
+# only when the slowest check ends, so a member stopped for S seconds fails about S / 30 + 1
+# checks: 3 for a minute, kept. (vLLM's router defaults: every 60 s, 5 s timeout, 3 failures:
+# a dead instance stayed in rotation for minutes and a starved one was taken out.)
+HEALTH_INTERVAL_S, HEALTH_TIMEOUT_S, HEALTH_FAILURES = 1, 30, 5
+
+
+def health_flags() -> list[str]:
+    return ["--health-check-interval-secs", str(HEALTH_INTERVAL_S), "--health-check-timeout-secs",
+            str(HEALTH_TIMEOUT_S), "--health-failure-threshold", str(HEALTH_FAILURES)]
 
 
 _SEGMENT_KINDS = ("psm_", "vllm_", "sem.mp-", "kvbridge-")  # Python's multiprocessing, vLLM's TP channels, ours

@@ -115,6 +115,12 @@ def vllm_serve_member(c: FleetConfig, vllm: str, name: str, shape: InstanceShape
         argv += ["--kv-transfer-config", json.dumps(kv)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": str(c.kv_cache_gib),
            "TORCHINDUCTOR_CACHE_DIR": str(log_dir / f"inductor-{name}"), **c.extra_env}
+    # uvicorn closes a connection idle for this long (vLLM's default 5 s), and under uvloop its timer
+    # runs before the socket is read: a starved instance, continued, reset every pooled connection on
+    # which the router had sent a request meanwhile (HTTP 500 "Connection reset by peer"). Longer
+    # than the router's pool keeps an idle connection (50 s in its source) plus a minute's stop: the router
+    # always closes first.
+    env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "600")
     if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # see proofs/vllm/cluster._instance_config
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env.setdefault("OMP_NUM_THREADS", "1")
