@@ -12,7 +12,8 @@ Notifications go through the agent's ZMQ channel after the copy finished.
 Cleanup: a segment's file is unlinked when its owner calls `release_shared`, when the transport
 that registered it closes (mappings stay valid until the tensors die), at interpreter exit, and
 -- after a crash -- by the next `allocate_shared` on the host, which unlinks every kvbridge
-segment whose owning process (its pid is in the file name) no longer exists.
+segment whose owning process (its pid and PID namespace are in the file name:
+`kvbridge-PID-nsINODE-TAG-HEX`) no longer exists; segments of other PID namespaces are spared.
 
 A peer on another host, or whose process exited, fails transfers with that reason.
 
@@ -71,8 +72,8 @@ class SharedSegment:
     def __init__(self, nbytes: int, name_prefix: str = "seg", path: str | None = None):
         self.nbytes = int(nbytes)
         if path is None:
-            tag = re.sub(r"[^A-Za-z0-9_.-]", "_", name_prefix)[:64]
-            path = os.path.join(SHM_DIR, f"{_PREFIX}{os.getpid()}-{tag}-{uuid.uuid4().hex[:12]}")
+            tag = re.sub(r"[^A-Za-z0-9_.-]", "_", name_prefix)[:41]  # with `nsINODE-`: the name's 64
+            path = os.path.join(SHM_DIR, f"{_PREFIX}{os.getpid()}-{_ns_tag()}-{tag}-{uuid.uuid4().hex[:12]}")
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             self.owner = True
             self._finalizer = weakref.finalize(self, _unlink, path)
@@ -150,17 +151,47 @@ _SEGMENTS: dict[str, SharedSegment] = {}  # this process's own segments, by path
 _SEG_LOCK = threading.Lock()
 
 
+def pid_namespace() -> int:
+    """The inode of this process's PID namespace (0 where /proc does not say): a pid in a segment's
+    name means a process only in the namespace that gave it."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _ns_tag() -> str:
+    return f"ns{pid_namespace()}"
+
+
+_OWNER = re.compile(re.escape(_PREFIX) + r"([1-9][0-9]{0,9})-(?:ns([0-9]{1,20})-)?")
+
+
+def segment_owner(name: str) -> tuple[int, int | None] | None:
+    """(creator pid, its PID namespace's inode or None for a name without one) of a kvbridge
+    segment's file name, else None."""
+    m = _OWNER.match(os.path.basename(name))
+    if not m or not _NAME.fullmatch(os.path.basename(name)):
+        return None
+    return int(m.group(1)), int(m.group(2)) if m.group(2) else None
+
+
 def reap_stale_segments(pid: int | None = None) -> list[str]:
-    """Unlink kvbridge segments whose owning process is gone (left behind by a crash); only those
-    of process `pid` when given (a parent that saw its child die)."""
+    """Unlink kvbridge segments whose creating process is gone (left behind by a crash); only those
+    of process `pid` when given (a parent that saw its child die).
+
+    Only segments named with this PID namespace are judged: a pid of another namespace (a
+    container sharing /dev/shm with `--ipc=host`) says nothing here, so its segments are spared,
+    as are names without a namespace (written before names carried one)."""
     removed = []
+    ours = pid_namespace()
     pattern = _PREFIX + ("*" if pid is None else f"{int(pid)}-*")
     for path in glob.glob(os.path.join(SHM_DIR, pattern)):
-        m = re.match(re.escape(_PREFIX) + r"(\d+)-", os.path.basename(path))
-        if not m:
+        owner = segment_owner(path)
+        if owner is None or owner[1] != ours or not ours:
             continue
         try:
-            os.kill(int(m.group(1)), 0)
+            os.kill(owner[0], 0)
         except ProcessLookupError:
             _unlink(path)
             removed.append(path)

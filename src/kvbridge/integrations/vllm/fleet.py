@@ -29,8 +29,7 @@ from typing import Any
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.fleet_config import FleetConfig, FleetError, InstanceShape, check_shapes
 from kvbridge.integrations.vllm.fleet_processes import (Member, _group_alive, find_tool, free_ports, healthy, port_free,
-                                                        remove_unused_segments, session_segments, stop_session,
-                                                        vllm_python, vllm_serve_member)
+                                                        SegmentLedger, stop_session, vllm_python, vllm_serve_member)
 
 
 class Fleet:
@@ -57,11 +56,10 @@ class Fleet:
         # log directory never remove each other's.
         self.secret_file = self.log_dir / f"fleet-{self.tag}.secret"
         self.pool_secret_file = Path(config.pool_secret_file) if config.pool_secret_file else self.secret_file
-        self.segments: set[str] = set()  # /dev/shm names the fleet's processes mapped (`track_segments`)
+        self.ledger = SegmentLedger()  # the segments of the fleet's processes (`track_segments`), removed at stop
         self._vllm, self._router_bin = vllm, router
         self._promised: set[int] = {config.port}
         self._incarnation = 0
-        self._started = float("inf")  # `start` time: segments of vLLM's kinds made since then, unmapped at stop, go
         self.master = None  # the fleet's own mooncake_master (--pool start), launched by `start`
         self.pool_address = ""
         if config.pool == "start":
@@ -146,7 +144,6 @@ class Fleet:
 
     def start(self) -> None:
         """Start every instance (together: their imports overlap), then the router."""
-        self._started = time.time()
         from kvbridge.core.secrets import write_secret_file
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.secret_file.exists():
@@ -234,7 +231,12 @@ class Fleet:
         """Note the shared-memory segments the fleet's processes map (vLLM's TP channels, Python's
         multiprocessing blocks and semaphores, kvbridge's caches): killed workers leave theirs in
         /dev/shm, and `stop` removes them. Called while waiting for health and by the CLI's watch."""
-        self.segments |= session_segments(*(m.proc.pid for m in self.everyone() if m.proc is not None))
+        self.ledger.track(*(m.proc.pid for m in self.everyone() if m.proc is not None))
+
+    @property
+    def segments(self) -> set[str]:
+        """The /dev/shm names the fleet's processes mapped or created."""
+        return self.ledger.own()
 
     def stop(self) -> None:
         """Stop the router first (no new requests), then every instance; remove their segments."""
@@ -250,9 +252,7 @@ class Fleet:
             self.stop_member(m)
         if self.master is not None:
             self.master.stop()
-        from kvbridge.transport.shm import reap_stale_segments
-        reap_stale_segments()
-        remove_unused_segments(self.segments | _created_since(self._started))
+        self.ledger.remove_unused()  # only the fleet's own (SegmentLedger): nothing by age
         try:
             self.secret_file.unlink()
         except OSError:
@@ -290,21 +290,6 @@ HEALTH_INTERVAL_S, HEALTH_TIMEOUT_S, HEALTH_FAILURES = 1, 30, 5
 def health_flags() -> list[str]:
     return ["--health-check-interval-secs", str(HEALTH_INTERVAL_S), "--health-check-timeout-secs",
             str(HEALTH_TIMEOUT_S), "--health-failure-threshold", str(HEALTH_FAILURES)]
-
-
-_SEGMENT_KINDS = ("psm_", "vllm_", "sem.mp-", "kvbridge-")  # Python's multiprocessing, vLLM's TP channels, ours
-
-
-def _created_since(t0: float) -> set[str]:
-    """Segments of the kinds a fleet's processes make, created at or after `t0`: a process that
-    crashes before `track_segments` saw it map one leaves it behind too."""
-    out = set()
-    for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else ():
-        if name.startswith(_SEGMENT_KINDS):
-            with contextlib.suppress(OSError):
-                if os.stat(f"/dev/shm/{name}").st_ctime >= t0:
-                    out.add(name)
-    return out
 
 
 __all__ = ["Fleet", "FleetConfig", "FleetError", "InstanceShape", "Member", "check_shapes", "healthy", "port_free",

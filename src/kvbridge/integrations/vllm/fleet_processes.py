@@ -185,6 +185,45 @@ def session_segments(*leaders: int) -> set[str]:
     return {name for pid in _pids_in_groups(set(leaders)) for name in _mapped_segments(pid)}
 
 
+def session_pids(*leaders: int) -> set[int]:
+    """The processes of the sessions these pids lead, now."""
+    return set(_pids_in_groups(set(leaders)))
+
+
+def segments_named_by(pids: set[int]) -> set[str]:
+    """kvbridge segments in /dev/shm that processes `pids` of this PID namespace created (the
+    creator's pid and namespace are in the name)."""
+    from kvbridge.transport.shm import SHM_DIR, pid_namespace, segment_owner
+    ours, out = pid_namespace(), set()
+    for name in os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else ():
+        owner = segment_owner(name)
+        if owner is not None and owner[0] in pids and owner[1] == ours:
+            out.add(name)
+    return out
+
+
+class SegmentLedger:
+    """The shared-memory segments of one fleet's processes (issue 28 point 4): those they map
+    (vLLM's TP channels, Python's multiprocessing blocks and semaphores, kvbridge's caches), seen
+    by `track` while they run, and kvbridge's segments named by any process the fleet's sessions
+    ever had. Killed processes leave theirs in /dev/shm; `remove_unused` unlinks exactly these,
+    once no live process maps them: nothing by age, nothing of another program or fleet."""
+
+    def __init__(self) -> None:
+        self.segments: set[str] = set()
+        self.pids: set[int] = set()
+
+    def track(self, *leaders: int) -> None:
+        self.pids |= session_pids(*leaders)
+        self.segments |= session_segments(*leaders)
+
+    def own(self) -> set[str]:
+        return self.segments | segments_named_by(self.pids)
+
+    def remove_unused(self) -> int:
+        return remove_unused_segments(self.own())
+
+
 def remove_unused_segments(names: set[str]) -> int:
     """Unlink those of `names` that no live process maps (killed vLLM processes leave theirs)."""
     still_used = {name for pid in _all_pids() for name in _mapped_segments(pid)}
@@ -199,4 +238,5 @@ def remove_unused_segments(names: set[str]) -> int:
 
 
 __all__ = ["Member", "PortsExhausted", "find_tool", "free_ports", "healthy", "port_free", "remove_unused_segments",
-           "session_segments", "stop_session", "vllm_python", "vllm_serve_member"]
+           "SegmentLedger", "segments_named_by", "session_pids", "session_segments", "stop_session", "vllm_python",
+           "vllm_serve_member"]
