@@ -119,6 +119,12 @@ def test_serve_fleet_answers_as_one_instance_and_stops_clean(vllm_env, tmp_path)
     assert not left and not _pids_in_groups(set(pids)), "fleet processes left running"
     assert not [s for s in segments if os.path.exists(f"/dev/shm/{s}")], "fleet segments left in /dev/shm"
     assert pool_key.read_bytes() and not list(logs.glob("*.secret")), "the fleet removes its own secret, not the pool's"
-    ports = [port, int(fleet["pool"]["master"].rsplit(":", 1)[1])] + [int(i["url"].rsplit(":", 1)[1])
-                                                                      for i in fleet["instances"]]
-    assert all(port_free("127.0.0.1", p) for p in ports), ports
+    ports = [port, int(fleet["pool"]["master"].rsplit(":", 1)[1]), int(fleet["pool"]["metrics"].rsplit(":", 1)[1]),
+             int(fleet["router"]["metrics"].rsplit(":", 1)[1])] + [int(i["url"].rsplit(":", 1)[1])
+                                                                   for i in fleet["instances"]]
+    assert set(ports) <= set(fleet["ports"]), (ports, fleet["ports"])  # every port it binds was reserved
+    assert all(port_free("127.0.0.1", p) for p in fleet["ports"]), fleet["ports"]  # side channels too
+    from kvbridge.transport.ports import PortReservations
+    after = PortReservations()
+    assert not [p for p in fleet["ports"] if after.take(p, "127.0.0.1")], "reservations outlived the fleet"
+    after.release()

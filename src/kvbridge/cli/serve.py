@@ -78,6 +78,7 @@ def serve(
         for m in fleet.everyone():
             console.print(f"# {m.name} (log {m.log_path})", highlight=False, markup=False)
             console.print(" ".join(_quote(a) for a in m.argv), highlight=False, markup=False, soft_wrap=True)
+        fleet.port_locks.release()
         return
     if (unreachable := fleet.pool_unreachable()):
         err_console.print(f"warning: {unreachable}", highlight=False, markup=False)

@@ -1,9 +1,14 @@
-"""Free local ports for the servers kvbridge starts (fleet instances, a pool's store master)."""
+"""Free local ports for the servers kvbridge starts (fleet instances, a pool's store master), and
+reservations that keep two launchers starting side by side from promising the same port."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import random
 import socket
+from collections.abc import Sequence
 
 from kvbridge.errors import KVBridgeError
 
@@ -42,4 +47,108 @@ def free_ports(count: int = 1, exclude: set[int] | None = None) -> int:
     raise PortsExhausted(f"no {count} consecutive free ports found")
 
 
-__all__ = ["PortsExhausted", "free_ports"]
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on host:port now (with SO_REUSEADDR, as servers bind: a
+    closed server's connections in TIME_WAIT do not hold its port). `0.0.0.0` / `::` test every
+    interface: a server on any one address holds the port there."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+LOCK_DIR = "/tmp/kvbridge-ports"
+
+
+class PortReservations:
+    """Ports one launcher will bind, each free on the interface it binds and held by an exclusive
+    `flock` on `LOCK_DIR/PORT.lock` until `release` (or this process's end: the kernel drops the
+    lock), so a second launcher starting beside it (another fleet, another user's) never promises
+    the same port. A port is reserved whatever the interface: two fleets on two addresses of one
+    host still get different ports."""
+
+    def __init__(self, lock_dir: str = LOCK_DIR):
+        self.lock_dir = lock_dir
+        self._held: dict[int, int] = {}  # port -> descriptor of its locked file
+
+    @property
+    def ports(self) -> set[int]:
+        return set(self._held)
+
+    def _lock(self, port: int) -> bool:
+        if port in self._held:
+            return False
+        if not os.path.isdir(self.lock_dir):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(self.lock_dir, 0o1777)
+                os.chmod(self.lock_dir, 0o1777)  # every user's launchers share it; sticky: nobody removes another's
+        path = os.path.join(self.lock_dir, f"{port}.lock")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        except OSError:
+            return False
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self._held[port] = fd
+        return True
+
+    def take(self, port: int, host: str) -> str:
+        """Reserve `port` for a server on `host`: '' when done, else why not (one phrase)."""
+        if port in self._held:
+            return f"{port} is already one of this launcher's ports"
+        if not self._lock(port):
+            return f"{port} is reserved by another kvbridge launcher starting or running beside this one"
+        if not port_free(host, port):
+            self.drop(port)
+            return f"{host}:{port} is in use or cannot be bound"
+        return ""
+
+    def run(self, hosts: Sequence[str]) -> int:
+        """Reserve `len(hosts)` consecutive ports, port `base + i` free on `hosts[i]`; the base.
+        Below the kernel's ephemeral range (see `free_ports`)."""
+        count = len(hosts)
+        rng = random.Random()
+        top = max(20000 + 1000, min(_ephemeral_low(), 60000))
+        for _ in range(400):
+            base = rng.randrange(20000, top - count)
+            got: list[int] = []
+            for i, host in enumerate(hosts):
+                if self.take(base + i, host):
+                    break
+                got.append(base + i)
+            if len(got) == count:
+                return base
+            for p in got:
+                self.drop(p)
+        raise PortsExhausted(f"no {count} consecutive free ports found")
+
+    def drop(self, port: int) -> None:
+        fd = self._held.pop(port, None)
+        if fd is not None:
+            os.close(fd)  # closing the only descriptor releases the flock
+
+    def release(self) -> None:
+        for port in list(self._held):
+            self.drop(port)
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+__all__ = ["LOCK_DIR", "PortReservations", "PortsExhausted", "free_ports", "port_free"]

@@ -28,8 +28,9 @@ from typing import Any
 
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.fleet_config import FleetConfig, FleetError, InstanceShape, check_shapes
-from kvbridge.integrations.vllm.fleet_processes import (Member, _group_alive, find_tool, free_ports, healthy, port_free,
+from kvbridge.integrations.vllm.fleet_processes import (Member, _group_alive, find_tool, healthy, port_free,
                                                         SegmentLedger, stop_session, vllm_python, vllm_serve_member)
+from kvbridge.transport.ports import PortReservations
 
 
 class Fleet:
@@ -58,13 +59,32 @@ class Fleet:
         self.pool_secret_file = Path(config.pool_secret_file) if config.pool_secret_file else self.secret_file
         self.ledger = SegmentLedger()  # the segments of the fleet's processes (`track_segments`), removed at stop
         self._vllm, self._router_bin = vllm, router
-        self._promised: set[int] = {config.port}
         self._incarnation = 0
+        # Every port the fleet binds, checked free on the interface that binds it and held (flock)
+        # until `stop`: a fleet starting beside this one never promises the same port.
+        self.port_locks = PortReservations()
+        try:
+            self._place(config)
+        except BaseException:
+            self.port_locks.release()
+            raise
+
+    def _place(self, config: FleetConfig) -> None:
+        """The pool's master, the instances and the router, each on ports reserved for it."""
+        if (why := self.port_locks.take(config.port, config.host)):
+            raise ConfigError(f"--port {config.port}: {why}")
         self.master = None  # the fleet's own mooncake_master (--pool start), launched by `start`
         self.pool_address = ""
         if config.pool == "start":
             from kvbridge.pool.master import MooncakeMaster
-            self.master = MooncakeMaster.prepare(self.log_dir / "mooncake-master.log", config.side_channel_host)
+            for _ in range(50):  # its ports are drawn free on 127.0.0.1: taken only when free on its host too
+                self.master = MooncakeMaster.prepare(self.log_dir / "mooncake-master.log", config.side_channel_host)
+                if not self.port_locks.take(self.master.rpc_port, self.master.host):
+                    if not self.port_locks.take(self.master.metrics_port, self.master.host):
+                        break
+                    self.port_locks.drop(self.master.rpc_port)
+            else:
+                raise ConfigError(f"no two free ports for the pool's master on {config.side_channel_host}")
             self.pool_address = self.master.address
         elif config.pool:
             self.pool_address = config.pool
@@ -72,12 +92,17 @@ class Fleet:
         for role, shapes in (("prefill", config.prefill), ("decode", config.decode)):
             for i, shape in enumerate(shapes):
                 self.members.append(self._new_instance(f"{role}-{i}", shape))
-        self._prometheus = free_ports(1, self._promised)
+        self._prometheus = self.port_locks.run(["127.0.0.1"])  # the router's metrics
         self.router = self._router()
 
+    @property
+    def _promised(self) -> set[int]:
+        """Every port the fleet holds (callers starting more servers beside it exclude them)."""
+        return self.port_locks.ports
+
     def _new_instance(self, name: str, shape: InstanceShape) -> Member:
-        base = free_ports(1 + shape.tp * shape.pp, self._promised)
-        self._promised.update(range(base, base + 1 + shape.tp * shape.pp))
+        c = self.config  # HTTP on --host, then one side-channel port per rank on --side-channel-host
+        base = self.port_locks.run([c.host] + [c.side_channel_host] * (shape.tp * shape.pp))
         return self._instance(self._vllm, name, shape, http_port=base, side_port=base + 1)
 
     def _router(self) -> Member:
@@ -257,10 +282,12 @@ class Fleet:
             self.secret_file.unlink()
         except OSError:
             pass
+        self.port_locks.release()
 
     def summary(self) -> dict[str, Any]:
         """What `kvbridge serve --json` prints once the fleet is healthy."""
         return {"endpoint": self.endpoint, "model": "model", "log_dir": str(self.log_dir),
+                "ports": sorted(self.port_locks.ports),  # every port the fleet binds, held until it stops
                 "instances": [{"name": m.name, "url": m.url, "shape": m.shape.describe() if m.shape else None,
                                "engine_id": m.engine_id, "pid": m.proc.pid if m.proc else None,
                                "log": str(m.log_path)} for m in self.members],

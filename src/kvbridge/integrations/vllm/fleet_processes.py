@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.transport.ports import PortsExhausted, free_ports  # noqa: F401 - re-exported
+from kvbridge.transport.ports import PortsExhausted, free_ports, port_free  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
     from kvbridge.integrations.vllm.fleet_config import FleetConfig, InstanceShape
@@ -82,19 +82,6 @@ def healthy(url: str, timeout: float = 2.0) -> bool:
             return r.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
-
-
-def port_free(host: str, port: int) -> bool:
-    """Whether a server could listen on host:port now (with SO_REUSEADDR, as servers bind: a
-    closed server's connections in TIME_WAIT do not hold its port)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
 
 
 def find_tool(python: str, name: str) -> str | None:
