@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbridge.cli import app
-from kvbridge.transport.ports import PortReservations, port_free
+from kvbridge.transport.ports import PortReservations, port_free, reserved
 
 HOLDER = """
 import sys, time
@@ -31,6 +31,7 @@ def test_a_port_another_launcher_holds_is_never_promised_and_comes_back_when_it_
     try:
         base = int(holder.stdout.readline())
         assert port_free("127.0.0.1", base)  # nothing listens: only the reservation holds it
+        assert reserved(base) and reserved(base + 1)  # and free_ports (the pool's master, tests) skips it
         mine = PortReservations()
         why = mine.take(base, "127.0.0.1")
         assert "reserved by another kvbridge launcher" in why and "\n" not in why
@@ -39,6 +40,7 @@ def test_a_port_another_launcher_holds_is_never_promised_and_comes_back_when_it_
     finally:
         holder.stdin.close()  # the launcher ends: the kernel drops its locks
         holder.wait(30)
+    assert not reserved(base)
     again = PortReservations()
     assert again.take(base, "127.0.0.1") == ""
     again.release()

@@ -32,6 +32,8 @@ def free_ports(count: int = 1, exclude: set[int] | None = None) -> int:
         base = rng.randrange(20000, top - count)
         if exclude and exclude.intersection(range(base, base + count)):
             continue
+        if any(reserved(p) for p in range(base, base + count)):  # a launcher beside us holds it
+            continue
         socks = []
         try:
             for p in range(base, base + count):
@@ -62,6 +64,21 @@ def port_free(host: str, port: int) -> bool:
 
 
 LOCK_DIR = "/tmp/kvbridge-ports"
+
+
+def reserved(port: int, lock_dir: str = LOCK_DIR) -> bool:
+    """Whether a launcher holds `port`'s reservation (`PortReservations`) now."""
+    try:
+        fd = os.open(os.path.join(lock_dir, f"{port}.lock"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 class PortReservations:
@@ -151,4 +168,4 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-__all__ = ["LOCK_DIR", "PortReservations", "PortsExhausted", "free_ports", "port_free"]
+__all__ = ["LOCK_DIR", "PortReservations", "PortsExhausted", "free_ports", "port_free", "reserved"]
