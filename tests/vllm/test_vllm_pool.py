@@ -10,6 +10,9 @@ served model's name, eager mode, LoRA adapters and shorter deadlines), so the do
 4. a master stopped for 60 s under load costs requests no more than the pool's deadlines;
 5. a master SIGKILLed under load costs no request and no engine, and a new master is used.
 
+X loads at the start of the step that computes the rest of the prompt (the default), Y through
+vLLM's asynchronous path (`load_async`), so both paths meet every case.
+
 The tests share the instances (a vLLM CPU start costs a minute or two) and run in file order.
 Every reference answer is the answer of an instance that computed the prompt itself (the store
 did not hold it): a plain instance's answer.
@@ -135,8 +138,9 @@ def pool(vllm_env, tmp_path_factory):
     master, x = _from_doc(work, model, vllm, port_x, lora)  # the master is down at start: the first test launches it
     config = FleetConfig(model=model, prefill=[], decode=[], log_dir=work)
     port_y = free_ports(1, {port_x, *master.ports})
-    y = vllm_serve_member(config, vllm, "pool-y", InstanceShape(tp=2, block=32), port_y, work,
-                          kv=_kv(master, work / "pool.key"))
+    kv_y = _kv(master, work / "pool.key")
+    kv_y["kv_connector_extra_config"]["load_async"] = True  # X loads at its step's start, Y through vLLM's async path
+    y = vllm_serve_member(config, vllm, "pool-y", InstanceShape(tp=2, block=32), port_y, work, kv=kv_y)
     y.argv += lora
     members = [x, y]
     for m in members:
