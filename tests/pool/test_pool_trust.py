@@ -212,3 +212,23 @@ def test_the_master_listens_only_on_the_fleets_interface(tmp_path):
     loopback = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it
     assert {p for _, p in listening} == set(master.ports), listening
     assert all(a == loopback for a, _ in listening), listening
+
+
+def test_a_multimodal_model_is_refused_in_one_line_and_a_text_model_is_not():
+    """Stand-in configs: vLLM CPU here cannot even inspect a multimodal architecture (its image
+    stack is not installed: `make vllm-env` removes torchvision), so the refusal reads the one flag
+    vLLM sets, `model_config.is_multimodal_model`, from a stand-in."""
+    from types import SimpleNamespace
+
+    from kvbridge.errors import IncompatibleEngines
+    from kvbridge.integrations.vllm.pool_identity import pool_model_id, refuse_unkeyable
+
+    def config(mm: bool, revision: str | None = None):
+        return SimpleNamespace(model_config=SimpleNamespace(is_multimodal_model=mm, model="/m", revision=revision))
+
+    refuse_unkeyable(config(False))
+    with pytest.raises(IncompatibleEngines, match="multimodal") as e:
+        refuse_unkeyable(config(True))
+    assert "\n" not in str(e.value)
+    assert pool_model_id(config(False)) == "/m" and pool_model_id(config(False, "v2")) == "/m@v2"
+    assert pool_model_id(config(False, "v2"), "fleet-model") == "fleet-model@v2"
