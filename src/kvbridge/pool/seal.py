@@ -21,6 +21,7 @@ from functools import lru_cache
 from collections.abc import Sequence
 
 import blake3
+import numpy as np
 import torch
 
 MAGIC = b"KVB2"
@@ -35,6 +36,19 @@ def mac_key(secret: bytes) -> bytes:
     return secret if len(secret) <= 64 else hashlib.blake2b(secret, person=b"kvbridge-key").digest()
 
 
+Piece = "torch.Tensor | np.ndarray"
+"""A 1-D uint8 run of an object: a CPU tensor, or its numpy view (what a tier caches: no
+conversion per object and call)."""
+
+
+def _bytes_view(p) -> np.ndarray:
+    return p if isinstance(p, np.ndarray) else p.numpy()
+
+
+def _nbytes(p) -> int:
+    return int(p.nbytes) if isinstance(p, np.ndarray) else int(p.numel())
+
+
 @lru_cache(maxsize=8)
 def _seal_key(secret: bytes) -> bytes:
     """BLAKE3's 32-byte key for seals, derived from the secret (BLAKE3's key-derivation mode)."""
@@ -46,13 +60,13 @@ def _mac(secret: bytes, key: str, length: int, pieces: Sequence[torch.Tensor]) -
     h.update(key.encode())
     h.update(length.to_bytes(8, "little"))
     for p in pieces:
-        h.update(p.numpy())  # a 1-D uint8 view: hashed in place, no copy
+        h.update(_bytes_view(p))  # hashed in place, no copy
     return h.digest(16)
 
 
 def seal(secret: bytes, key: str, pieces: Sequence[torch.Tensor]) -> bytes:
     """The seal of an object whose payload is `pieces` (uint8 CPU tensors) in order."""
-    length = sum(int(p.numel()) for p in pieces)
+    length = sum(_nbytes(p) for p in pieces)
     return _HEAD.pack(MAGIC, length) + _mac(secret, key, length, pieces) + bytes(4)
 
 
@@ -63,7 +77,7 @@ def check_seal(secret: bytes, key: str, pieces: Sequence[torch.Tensor], trailer:
     magic, length = _HEAD.unpack_from(trailer)
     if magic != MAGIC:
         return "no kvbridge seal (magic differs)"
-    want = sum(int(p.numel()) for p in pieces)
+    want = sum(_nbytes(p) for p in pieces)
     if length != want:
         return f"sealed payload of {length} bytes, expected {want}"
     if not hmac.compare_digest(_mac(secret, key, length, pieces), trailer[_HEAD.size:_HEAD.size + 16]):

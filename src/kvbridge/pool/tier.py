@@ -168,7 +168,7 @@ class PoolTier:
         per_block = max((len(g) for g in self.layout.group_objects), default=0)
         self._seals = torch.zeros(max(1, config.staging_blocks * per_block * SEAL_BYTES), dtype=torch.uint8)
         self._seal_base = self._seals.data_ptr()
-        self._view_cache: dict[tuple[int, ObjectId], list[torch.Tensor]] = {}
+        self._view_cache: dict[tuple[int, ObjectId], list[np.ndarray]] = {}
         self._run_cache: dict[tuple[int, ObjectId], list[tuple[int, int]]] = {}
         spans = [(t.data_ptr(), t.numel()) for t in [*self._regions, self._seals]]
         for address, nbytes in spans:
@@ -180,7 +180,7 @@ class PoolTier:
                       "missing": 0, "put_failures": 0, "removed": 0}
 
     # -- bytes of objects in staging ----------------------------------------------------------------------
-    def _views(self, slot: int, obj: ObjectId) -> list[torch.Tensor]:
+    def _views(self, slot: int, obj: ObjectId) -> list[np.ndarray]:
         """An object's bytes in staging slot `slot`, adjacent pieces merged (fewer transfer tasks),
         built once per (slot, object): the staging layout never changes, and building views per
         object and call was a third of a load's time."""
@@ -194,9 +194,9 @@ class PoolTier:
             else:
                 runs.append([r, off, n])
         views = [self._regions[r][off:off + n] for r, off, n in runs]
-        self._view_cache[(slot, obj)] = views
+        self._view_cache[(slot, obj)] = [v.numpy() for v in views]  # what seals hash: no conversion per call
         self._run_cache[(slot, obj)] = [(v.data_ptr(), v.numel()) for v in views]
-        return views
+        return self._view_cache[(slot, obj)]
 
     def _runs(self, slot: int, obj: ObjectId, seal_index: int) -> list[tuple[int, int]]:
         self._views(slot, obj)
