@@ -16,7 +16,7 @@ def test_a_shape_reads_every_key():
 
 @pytest.mark.parametrize("text, why", [
     ("tp", "key=value"), ("tp=1,tp=2", "given twice"), ("foo=1", "unknown key 'foo'"), ("tp=x", "positive integer"),
-    ("tp=0", "1..64, got 0"), ("block=5000", "1..4096"), ("tp=" + "9" * 5000, "more than 12 digits"),
+    ("tp=0", "1..256, got 0"), ("tp=257", "1..256, got 257"), ("block=5000", "1..4096"), ("tp=" + "9" * 5000, "more than 12 digits"),
     ("transport=tcp", "transport must be"), ("mode=both", "mode must be"), ("x" * 500 + "=1", "unknown key"),
 ])
 def test_bad_shapes_are_one_bounded_line(text, why):

@@ -60,6 +60,21 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   cls=_OneLineErrors,
                   context_settings={"max_content_width": 80},
                   help="Move LLM KV caches between engines of any TP size, block size and layout, byte-exact.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from kvbridge import __version__
+        sys.stdout.write(f"kvbridge {__version__}\n")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
+                                       help="Print kvbridge's version and exit.")) -> None:
+    """Move LLM KV caches between engines of any TP size, block size and layout, byte-exact."""
+
+
 console = Console()
 if not console.is_terminal:  # piped output: wide enough for the plan table, never squeezed to 80
     console = Console(width=160)

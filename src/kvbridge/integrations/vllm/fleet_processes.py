@@ -6,9 +6,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -70,6 +70,34 @@ class Member:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+    def cause(self) -> str:
+        """The last error line of the member's log (`log_cause`), '' when it has none."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - (1 << 20)))  # the last MiB: a cause is near the end
+                return log_cause(f.read().decode(errors="replace"))
+        except OSError:
+            return ""
+
+
+# `ValueError: ...`, `(EngineCore pid=12) torch.OutOfMemoryError: ...`,
+# `(Worker pid=7) ERROR 11-26 23:48:03 [multiproc_executor.py:953] AssertionError: ...`
+_ERROR_LINE = re.compile(r"(?:^|[\s\])])((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception): \S.*)$")
+_GENERIC = ("See root cause above", "Engine core initialization failed", "Traceback (most recent call last)")
+
+
+def log_cause(text: str) -> str:
+    """The last line of a vLLM log that names an exception and its message, skipping vLLM's own
+    'See root cause above' wrappers: what to tell a user whose instance died at start."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        m = _ERROR_LINE.search(line)
+        if m and not any(g in line for g in _GENERIC):
+            cause = m.group(1)
+            return cause if len(cause) <= 400 else cause[:397] + "..."
+    return ""
 
 
 def _url_host(host: str) -> str:
