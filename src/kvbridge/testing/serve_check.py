@@ -144,7 +144,7 @@ class Check:
     def leaks(self) -> dict[str, Any]:
         from kvbridge.integrations.vllm.fleet_processes import _pids_in_groups
         groups = {m.proc.pid for m in self.fleet.everyone() if m.proc is not None}
-        ports = [m.http_port for m in self.fleet.everyone()]
+        ports = sorted(self.fleet.port_locks.ports)  # every port it reserved: HTTP, side channels, metrics, master
         self.fleet.stop()
         time.sleep(1)
         return {"processes_left": len(_pids_in_groups(groups)),
