@@ -18,6 +18,9 @@ weights: well under a second even for DeepSeek-V3's 61 layers), and its decoder 
   projections (`k_proj` / `v_proj`, BERT's `key` / `value`, CTRL's `Wk` / `Wv`, ...) over the
   module's head width, or a fused QKV projection (`query_key_value`, `c_attn`, `qkv_proj`,
   `Wqkv`, `W_pack`: query heads plus two sets of KV heads) or a fused KV projection (`kv_proj`);
+  the query heads (a check: never fewer than KV heads) from the module's attribute, else the
+  query projection over the key width, else the output projection over the width it reads (the
+  value width with separate projections: MiMo-V2's values of 16 beside keys of 24);
   where the projections are modules of another shape (ZAYA's CCA), the KV heads and head width the
   attention module keeps as attributes;
 * recurrent mixers, by the attributes their modules keep: a Mamba2 mixer (`num_heads`,
@@ -154,11 +157,16 @@ def attention_geometry(module: Any) -> BuiltAttention | None:
         return None
     q_heads = _int(module, *_Q_HEADS)
     head_dim = _int(module, *_HEAD_DIM)
-    out = _child(module, _O)
-    if q_heads is None and head_dim and out is not None and _in_width(out) and _in_width(out) % head_dim == 0:
-        q_heads = _in_width(out) // head_dim  # the output projection reads every query head
+    out, q = _child(module, _O), _child(module, _Q)
+    if q_heads is None and head_dim and q is not None and _width(q) % head_dim == 0:
+        q_heads = _width(q) // head_dim  # queries are as wide as keys
+    if q_heads is None and head_dim and out is not None and k is None and _in_width(out) \
+            and _in_width(out) % head_dim == 0:
+        # a fused projection's query, key and value heads are of one width, which the output
+        # projection reads once per query head (with separate projections it reads *value* heads,
+        # which may be narrower: MiMo-V2's 16 against keys of 24)
+        q_heads = _in_width(out) // head_dim
     if head_dim is None and q_heads:
-        q = _child(module, _Q)
         if q is not None and _width(q) % q_heads == 0:
             head_dim = _width(q) // q_heads
         elif _int(module, "embed_dim", "hidden_size", "all_head_size") and k is None:
@@ -171,7 +179,10 @@ def attention_geometry(module: Any) -> BuiltAttention | None:
         heads = _width(k) // head_dim
         if heads < 1 or _width(v) % heads:
             return None
-        return BuiltAttention(name, False, heads, head_dim, _width(v) // heads, q_heads=q_heads or 0)
+        value_dim = _width(v) // heads
+        if not q_heads and out is not None and _in_width(out) and _in_width(out) % value_dim == 0:
+            q_heads = _in_width(out) // value_dim  # the output projection reads one value per query head
+        return BuiltAttention(name, False, heads, head_dim, value_dim, q_heads=q_heads or 0)
     if kv is not None:  # fused K and V of equal widths
         heads, rest = divmod(_width(kv), 2 * head_dim)
         return BuiltAttention(name, False, heads, head_dim, head_dim, q_heads=q_heads or 0) if heads and not rest else None
