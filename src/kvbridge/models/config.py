@@ -49,17 +49,24 @@ list of model types, so a new plain-attention architecture needs nothing here:
 
 Head counts, head widths and state shapes come from the modules transformers builds for the config
 (the whole model on the meta device, `modules.py`): each attention module's key / value projections
-(or MLA latent), each recurrent mixer's sizes. The config's fields, read as below, are the fallback
-where no module answers (a model transformers cannot build on meta, a projection or mixer of
-another shape) and are compared with the modules everywhere else: a field the architecture ignores
-(a sibling's `num_key_value_heads`, `kv_lora_rank` or `linear_*` sizes copied into config.json) or a
-size the modeling code derives (MiMo-V2's doubled sliding KV heads) is planned as the module builds
-it, with one warning line naming the fields and the module. A recurrent mixer's kind is named by
-signal fields of the config's own class only (`recurrent.without_stray_signals`).
+(or MLA latent), each recurrent mixer's sizes; and what each K/V layer caches from one forward of
+that model on meta where it runs there (`probe.py`), which wins over the projections: where the
+forward caches each computed KV head several times (Falcon's new decoder architecture), an engine
+keeps the computed heads and the transformers view the cached ones, named in one warning line. The
+config's fields, read as below, are the fallback where nothing answers (no module, no forward on
+meta); an attention module with K/V projections kvbridge cannot read and no forward to measure is
+refused by name. Fields are compared with the modules everywhere else: a field the architecture
+ignores (a sibling's `num_key_value_heads`, `kv_lora_rank` or `linear_*` sizes copied into
+config.json) or a size the modeling code derives (MiMo-V2's doubled sliding KV heads) is planned as
+the module builds it, with one warning line naming the fields and the module. A recurrent mixer's
+kind is named by signal fields of the config's own class only (`recurrent.without_stray_signals`).
 
 The config is untrusted (`untrusted.py` checks it first). A cache-sizing field that config.json
 omits and transformers fills from its class default (attention and recurrent sizes alike: a gated
 delta net without its `linear_*` sizes plans on the flagship's) is named on stderr, in one line.
+
+Length: about 520 lines, one reading (config class -> cache layer types -> a spec layer per kind,
+each kind's fallback and refusal beside its rule); the module and forward readings live apart.
 """
 
 from __future__ import annotations
@@ -70,11 +77,13 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
+import msgspec
+
 from kvbridge.core.spec import LayerSpec, ModelSpec, normalize_dtype
 from kvbridge.errors import ConfigError
 from kvbridge.models.compressed import COMPRESSED_TYPES, compressed_layers
-from kvbridge.models.modules import (BuiltAttention, BuiltMixer, built_spec, geometry_words, per_kind_says, span,
-                                     state_words)
+from kvbridge.models.modules import (BuiltAttention, BuiltMixer, as_cached, built_spec, geometry_words, per_kind_says,
+                                     span, state_words)
 from kvbridge.models.untrusted import _NESTED, error_line, load_config, safe_text
 
 # The cache layer classes transformers builds, by the layer-type name `get_layer_types_and_kwargs`
@@ -244,6 +253,8 @@ class _Reader:
         self.filled: list[str] = []
         # (what the fields say, the module, what it caches) -> the layers where they differ
         self.conflicts: dict[tuple[str, str, str, str], list[int]] = {}
+        # (layer type, module, KV heads computed, heads cached) -> the layers transformers caches repeated
+        self.repeats: dict[tuple[str, str, int, int], list[int]] = {}
 
     def conflict(self, i: int, lt: str, fields: str, module: str, built: str) -> None:
         """Layer `i`'s config fields describe `fields`, transformers' `module` caches `built`."""
@@ -251,7 +262,10 @@ class _Reader:
 
     def conflict_lines(self) -> list[str]:
         return [f"{span(layers)} ({lt}): the config's fields give {fields}, but transformers' {module} caches "
-                f"{built}; planning with the module's" for (lt, fields, module, built), layers in self.conflicts.items()]
+                f"{built}; planning with the module's" for (lt, fields, module, built), layers in self.conflicts.items()] + [
+            f"{span(layers)} ({lt}): transformers' {module} computes {heads} KV heads and caches each {cached // heads} "
+            f"times ({cached} heads); an engine keeps the {heads}, transformers' cache (the proof's view) the {cached}"
+            for (lt, module, heads, cached), layers in self.repeats.items()]
 
     def read(self, key: str, value: Any) -> None:
         """A recurrent rule read `key` from the config (with its class defaults): noted as filled
@@ -317,6 +331,10 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
         raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {num_layers}")
     per_layer = text.per_layer_config
     # what the modules transformers builds cache, layer by layer (`modules.py`): they win over fields
+    from kvbridge.models.looped import loop_copies
+    # a per-loop cache appends copies of the looped layers (`looped.py`); its bounds are checked
+    # before the modules are built and run (a forward on meta runs every loop)
+    copies = loop_copies(text, num_layers)
     from kvbridge.models.modules import BuiltLayers, built_layers, module_indexer_dims
     built = BuiltLayers() if state_list else built_layers(model_config or text, num_layers)
     indexers: dict[int, int] = {}
@@ -329,11 +347,13 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
     spans: list[tuple[int, int]] = []  # the spec layers of each config layer
     for i, (lt, kw) in enumerate(zip(types, kwargs)):
         first = len(out)
+        # what the forward caches, and an attention module nothing reads where that forward did not run
+        seen = (built.cached.get(i), None if built.measured else built.unreadable.get(i))
         try:
             parts = (_HYBRID_TYPES[lt], "linear_attention") if lt in _HYBRID_TYPES else (lt,)
             if lt == "indexed_attention":  # the attention, then its indexer key cache (see the module doc)
                 out.append(_layer(text, reader, per_layer[i], "full_attention", kw, i, mla_view, view, state_dtype,
-                                  recurrent, built.attention.get(i)))
+                                  recurrent, built.attention.get(i), seen=seen))
                 parts = ()
                 # the indexer transformers builds (none: the layer reuses another's selection, no keys of its own)
                 dim = indexers[i] if i in indexers else reader.int(per_layer[i], "index_head_dim")
@@ -345,14 +365,13 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
             for part in parts:
                 attention = out[-1] if part == "linear_attention" and len(parts) == 2 else None
                 out.append(_layer(text, reader, per_layer[i], part, kw, i, mla_view, view, state_dtype, recurrent,
-                                  built.attention.get(i), lt, attention, built.mixers.get(i)))
+                                  built.attention.get(i), lt, attention, built.mixers.get(i),
+                                  seen))
         except ConfigError as e:  # every refusal names the layer and its kind
             if str(e).startswith("layer "):
                 raise
             raise ConfigError(f"layer {i} ({lt}): {e}") from None
         spans.append((first, len(out)))
-    from kvbridge.models.looped import loop_copies
-    copies = loop_copies(text, num_layers)  # a per-loop cache appends copies of the looped layers (`looped.py`)
     if copies is not None:
         looped, extra = copies
         out += [layer for _ in range(extra) for i in looped for layer in out[spans[i][0]:spans[i][1]]]
@@ -361,11 +380,14 @@ def _layers(text: Any, reader: _Reader, raw: dict[str, Any], arch: str, mla_view
 
 def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], i: int, mla_view: str, view: str,
            state_dtype: str | None, previous: dict[Any, LayerSpec], built: BuiltAttention | None,
-           shown: str = "", attention: LayerSpec | None = None, mixer: BuiltMixer | None = None) -> LayerSpec:
+           shown: str = "", attention: LayerSpec | None = None, mixer: BuiltMixer | None = None,
+           seen: tuple[tuple[int, int, int] | None, str | None] = (None, None)) -> LayerSpec:
     """One spec layer for transformers layer type `lt` (`shown`: the type to name in a refusal, when
     `lt` is one part of it; `attention`: the attention part when `lt` is the recurrent part;
-    `built` / `mixer`: what the attention / mixer module transformers builds caches, which wins
-    over the config's fields, a difference noted by `reader.conflict`)."""
+    `built` / `mixer`: what the attention / mixer module transformers builds computes, which wins
+    over the config's fields, a difference noted by `reader.conflict`; `seen`: the K/V its forward
+    caches as measured on meta (`probe.py`), and the attention module whose projections could not
+    be read, if any)."""
     if lt in _ATTENTION_TYPES:
         window = None
         if lt != "full_attention":
@@ -375,18 +397,30 @@ def _layer(text: Any, reader: _Reader, layer: Any, lt: str, kw: dict[str, Any], 
                                   f"{'sliding_window' if lt == 'sliding_attention' else 'attention_chunk_size'}")
             if isinstance(window, bool) or not isinstance(window, int) or window < 2:
                 raise ConfigError(f"layer {i} is {lt} with window {safe_text(repr(window))}; needs an integer >= 2")
+        cached, unreadable = seen
+        if built is None and getattr(layer, "kv_lora_rank", None):
+            cached = None  # an MLA cache read by fields: its K and V are the latent and rope parts
+        built, cached_heads = as_cached(built, cached, unreadable or "attention")
+        if built is None and unreadable:  # K/V projections no reading answers, and nothing measured
+            raise ConfigError(f"layer {i} ({shown or lt}): the K/V heads of transformers' {unreadable} cannot be "
+                              "read from its projections, and its forward does not run on the meta device to measure "
+                              "its cache; kvbridge refuses rather than plan the config's fields")
         if built is None:  # no module answers: the config's fields (the documented fallback)
             return _attention_layer(layer, reader, mla_view, window, i)[0]
-        if not built.mla and built.heads > (built.q_heads or built.heads):
+        if cached is None and not built.mla and built.heads > (built.q_heads or built.heads):
             raise ConfigError(f"layer {i}: {built.heads} KV heads but only {built.q_heads} query heads "
                               f"(transformers' {built.module})")
         module = built_spec(built, mla_view, window, lt)
+        if cached_heads != built.heads:  # transformers caches each KV head several times (`as_cached`)
+            reader.repeats.setdefault((shown or lt, built.module, built.heads, cached_heads), []).append(i)
         try:
             spec, fields = _attention_layer(layer, reader, mla_view, window, i)
         except ConfigError:  # the fields cannot even be read: the module says what is cached
-            return module
-        if spec != module and not per_kind_says(layer, fields, spec, module):
+            spec = fields = None
+        if spec is not None and spec != module and not per_kind_says(layer, fields, spec, module):
             reader.conflict(i, shown or lt, geometry_words(spec, fields), built.module, geometry_words(module, {}))
+        if view == "transformers" and cached_heads != built.heads:
+            module = msgspec.structs.replace(module, num_kv_heads=cached_heads)
         return module
     if lt in ("linear_attention", "conv"):
         states = kw.get("number_of_states", 1)

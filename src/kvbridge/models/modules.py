@@ -31,10 +31,14 @@ weights: well under a second even for DeepSeek-V3's 61 layers), and its decoder 
   MiniMax's lightning attention (`num_attention_heads`, `head_dim`, no conv);
   the sizes are handed to `recurrent.py` under the names its rules read.
 
-What no module answers (a model transformers cannot build on meta, a projection of another shape,
-a mixer with other attributes, state kept outside any `Cache`) keeps the config's fields, as
-`config.py` reads them. `config.py` compares the two and, where they differ, plans with the module
-and writes one warning line naming the field and the module.
+What each K/V layer *caches* is measured too, by one forward of the same model on meta
+(`probe.py`), and `as_cached` weighs it against the projections (Falcon's new decoder architecture
+caches each computed KV head once per query head). What nothing answers (a model transformers
+cannot build or run on meta, a projection of another shape, a mixer with other attributes, state
+kept outside any `Cache`) keeps the config's fields, as `config.py` reads them, except an
+attention module with K/V projections no reading answers (`BuiltLayers.unreadable`): refused by
+name where no forward measured it. `config.py` compares the fields with the modules and, where they
+differ, plans with the module and writes one warning line naming the field and the module.
 
 The same built layers say which sparse-attention layers keep an indexer key cache and how wide its
 rows are (`module_indexer_dims`): the attention module's `indexer` writes it, or is None where the
@@ -92,6 +96,12 @@ class BuiltLayers:
     attention: dict[int, BuiltAttention] = field(default_factory=dict)
     mixers: dict[int, BuiltMixer] = field(default_factory=dict)
     layers: Any = None  # the decoder layers (a ModuleList), for the indexer
+    # (KV heads, key width, value width) of the K/V the forward caches, measured on meta (`probe.py`);
+    # `measured`: whether that forward ran (where it did not, nothing is known of what is cached)
+    cached: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    measured: bool = False
+    # layers with a self-attention module whose K/V projections no reading above answers: its class
+    unreadable: dict[int, str] = field(default_factory=dict)
 
 
 def _int(obj: Any, *names: str) -> int | None:
@@ -309,11 +319,28 @@ def built_layers(text: Any, num_layers: int) -> BuiltLayers:
                 geometry = attention_geometry(module)
                 if geometry is not None:
                     out.attention[i] = geometry
+                elif i not in out.unreadable and _has_kv_projections(module):
+                    out.unreadable[i] = type(module).__name__
             if i not in out.mixers:
                 mixer = mixer_geometry(module)
                 if mixer is not None:
                     out.mixers[i] = mixer
+        if i in out.attention:
+            out.unreadable.pop(i, None)
+    _measure(model, num_layers, out)  # last: it casts the model, whose attributes are read above
     return out
+
+
+def _measure(model: Any, num_layers: int, out: BuiltLayers) -> None:
+    from kvbridge.models.probe import cached_kv
+    cached = cached_kv(model, num_layers)
+    out.cached, out.measured = cached or {}, cached is not None
+
+
+def _has_kv_projections(module: Any) -> bool:
+    """Whether `module` holds key / value (or fused QKV / KV) projections of its own: an attention
+    module kvbridge should be able to read."""
+    return any(_width(getattr(module, n)) for n in (*_K, *_QKV, "kv_proj") if getattr(module, n, None) is not None)
 
 
 def _uniform(model: Any, num_layers: int, out: BuiltLayers) -> None:
@@ -325,6 +352,27 @@ def _uniform(model: Any, num_layers: int, out: BuiltLayers) -> None:
         out.attention = dict.fromkeys(range(num_layers), attention.pop())
     if mixers and all(m == mixers[0] for m in mixers):
         out.mixers = dict.fromkeys(range(num_layers), mixers[0])
+    _measure(model, num_layers, out)
+
+
+def as_cached(built: BuiltAttention | None, cached: tuple[int, int, int] | None,
+              name: str = "attention") -> tuple[BuiltAttention | None, int]:
+    """What a K/V layer keeps: (the attention an engine keeps, the KV heads transformers' cache holds).
+
+    `built` is what the layer's modules compute (`attention_geometry`), `cached` what its forward
+    caches (`probe.cached_kv`; None: not measured). Measured K/V of the module's widths with a
+    whole multiple of its KV heads is the module's heads, each cached that many times (Falcon's new
+    decoder architecture broadcasts its KV heads over their query groups): engines keep the
+    module's heads, transformers' cache the repeated ones. Any other measurement wins over the
+    module (the forward is what transformers runs), and stands alone where no module answers.
+    An MLA module is left to the module (transformers caches its latent and rope parts as K and V)."""
+    if cached is None or (built is not None and built.mla):
+        return built, built.heads if built is not None else 0
+    heads, key_dim, value_dim = cached
+    if built is not None and (built.key_dim, built.value_dim) == (key_dim, value_dim) and heads % built.heads == 0:
+        return built, heads
+    return BuiltAttention(built.module if built is not None else name, False, heads, key_dim, value_dim,
+                          q_heads=built.q_heads if built is not None else 0), heads
 
 
 def module_kv_geometry(text: Any, layer_types: tuple[str, ...]) -> dict[int, tuple[int, int, int]]:
