@@ -104,9 +104,13 @@ def test_demo_names_the_mixer_sizes_left_to_the_class_defaults(tmp_path):
 # architectures whose plan was wrong before geometry came from the modules: fused QKV (GPT-NeoX,
 # Bloom, GPT-2), BERT-style key/value, wrapped projections (Moshi, Inkling-2), a derived text
 # config (Blenderbot), mixers named by a sibling's fields (Bamba, RG-LRU), CCA projections (ZAYA);
-# HRM's two module stacks are left to `make models` (its forward takes seconds per case)
+# and since (issue 30) MiMo-V2-Flash's sliding layers at its own sizes (`own_head_dim`: query heads
+# read from the output projection) and Falcon's `num_kv_heads` under `new_decoder_architecture`
+# (`flip_new_decoder_architecture`: its K/V heads broadcast before caching). HRM's two module stacks
+# are left to `make models` (its forward takes seconds per case)
 KNOWN = ["gpt_neox", "bloom", "gpt2", "bert", "moshi", "inkling2_text", "blenderbot", "bamba", "recurrent_gemma",
-         "falcon", "codegen", "zaya"]
+         "falcon", "codegen", "zaya", "mimo_v2_flash"]
+FLIPPED = {"falcon"}  # known architectures whose boolean fields are toggled here too (the rest: `make models`)
 ROTATION = 3
 
 
@@ -115,8 +119,13 @@ def _sample() -> list[tuple[str, str]]:
     moved = sorted(re.findall(r"^\| (\S+) \| [^|]* \| moved \|", doc.read_text(), re.MULTILINE)) if doc.is_file() else []
     seed = int(os.environ.get("KVBRIDGE_SWEEP_SEED", int(time.time() // 86400)))
     rest = [a for a in moved if a not in KNOWN]
-    archs = KNOWN + random.Random(seed).sample(rest, min(ROTATION, len(rest)))
-    return [(a, g) for a in archs for g in stray_groups(a)]
+    rotation = random.Random(seed).sample(rest, min(ROTATION, len(rest)))
+    return [(a, g) for a in KNOWN + rotation for g in stray_groups(a, flips=a in FLIPPED or a in rotation)]
+
+
+def test_the_sample_holds_the_cases_of_issue_30():
+    sample = _sample()
+    assert ("falcon", "flip_new_decoder_architecture") in sample and ("mimo_v2_flash", "own_head_dim") in sample
 
 
 @pytest.mark.parametrize(("arch", "group"), _sample())
@@ -126,16 +135,46 @@ def test_stray_fields_plan_what_transformers_builds(arch, group):
 
 
 def test_the_sweep_check_can_fail():
-    """The check itself sees a wrong geometry: the spec of the config without the module's say."""
+    """The check itself sees a wrong geometry: the spec of the config without the modules' or the
+    forward's say."""
     from kvbridge.models import modules
 
-    real = modules.attention_geometry
-    modules.attention_geometry = lambda module: None  # no module answers: the stray field is planned
+    real = modules.built_layers
+    modules.built_layers = lambda text, n: modules.BuiltLayers()  # nothing built: the stray field is planned
     try:
         row = check_stray("gpt_neox", "gqa")
     finally:
-        modules.attention_geometry = real
+        modules.built_layers = real
     assert row.status == "mismatch" and re.search(r"do not match the spec's 6 heads", row.detail), row
+
+
+def test_a_flip_catches_heads_the_forward_caches_other_than_the_projections_compute():
+    """Without the forward measured (the module reading alone), Falcon under its new decoder
+    architecture plans the 6 KV heads its fused projection computes, while transformers caches 12:
+    the toggled switch shows it."""
+    from kvbridge.models import probe
+
+    real = probe.cached_kv
+    probe.cached_kv = lambda model, n: None
+    try:
+        row = check_stray("falcon", "flip_new_decoder_architecture")
+    finally:
+        probe.cached_kv = real
+    assert row.status == "mismatch" and "do not match the spec's 6 heads" in row.detail, row
+    assert check_stray("falcon", "flip_new_decoder_architecture").status == "ok"
+
+
+def test_own_fields_and_their_per_kind_copies_take_other_values():
+    from kvbridge.proofs.model_sweep import tiny_config
+    from kvbridge.proofs.stray_sweep import group_fields
+
+    base = tiny_config("inkling_text").to_dict()
+    assert group_fields("inkling_text", "own_kv_heads", base) == {"num_key_value_heads": 4, "swa_num_key_value_heads": 3}
+    assert group_fields("mimo_v2_flash", "own_head_dim", tiny_config("mimo_v2_flash").to_dict()) == {"head_dim": 24}
+    assert group_fields("falcon", "flip_new_decoder_architecture", tiny_config("falcon").to_dict()) == {
+        "new_decoder_architecture": True}
+    assert "own_head_dim" not in stray_groups("deepseek_v3")  # an MLA class's head_dim is its rope part
+    assert not any(g.startswith("flip_use_cache") or g == "flip_tie_word_embeddings" for g in stray_groups("llama"))
 
 
 def test_a_size_the_config_keeps_per_layer_kind_is_no_conflict(capsys):

@@ -11,7 +11,19 @@ outcome per (architecture, group) is a `StrayRow`: `ok` (the spec holds the cach
 (kvbridge planned another geometry than the model builds: a bug), `refused` (kvbridge refused the
 config in one line although transformers runs it: a bug unless the stray field truly changes the
 model) or `unbuildable` (transformers itself cannot build or run the model with that field).
-`scripts/models_sweep.py --strays` runs every architecture; tests run a bounded sample.
+`scripts/models_sweep.py` runs every moved architecture; tests run a bounded sample.
+
+Besides a sibling's fields, the sweep sets the architecture's *own* fields to other values than
+the tiny config's, where a class can read them one way and its modeling code another:
+
+* `own_kv_heads` / `own_head_dim`: its KV-head and head-width fields (and their per-layer-kind
+  copies under a prefix, `swa_num_key_value_heads`, at yet another value), so that every layer
+  kind's heads and widths are checked at sizes where a wrong derivation shows (MiMo-V2's sliding
+  layers with keys of 24 against values of 16: read from the output projection, 8 query heads);
+* `flip_<field>`: each boolean field of the class (not `PretrainedConfig`'s own, not `FLIP_SKIP`:
+  those shape no cache) toggled, so that a field the class ignores under one switch and reads
+  under the other is exercised both ways (Falcon's `num_kv_heads` with `new_decoder_architecture`:
+  6 KV heads computed, 12 cached).
 """
 
 from __future__ import annotations
@@ -36,6 +48,18 @@ STRAYS: dict[str, dict[str, Any]] = {
     "mamba2": {"mamba_n_heads": 12, "mamba_n_groups": 6, "mamba_d_state": 8, "mamba_d_head": 16,
                "mamba_d_conv": 4},  # Nemotron-H / Bamba's mixer sizes
 }
+# The architecture's own fields at other values than the tiny config's (12 query heads, 6 KV heads of 8).
+_KV_FIELDS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_n_heads")
+OWN: dict[str, tuple[tuple[str, ...], int, int]] = {  # group: (fields, value, value of a per-kind copy)
+    "own_kv_heads": (_KV_FIELDS, 4, 3),
+    "own_head_dim": (("head_dim",), 24, 16),
+}
+# Boolean fields that shape no cache (or make a model that keeps none, which is not the question here).
+FLIP_SKIP = frozenset({
+    "tie_word_embeddings", "use_cache", "output_router_logits", "is_decoder", "add_cross_attention",
+    "is_encoder_decoder", "return_dict", "torchscript", "use_return_dict", "use_mambapy", "use_mamba_kernels",
+    "use_mem_eff_path", "summary_use_proj", "summary_proj_to_labels", "is_encoder", "use_mems_eval", "use_mems_train",
+})
 PROMPT_LEN = 12
 SECONDS = 120
 
@@ -52,19 +76,56 @@ class StrayRow:
         return asdict(self)
 
 
-def stray_groups(arch: str) -> list[str]:
-    """The groups of `STRAYS` whose every field the architecture's config class leaves undefined."""
+def _defaults(arch: str) -> dict[str, Any] | None:
     from transformers import CONFIG_MAPPING
-    cls = CONFIG_MAPPING[arch]
     try:
-        own = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}) or {})
+        return CONFIG_MAPPING[arch]().to_dict()
     except Exception:  # noqa: BLE001 - classes that cannot be built bare: the tiny config says
+        return None
+
+
+def stray_groups(arch: str, own: bool = True, flips: bool = True) -> list[str]:
+    """The groups of `STRAYS` whose every field the architecture's config class leaves undefined;
+    then (`own`) the groups of `OWN` with a field the class defines, and (`flips`) one `flip_<field>`
+    per boolean field of the class (see the module doc)."""
+    from transformers import CONFIG_MAPPING, PretrainedConfig
+    cls = CONFIG_MAPPING[arch]
+    defaults = _defaults(arch)
+    if defaults is None:
         return []
-    return [g for g, fields in STRAYS.items() if not own & set(fields) and not any(hasattr(cls, f) for f in fields)]
+    names = set(defaults) | set(getattr(cls, "attribute_map", {}) or {})
+    groups = [g for g, fields in STRAYS.items() if not names & set(fields) and not any(hasattr(cls, f) for f in fields)]
+    if own:
+        mla = defaults.get("kv_lora_rank") is not None  # an MLA class's head_dim is its rope part
+        groups += [g for g, (fields, _, _) in OWN.items() if _own_fields(defaults, fields)
+                   and not (mla and g == "own_head_dim")]
+    if flips:
+        base = set(PretrainedConfig().to_dict())
+        groups += [f"flip_{k}" for k, v in defaults.items() if isinstance(v, bool) and k not in base
+                   and k not in FLIP_SKIP and not k.startswith("_")]
+    return groups
+
+
+def _own_fields(defaults: dict[str, Any], fields: tuple[str, ...]) -> list[str]:
+    """The fields of `fields` the class defines, and their per-layer-kind copies (`swa_head_dim`;
+    as the tiny config reads them: a field with a tiny size of its own, `v_head_dim`, is no copy)."""
+    from kvbridge.proofs.model_sweep import _TINY
+    return [k for k in defaults if k in fields or (k not in _TINY and any(k.endswith("_" + f) for f in fields))]
+
+
+def group_fields(arch: str, group: str, base: dict[str, Any]) -> dict[str, Any]:
+    """The fields a group sets on the tiny config `base` of `arch` (a dict of its fields)."""
+    if group in STRAYS:
+        return dict(STRAYS[group])
+    if group.startswith("flip_"):
+        key = group[len("flip_"):]
+        return {key: not base.get(key)}
+    fields, value, per_kind = OWN[group]
+    return {k: value if k in fields else per_kind for k in _own_fields(_defaults(arch) or base, fields)}
 
 
 def check_stray(arch: str, group: str, seed: int = 0, timeout: int = SECONDS) -> StrayRow:
-    """The tiny `arch` with the fields of `STRAYS[group]` added: does kvbridge's spec hold its cache?"""
+    """The tiny `arch` with the fields of `group` (`group_fields`) set: does kvbridge's spec hold its cache?"""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -80,9 +141,9 @@ def check_stray(arch: str, group: str, seed: int = 0, timeout: int = SECONDS) ->
     row = StrayRow(arch, group, "error")
     with row_outcome(row, timeout):
         base = tiny_config(arch)
-        raw = {**base.to_dict(), **STRAYS[group]}
-        config = type(base)(**{k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")})
-        try:
+        raw = {**base.to_dict(), **group_fields(arch, group, base.to_dict())}
+        try:  # the class's own validation may reject the fields: transformers cannot build it either
+            config = type(base)(**{k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")})
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
             vocab = int(config.get_text_config(decoder=True).vocab_size)
@@ -128,14 +189,19 @@ def render_strays(rows: list[StrayRow]) -> str:
         "## Stray fields: does plan describe what transformers builds?",
         "",
         (f"Each moved architecture's tiny config with the fields of a sibling architecture added (only fields its "
-         f"class does not define; {len(rows)} cases over {archs} architectures), the model built and run from that "
+         "class does not define), its own KV-head and head-width fields (and their per-layer-kind copies) at other "
+         "values, and each of its boolean fields toggled "
+         f"({len(rows)} cases over {archs} architectures), the model built and run from that "
          "config, and its prefill cache exported through the spec kvbridge reads from the same config "
-         "(`kvbridge.proofs.stray_sweep`): **ok** the spec holds the cache exactly, **mismatch** kvbridge planned "
-         "another geometry (a bug), **refused** kvbridge refused a config transformers runs, **unbuildable** "
+         "(`kvbridge.proofs.stray_sweep`): **ok** the spec holds every layer's cache exactly, **mismatch** kvbridge "
+         "planned another geometry (a bug), **refused** kvbridge refused a config transformers runs, **unbuildable** "
          "transformers itself cannot run the model with that field."),
         "",
-        "| stray fields | copied from |", "|---|---|",
+        "| fields | from |", "|---|---|",
         *[f"| {g}: {', '.join(f'`{k}`' for k in fields)} | {_FROM[g]} |" for g, fields in STRAYS.items()],
+        *[f"| {g}: {', '.join(f'`{k}`' for k in fields)} = {value} (a per-kind copy, `swa_{fields[0]}`: {kind}) | "
+          "the class's own |" for g, (fields, value, kind) in OWN.items()],
+        "| flip_*field*: a boolean field toggled | the class's own |",
         "",
         "| result | count |", "|---|---|",
         *[f"| {k} | {counts.get(k, 0)} |" for k in ("ok", "mismatch", "refused", "error", "unbuildable", "skipped")],
@@ -144,9 +210,18 @@ def render_strays(rows: list[StrayRow]) -> str:
     rest = [r for r in rows if r.status != "ok"]
     if rest:
         lines += ["| architecture | stray | fields | result | detail |", "|---|---|---|---|---|"]
-        lines += [f"| {r.arch} | {r.group} | {', '.join(f'`{k}`' for k in STRAYS[r.group])} | {r.status} | "
+        lines += [f"| {r.arch} | {r.group} | {', '.join(f'`{k}`' for k in _fields_named(r))} | {r.status} | "
                   f"{r.detail.replace('|', '/')} |" for r in rest]
     return "\n".join(lines) + "\n"
+
+
+def _fields_named(row: StrayRow) -> list[str]:
+    if row.group in STRAYS:
+        return list(STRAYS[row.group])
+    if row.group.startswith("flip_"):
+        return [row.group[len("flip_"):]]
+    defaults = _defaults(row.arch)
+    return _own_fields(defaults, OWN[row.group][0]) if defaults else list(OWN[row.group][0])
 
 
 _FROM = {"gqa": "Llama-family GQA", "kv_heads": "Falcon", "head_dim": "Gemma / Qwen3", "mqa": "GPT-BigCode / Falcon-7B",
