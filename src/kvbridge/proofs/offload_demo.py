@@ -11,7 +11,10 @@
    loads the hit blocks from CPU into freshly allocated device blocks, rebuilds a `DynamicCache`
    from them and decodes.
 The tokens must equal plain `generate(B)`, and the loaded prefix cache must be bit-identical to
-the one that was stored.
+the one that was stored. Where the load is refused (`OffloadBackend.load` answers None: a shared
+pool's object missing or failing its seal), the engine does what a serving engine does with blocks
+it could not load: it recomputes their tokens into them (`recomputed`), then decodes from its
+blocks, and the tokens must still equal `generate(B)`; a miss prefills the whole prompt so.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from transformers import DynamicCache
 
 from kvbridge.errors import InvalidRequest
 from kvbridge.proofs.hf_cache import export_cache
-from kvbridge.proofs.proof import CacheProof, greedy_config, prove_cache, reference_tokens
+from kvbridge.proofs.proof import greedy_config, prove_cache
 from kvbridge.proofs.results import ProofResult
 from kvbridge.proofs.tiny_models import load_model, spec_for
 from kvbridge.core.layout import EngineLayout
@@ -74,10 +77,12 @@ class OffloadDemoResult(ProofResult):
         return self.match and self.cache_equal and self.replicas_equal and self.hit_tokens == self.prefix_len
 
     def describe(self) -> str:
+        cache = ("the load refused, its blocks recomputed" if self.recomputed else
+                 f"prefix cache {'bit-exact' if self.cache_equal else 'differs'}")
         return (f"{self.model}, store [{self.store_engine}] -> {self.pool} -> load [{self.load_engine}]; "
                 f"{self.hit_tokens}/{self.prefix_len} prefix tokens hit, {self.stored_blocks} blocks stored "
                 f"({self.bytes_stored} B), {self.loaded_blocks} loaded ({self.bytes_loaded} B); tokens "
-                f"{'match' if self.match else 'differ'}, prefix cache {'bit-exact' if self.cache_equal else 'differs'}")
+                f"{'match' if self.match else 'differ'}, {cache}")
 
 
 class DeviceEngine:
@@ -242,7 +247,8 @@ def check_prefix(obs: int, prompt_len: int, prefix_len: int | None, suffix_len: 
 def round_trip(model: str, net, config, spec: ModelSpec, prompt_a: list[int], prompt_b: list[int], prefix_len: int,
                new_tokens: int, obs: int, store_engine: DeviceEngine, load_engine: DeviceEngine,
                backend: OffloadBackend, factor_of: Callable[[DeviceEngine], int]) -> OffloadDemoResult:
-    """Prefill A in two chunks storing after each, evict it, look B up, load its hit, decode, compare."""
+    """Prefill A in two chunks storing after each, evict it, look B up, load its hit (or recompute it
+    where the load is refused, the whole prompt on a miss), decode from the load engine's blocks, compare."""
     prompt_len = len(prompt_a)
     windows = [spec.group_layer(g).window for g in range(len(spec.groups))]
     keys_a = [group_keys(chained_block_hashes(prompt_a, obs), g) for g in range(len(spec.groups))]
@@ -275,16 +281,23 @@ def round_trip(model: str, net, config, spec: ModelSpec, prompt_a: list[int], pr
     if hit:
         load_engine.grow(tables_b, hit)
         moved = backend.load(load_engine, tables_b, keys_b, hit)
-        if moved is None:  # the load was refused: the engine recomputes the prompt (a miss)
-            hit, recomputed = 0, True
+        if moved is None:  # the load was refused: the engine recomputes those blocks' tokens itself
+            recomputed = True
+            _recompute(net, config, spec, prompt_b[:hit], load_engine, tables_b)
         else:
             loaded = moved
-    if hit:
-        # A partial hit is compared with a forward over the tokens it holds.
-        proof = prove_cache(net, prompt_b, load_engine.caches, _ids(tables_b), new_tokens, num_cached=hit,
-                            reference_cache=stored_prefix if hit == prefix_len else None)
-    else:
-        proof = CacheProof(reference_tokens(net, prompt_b, new_tokens), [], [], [])
+    first_token = None
+    if not hit:  # a miss: the engine prefills the whole prompt into its blocks and decodes from them
+        hit = len(prompt_b)
+        load_engine.grow(tables_b, hit)
+        first_token = _recompute(net, config, spec, prompt_b, load_engine, tables_b)
+    # Decode from the engine's blocks (loaded, or recomputed where the load was refused or missed);
+    # a partial hit is compared with a forward over the tokens it holds.
+    proof = prove_cache(net, prompt_b, load_engine.caches, _ids(tables_b), new_tokens, num_cached=hit,
+                        reference_cache=stored_prefix if hit == prefix_len and loaded.blocks else None,
+                        first_token=first_token)
+    if recomputed or first_token is not None:
+        hit = 0  # nothing came from the pool
     events = backend.events()
     backend.close()
     return OffloadDemoResult(
@@ -295,6 +308,16 @@ def round_trip(model: str, net, config, spec: ModelSpec, prompt_a: list[int], pr
         replicas_equal=proof.replicas_equal, stored_blocks=stored.blocks, loaded_blocks=loaded.blocks,
         bytes_stored=stored.bytes, bytes_loaded=loaded.bytes, store_seconds=stored.seconds,
         load_seconds=loaded.seconds, events=events, recomputed=recomputed, differences=proof.cache_differences + proof.replica_mismatches)
+
+
+def _recompute(net, config, spec: ModelSpec, tokens: list[int], engine: DeviceEngine,
+               tables: list[list[int]]) -> int:
+    """What an engine does with blocks it could not load: a forward over their tokens, written into its
+    own blocks (`tables`, already holding them); returns the greedy token after `tokens`."""
+    cache = DynamicCache(config=config)
+    out = net(torch.tensor([tokens]), past_key_values=cache, use_cache=True)
+    export_cache(cache, spec, engine.caches, _ids(tables), len(tokens))
+    return int(out.logits[0, -1].argmax())
 
 
 def run_offload_demo(model: str = "tiny-gemma2", seed: int = 0, prompt_len: int = 40, prefix_len: int | None = None,
