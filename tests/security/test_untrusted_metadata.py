@@ -194,7 +194,7 @@ def test_secret_file_rules(tmp_path) -> None:
 
 @pytest.mark.parametrize("kind", ["shm", "nixl"])
 def test_connector_trusts_transport_notifications_only_when_they_carry_a_mac(kind) -> None:
-    from kvbridge.core.secrets import authenticate_transport
+    from kvbridge.connector.endpoint import authenticate_transport
     from kvbridge.connector.transports import make_transport, unavailable_reason
     why = unavailable_reason(kind)
     if why:

@@ -156,4 +156,20 @@ class KVBridgePoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.close()
 
 
+def _register() -> None:
+    """Put the connector in vLLM's registry by name: inside a MultiConnector, vLLM's API server
+    rebuilds a child's stats by its class name (`KVConnectorFactory.get_connector_class_by_name`),
+    and a connector loaded by module path alone is not there ("Connector 'KVBridgePoolConnector'
+    is not registered" failed every request of a `kvbridge serve --pool` fleet once the pool
+    reported metrics). Runs when vLLM loads this module, in every process that does."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    try:
+        KVConnectorFactory.register_connector("KVBridgePoolConnector", __name__, "KVBridgePoolConnector")
+    except ValueError:  # registered already (this module imported twice, or by name elsewhere)
+        pass
+
+
+_register()
+
 __all__ = ["KVBridgePoolConnector", "PoolJob", "PoolMetadata", "PoolSettings", "pool_spec", "vllm_staging"]
