@@ -189,6 +189,10 @@ class StoreClient:
             out.append(n if n >= 0 else None)
         return out
 
+    def answers(self) -> bool:
+        """Whether the master answers a call now (one existence check: the breakers' probe)."""
+        return self.exists(["kvb2/probe"])[0] is not None
+
     def remove(self, keys: Sequence[str]) -> list[int]:
         """Remove each object even if a reader holds its lease (0: removed); -900 when unreachable."""
         try:

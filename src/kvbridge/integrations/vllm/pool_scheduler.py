@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")
 INLINE_WAIT_S = 0.02
 """How long a lookup waits inline before answering "not yet": a healthy store answers in less."""
-PROBE_KEY = "kvb2/probe"
 
 
 class PoolScheduler:
@@ -69,7 +68,7 @@ class PoolScheduler:
         return answer
 
     def _probe_store(self, call: Call) -> None:
-        if self._ensure_index().client.exists([PROBE_KEY])[0] is None:
+        if not self._ensure_index().client.answers():
             raise PoolUnavailable(f"Mooncake Store at {self.conn.settings.master} did not answer")
 
     # -- on the engine's scheduler ------------------------------------------------------------------

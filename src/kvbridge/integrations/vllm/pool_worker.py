@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")
 MAX_FINISHED_IDS = 1 << 16
 TIER_COUNTS = ("objects_put", "objects_got", "bytes_put", "bytes_got", "seal_failures", "missing", "removed")
-PROBE_KEY = "kvb2/probe"
 
 
 class PoolWorker:
@@ -111,7 +110,7 @@ class PoolWorker:
         return res
 
     def _probe_store(self, call: Call) -> None:
-        if self._ensure_tier().client.exists([PROBE_KEY])[0] is None:
+        if not self._ensure_tier().client.answers():
             raise PoolUnavailable(f"Mooncake Store at {self.conn.settings.master} did not answer")
 
     # -- on the engine's step ---------------------------------------------------------------------------
