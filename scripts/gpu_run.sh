@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call runs every CUDA check (docs/gpu.md says how to prepare .gpu/site.tgz):
 #   run: bash scripts/gpu_run.sh   carry: [".gpu"]
-# Writes env.txt, gpu-check.jsonl, staging.jsonl and pytest.txt under $OUT.
+# Writes env.txt, gpu-check.jsonl, staging.jsonl, offload.jsonl and pytest.txt under $OUT.
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT="${OUT:-/tmp/gpu-out}"
 mkdir -p /tmp/site "$OUT"
@@ -25,5 +25,13 @@ from kvbridge.bench.staging import bench_staging
 for r in bench_staging(device='cuda', repeats=10, num_tokens=2048):
     print(json.dumps(msgspec.to_builtins(r)))
 " 2>&1 | tee "$OUT/staging.jsonl"
+timeout 90 python3 -c "
+import json, msgspec
+from kvbridge.bench.offload import bench_offload
+for canonical in (False, True):
+    for mode in ('kernel', 'memcpy'):
+        r = bench_offload('llama-3-8b', num_tokens=4096, canonical=canonical, device='cuda', cuda_copy=mode)
+        print(json.dumps(msgspec.to_builtins(r) if not hasattr(r, '__dataclass_fields__') else r.__dict__))
+" 2>&1 | tee "$OUT/offload.jsonl"
 timeout 90 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cache_handles.py \
   tests/transport/test_transport_engines.py tests/offload/test_offload_worker.py -k "cuda or vram" 2>&1 | tee "$OUT/pytest.txt"

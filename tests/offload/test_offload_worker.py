@@ -14,7 +14,7 @@ from kvbridge.transport.cache import RankCache
 from kvbridge.offload.errors import SpecMismatch
 from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.spec import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
-from kvbridge.offload.worker import OffloadWorker, TransferResult
+from kvbridge.offload.worker import OffloadWorker, TransferResult, cuda_copy_mode
 from kvbridge.core.spec import ModelSpec
 from kvbridge.proofs.verify import random_bytes
 
@@ -179,8 +179,9 @@ def test_a_worker_per_rank_moves_only_its_rank():
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="no CUDA device in this environment: the CUDA handler (pinned pool, one stream per job, "
-                           "stores ordered after the compute stream, FIFO by end events) passed on an H200 on 2026-11-26 (scripts/gpu_run.sh, docs/gpu.md)")
-def test_cuda_round_trip():  # pragma: no cover - needs a CUDA device
+                           "stores ordered after the compute stream, FIFO by end events), both copy modes, passed on an H100 on 2026-11-27 (scripts/gpu_run.sh, docs/gpu.md)")
+@pytest.mark.parametrize("mode", ["kernel", "memcpy"])
+def test_cuda_round_trip(mode):  # pragma: no cover - needs a CUDA device
     device = RankCache.allocate_engine(HYBRID, DEVICE, device="cuda", fill=None)
     for c in device:
         for r in c.byte_regions():
@@ -188,8 +189,8 @@ def test_cuda_round_trip():  # pragma: no cover - needs a CUDA device
     original = [RankCache(HYBRID, DEVICE, c.rank, [r.cpu().clone() for r in c.regions]) for c in device]
     pool = CPUPool.mirror(HYBRID, DEVICE, 4, 16)
     assert all(r.is_pinned() for r in pool.byte_regions())
-    with OffloadWorker(device, pool) as w:
-        assert w.backend == "cuda"
+    with OffloadWorker(device, pool, cuda_copy=mode) as w:
+        assert w.backend == f"cuda-{mode}"
         finish(w, w.submit(EXAMPLE))
         for c in device:
             for r in c.byte_regions():
@@ -202,3 +203,15 @@ def test_cuda_round_trip():  # pragma: no cover - needs a CUDA device
                     assert torch.equal(c.logical_view(li, ci, True)[dev_block].cpu(),
                                        original[rank].logical_view(li, ci, True)[dev_block])
         assert int(c.logical_view(0, 0, True)[0].abs().sum()) == 0  # blocks outside the job stay zero
+
+
+def test_cuda_copy_mode_needs_pinned_pool_for_the_kernel():
+    """The kernel reaches the pool through its unified address, which only pinned memory has: a
+    pageable pool falls back to per-run copies under "auto" and is refused under "kernel"."""
+    pageable = [torch.zeros(64, dtype=torch.uint8)]
+    assert cuda_copy_mode("auto", pageable) == "memcpy"
+    assert cuda_copy_mode("memcpy", pageable) == "memcpy"
+    with pytest.raises(IncompatibleEngines, match="pinned"):
+        cuda_copy_mode("kernel", pageable)
+    with pytest.raises(IncompatibleEngines, match="auto, kernel or memcpy"):
+        cuda_copy_mode("fast", pageable)

@@ -68,8 +68,12 @@ def _model(model: str | ModelSpec) -> tuple[str, ModelSpec]:
 def bench_offload(model: str | ModelSpec = "llama-3-8b", num_tokens: int = 4096, block_size: int = 16,
                   block_size_factor: int = 1, tp_size: int = 1, canonical: bool = False,
                   device_layout: EngineLayout | None = None, repeats: int = 7, seed: int = 0,
-                  progress=None) -> OffloadBenchResult:
-    """Store and load one request of `num_tokens` tokens (every group, full blocks, scattered ids)."""
+                  progress=None, device: str = "cpu", cuda_copy: str = "auto") -> OffloadBenchResult:
+    """Store and load one request of `num_tokens` tokens (every group, full blocks, scattered ids).
+
+    On `device="cuda"` the engine's cache is on the GPU and the pool pinned; the contiguous
+    figure is then a plain device -> pinned host copy of as many bytes (store) and back (load).
+    """
     name, spec = _model(model)
     rng = np.random.default_rng(seed)
     obs = block_size * block_size_factor
@@ -79,19 +83,21 @@ def bench_offload(model: str | ModelSpec = "llama-3-8b", num_tokens: int = 4096,
     layout = msgspec.structs.replace(layout, block_size=block_size, num_blocks=n + 1)
     groups = len(spec.groups)
     slots = groups * per_group + 1
-    pool = (CPUPool.canonical(spec, obs, slots, pin_memory=False, kernel_tokens=block_size) if canonical
-            else CPUPool.mirror(spec, layout, block_size_factor, slots, pin_memory=False))
-    device = RankCache.allocate_engine(spec, layout, fill=None)
-    for c in device:
+    cuda = torch.device(device).type == "cuda"
+    pool = (CPUPool.canonical(spec, obs, slots, pin_memory=cuda, kernel_tokens=block_size) if canonical
+            else CPUPool.mirror(spec, layout, block_size_factor, slots, pin_memory=cuda))
+    ranks = RankCache.allocate_engine(spec, layout, device=device, fill=None)
+    for c in ranks:
         for r in c.byte_regions():
             r.fill_(7)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     gpu = GPULoadStoreSpec(np.concatenate([rng.permutation(layout.num_blocks)[:n] for _ in range(groups)]),
                            [n] * groups, [0] * groups)
     cpu = CPULoadStoreSpec(rng.permutation(slots)[:groups * per_group])
-    with OffloadWorker(device, pool) as worker:
+    with OffloadWorker(ranks, pool, cuda_copy=cuda_copy) as worker:
         _, runs = worker.plan((gpu, cpu))
-        a = torch.ones(runs.nbytes, dtype=torch.uint8)
-        b = torch.empty_like(a)
+        a = torch.ones(runs.nbytes, dtype=torch.uint8, device=device)
+        b = torch.empty(runs.nbytes, dtype=torch.uint8, pin_memory=cuda)
 
         def job(spec_pair) -> tuple[float, float]:
             t0 = time.perf_counter()
@@ -103,32 +109,36 @@ def bench_offload(model: str | ModelSpec = "llama-3-8b", num_tokens: int = 4096,
                 raise RuntimeError(f"offload job {job_id} failed: {worker.error(job_id)!r}")
             return res.seconds, planned
 
-        def contiguous() -> float:
+        def contiguous(dst: torch.Tensor, src: torch.Tensor) -> float:
+            sync()
             t0 = time.perf_counter()
-            b.copy_(a)
+            dst.copy_(src, non_blocking=cuda)
+            sync()
             return time.perf_counter() - t0
 
-        job((gpu, cpu)), job((cpu, gpu)), contiguous()  # warm: numba compile, page faults
+        job((gpu, cpu)), job((cpu, gpu)), contiguous(b, a), contiguous(a, b)  # warm: JIT, page faults
         stores, loads, conts, plans = [], [], [], []
         for i in range(repeats):
             s, p1 = job((gpu, cpu))
-            c1 = contiguous()
+            c1 = contiguous(b, a)
             ld, p2 = job((cpu, gpu))
-            c2 = contiguous()
+            c2 = contiguous(a, b)
             stores.append(s)
             loads.append(ld)
-            conts += [c1, c2]
+            conts.append((c1, c2))
             plans += [p1, p2]
             if progress:
                 progress(i + 1, repeats)
         backend = worker.backend
-    st, ld, ct, pl = (statistics.median(x) for x in (stores, loads, conts, plans))
+    st, ld, pl = (statistics.median(x) for x in (stores, loads, plans))
+    c_store, c_load = (statistics.median(c[i] for c in conts) for i in (0, 1))  # same direction as the job
+    ct = statistics.median(c for pair in conts for c in pair)
     nbytes = runs.nbytes
     return OffloadBenchResult(
         model=name, device=layout.describe(), pool=pool.describe(), num_tokens=num_tokens, num_groups=groups,
         bytes=nbytes, num_runs=len(runs), mean_run_bytes=nbytes / max(1, len(runs)), repeats=repeats,
         store_gbps=nbytes / st / 1e9, load_gbps=nbytes / ld / 1e9, contiguous_gbps=nbytes / ct / 1e9,
-        store_ratio=ct / st, load_ratio=ct / ld, store_seconds=st, load_seconds=ld, contiguous_seconds=ct,
+        store_ratio=c_store / st, load_ratio=c_load / ld, store_seconds=st, load_seconds=ld, contiguous_seconds=ct,
         plan_seconds=pl, backend=backend)
 
 

@@ -22,7 +22,7 @@ _COMMON = {"as_json", "transport", "offload", "engine", "staged", "serve", "pool
 BENCH_RUNNERS: dict[str, set[str]] = {
     "local": _COMMON | _SHAPE | {"model", "tokens", "repeats", "link_gbps"},
     "staged": _COMMON | _SHAPE | {"model", "tokens", "repeats"},
-    "offload": _COMMON | {"model", "tokens", "repeats", "prefill_tp", "prefill_block_size"},
+    "offload": _COMMON | {"model", "tokens", "repeats", "prefill_tp", "prefill_block_size", "device"},
     "transport": _COMMON | _SHAPE | {"model", "tokens", "repeats", "op"},
     "vllm": _COMMON | {"prefill_tp", "decode_tp"},
     "serve": _COMMON | {"prefill_tp", "decode_tp", "prefill_block_size", "decode_block_size"},
@@ -30,6 +30,11 @@ BENCH_RUNNERS: dict[str, set[str]] = {
 }
 BENCH_FLAGS = {"local": "the local executor (default)", "staged": "--staged", "offload": "--offload",
                "transport": "--transport shm|nixl|mooncake", "vllm": "--engine vllm", "serve": "--serve", "pool": "--pool"}
+
+
+def torch_cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def _bench_runner(transport: Any, offload: bool, engine: Any, staged: bool, serve: bool = False,
@@ -72,6 +77,8 @@ def bench(
     transport: Transport = typer.Option(Transport.local, help="local executor, or a real engine between processes."),
     op: Mode = typer.Option(Mode.pull, help="pull (READ) or push (WRITE), for --transport shm/nixl/mooncake."),
     offload: bool = typer.Option(False, help="GPU<->CPU offload store and load instead of a P/D transfer."),
+    device: str = typer.Option("cpu", help="--offload: where the engine's cache lives (cpu, or cuda with a "
+                               "pinned pool, against a plain device<->host copy)."),
     engine: Engine = typer.Option(Engine.kvbridge, help="vllm: KVBridgeConnector vs vLLM's NixlConnector per request."),
     staged: bool = typer.Option(False, help="Device staging (gather / one copy / scatter per rank pair) beside "
                                 "the direct executor and one contiguous copy, with the path each pair took."),
@@ -127,6 +134,10 @@ def bench(
     if engine == Engine.vllm and transport != Transport.local:
         raise ConfigError("--engine vllm runs vLLM's own connectors against KVBridgeConnector: drop --transport")
     _refuse_ignored(ctx, _bench_runner(transport, offload, engine, staged))
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device is cpu or cuda, not {device!r}")
+    if device == "cuda" and not torch_cuda_available():
+        raise ConfigError("--device cuda: this torch build sees no CUDA device")
     check_bounds(prefill_tp=prefill_tp, decode_tp=decode_tp, prefill_block_size=prefill_block_size,
                  decode_block_size=decode_block_size, repeats=repeats, link_gbps=link_gbps)
     if tokens > BOUNDS["bench_tokens"]:
@@ -156,7 +167,7 @@ def bench(
         elif offload:
             from kvbridge.bench.offload import bench_offload
             result: Any = bench_offload(model, tokens, prefill_block_size, tp_size=prefill_tp, repeats=repeats,
-                                        progress=tick)
+                                        progress=tick, device=device)
         elif transport != Transport.local:
             from kvbridge.bench.transport import bench_transport
             result = bench_transport(transport.value, model, tokens, prefill, decode,

@@ -13,9 +13,11 @@ Data movement is one call per job over a run list that covers every group and la
   stream first waits for the compute stream (the KV it copies must have been written), every job
   waits for the previous job's end event (FIFO), and the runs are issued as asynchronous copies
   between start and end events, which time it. Completion is polled with `Event.query()`.
-  The runs are issued from a Python loop (one `cudaMemcpyAsync` per coalesced run, vLLM's
-  fallback path); a batched driver call (`cuMemcpyBatchAsync`) would remove that per-run cost.
-  This path has not run yet: the development machines have no GPU.
+  With Triton and a pinned pool (the default, `cuda_copy="auto"`), one launch of the plan
+  executor's copy kernel (`transport.copy_cuda`) moves every run: the device reaches pinned host
+  memory through its unified address, so thousands of small runs cost one launch, not one
+  `cudaMemcpyAsync` each (the "memcpy" mode, vLLM's fallback path, kept for pageable pools).
+  docs/gpu.md has both measured beside a plain host<->device copy.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from kvbridge.offload.errors import SpecMismatch
 from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.spec import GPULoadStoreSpec, TransferSpec
 from kvbridge.offload.transfer import JobPlanner, JobRuns
+from kvbridge.transport import copy_cuda
 from kvbridge.transport.copy import copy_addresses, copy_runs
 
 STORE = ("GPU", "CPU")
@@ -118,11 +121,26 @@ class _CpuHandler:
         self._thread.shutdown(wait=True)
 
 
+def cuda_copy_mode(requested: str, host: Sequence[torch.Tensor]) -> str:
+    """How CUDA jobs move runs: "kernel" (one Triton launch; the device reads and writes the pinned
+    pool through its unified address) or "memcpy" (one `cudaMemcpyAsync` per run). "auto" takes the
+    kernel when Triton is there and every pool region is pinned (a pageable one has no device address)."""
+    if requested not in ("auto", "kernel", "memcpy"):
+        raise IncompatibleEngines(f"cuda_copy is auto, kernel or memcpy, not {requested!r}")
+    usable = copy_cuda.available() and all(r.is_pinned() for r in host)
+    if requested == "kernel" and not usable:
+        raise IncompatibleEngines("cuda_copy='kernel' needs Triton and a pinned pool")
+    return "memcpy" if requested == "memcpy" or not usable else "kernel"
+
+
 class _CudaHandler:  # pragma: no cover - needs a CUDA device
     """One direction with a CUDA device: pooled streams and timing events, FIFO by end events."""
 
-    def __init__(self, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], store: bool, device: torch.device):
+    def __init__(self, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], store: bool, device: torch.device,
+                 kernel: bool = False):
         self._src, self._dst, self._store, self._device = list(src), list(dst), store, device
+        self._kernel = kernel
+        self._src_addr, self._dst_addr = _base_addresses(src), _base_addresses(dst)
         self._streams: list[torch.cuda.Stream] = []
         self._events: list[torch.cuda.Event] = []
         self._jobs: deque[tuple[int, int, torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event]] = deque()
@@ -138,11 +156,18 @@ class _CudaHandler:  # pragma: no cover - needs a CUDA device
             stream.wait_stream(torch.cuda.current_stream(self._device))
         if self._jobs:  # strict FIFO per direction
             stream.wait_event(self._jobs[-1][4])
-        cols = [a.tolist() for a in (runs.src_region, runs.src_offset, runs.dst_region, runs.dst_offset, runs.length)]
         with torch.cuda.stream(stream):
+            if self._kernel:  # upload the triples before the start event, so the event times the copy
+                pieces = copy_cuda.prepare(self._src_addr[runs.src_region] + runs.src_offset,
+                                           self._dst_addr[runs.dst_region] + runs.dst_offset, runs.length, self._device)
             start.record(stream)
-            for sr, so, dr, do, ln in zip(*cols):
-                self._dst[dr][do:do + ln].copy_(self._src[sr][so:so + ln], non_blocking=True)
+            if self._kernel:
+                copy_cuda.launch(pieces)
+            else:
+                cols = [a.tolist() for a in (runs.src_region, runs.src_offset, runs.dst_region, runs.dst_offset,
+                                             runs.length)]
+                for sr, so, dr, do, ln in zip(*cols):
+                    self._dst[dr][do:do + ln].copy_(self._src[sr][so:so + ln], non_blocking=True)
             end.record(stream)
         self._jobs.append((job_id, runs.nbytes, stream, start, end))
 
@@ -174,7 +199,7 @@ class OffloadWorker:
     the one its metadata was built with), numba's parallel runtime must never start.
     """
 
-    def __init__(self, device: Sequence[RankCache], pool: CPUPool, parallel: bool = True):
+    def __init__(self, device: Sequence[RankCache], pool: CPUPool, parallel: bool = True, cuda_copy: str = "auto"):
         device = list(device)
         if not device:
             raise IncompatibleEngines("an offload worker needs at least one device rank cache")
@@ -196,8 +221,11 @@ class OffloadWorker:
         dev_device = next(iter(devices))
         self.backend = "cuda" if dev_device.type == "cuda" else "cpu"
         if self.backend == "cuda":  # pragma: no cover - needs a CUDA device
+            kernel = cuda_copy_mode(cuda_copy, host) == "kernel"
+            self.backend = "cuda-kernel" if kernel else "cuda-memcpy"
             self._handlers: dict[tuple[str, str], _Handler] = {
-                STORE: _CudaHandler(dev, host, True, dev_device), LOAD: _CudaHandler(host, dev, False, dev_device)}
+                STORE: _CudaHandler(dev, host, True, dev_device, kernel),
+                LOAD: _CudaHandler(host, dev, False, dev_device, kernel)}
         else:
             self._handlers = {STORE: _CpuHandler("store", dev, host, parallel),
                               LOAD: _CpuHandler("load", host, dev, parallel)}
