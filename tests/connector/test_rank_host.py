@@ -114,6 +114,33 @@ def test_stream_channel_frames_survive_partial_reads() -> None:
     assert rx.recv(0.1) == [] and rx.eof
 
 
+def test_a_never_blocking_writer_keeps_going_while_its_reader_does_not_read() -> None:
+    """The vLLM worker sends from its engine step: a reader that does not read (starved, stopped)
+    fills the pipe, and a blocking write would hold the step until it reads. Here the writer sends
+    4 MiB into a 64 KiB pipe nobody reads, on a thread; every send returns (the rest waits in the
+    outbox), and once the reader reads, every frame arrives, in order."""
+    import threading
+
+    r, w = os.pipe()
+    out = os.fdopen(w, "wb", buffering=0)
+    tx = StreamChannel(os.pipe()[0], out, Union[Echo, Failed], never_block=True)
+    rx = StreamChannel(r, None, Union[Echo, Failed])
+    batches = [[Echo(np.full(256, i * 4 + j, np.float32), str(i * 4 + j)) for j in range(4)] for i in range(1024)]
+    sender = threading.Thread(target=lambda: [tx.send_all(b) for b in batches], daemon=True)
+    sender.start()
+    sender.join(120)  # a liveness bound, not a speed one: a blocking write never returns at all
+    assert not sender.is_alive(), "a send blocked on a reader that does not read"
+    assert len(tx.out) > 3 << 20  # the pipe took at most its buffer; the rest waits
+    got: list[Any] = []
+    while len(got) < 4096:
+        tx.flush_out()
+        got += rx.recv(1.0)
+    assert tx.flush_out() == 0
+    assert [g.note for g in got] == [str(k) for k in range(4096)]
+    assert all(np.array_equal(g.values, np.full(256, k, np.float32)) for k, g in enumerate(got))
+    out.close()
+
+
 def test_import_paths_are_checked() -> None:
     assert resolve("test_rank_host:EchoService") is EchoService
     with pytest.raises(HostError, match="package.module:attribute"):

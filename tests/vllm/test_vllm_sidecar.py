@@ -18,8 +18,8 @@ import torch
 from kvbridge.proofs.vllm.cluster import free_ports
 from kvbridge.integrations.vllm.cache_handles import CpuSegment, Region
 from kvbridge.integrations.vllm.layout import vllm_cpu_layout, vllm_cpu_spec
-from kvbridge.integrations.vllm.sidecar import (Init, Received, Recv, Released, Send, Settings, SidecarClient,
-                                                SidecarError)
+from kvbridge.integrations.vllm.sidecar import (Abandon, Init, Received, Recv, Released, Send, Settings,
+                                                SidecarClient, SidecarError)
 from kvbridge.core.layout import EngineLayout
 from kvbridge.transport.cache import RankCache
 from kvbridge.core.spec import ModelSpec
@@ -92,6 +92,46 @@ def test_prefill_sidecar_to_decode_sidecar(p_block, d_block, transport, mode):
         assert Received("dec-1", True) in events and Released("req-1", "done") in events
         assert torch.equal(kv(d, d_ids, n), kv(p, p_ids, n))
     finally:
+        prod.close()
+        cons.close()
+    assert not prod.alive and not cons.alive
+
+
+def test_a_stopped_sidecar_never_holds_the_step_that_sends_to_it():
+    """Issue 31: the worker sends a step's commands from the engine step. With the decode sidecar
+    stopped (SIGSTOP: a starved process), a step's worth of commands far beyond the pipe's buffer
+    is sent and every call returns, the rest waiting in the client's outbox; once the sidecar is
+    continued, the request among them is moved and its bytes are the prefill rank's."""
+    import os
+    import signal
+    import threading
+
+    p = Engine(vllm_cpu_layout(1, 32, 8), 0, fill=3)
+    d = Engine(vllm_cpu_layout(1, 32, 8), 0)
+    n, p_ids, d_ids = 70, (5, 2, 7), (6, 1, 3)
+    prod = SidecarClient(p.init("P", True, free_ports(1)))
+    cons = SidecarClient(d.init("D", False, free_ports(1)))
+    try:
+        prod.send(Send("req-1", (p_ids,), n))
+        os.kill(cons.proc.pid, signal.SIGSTOP)
+        # Abandons of an engine it never met are ignored by the sidecar: only the pipe fills.
+        filler = [Abandon("nobody", f"r{i:05d}-" + "x" * 64) for i in range(4000)]
+        steps = [filler[i:i + 500] for i in range(0, len(filler), 500)]
+        steps[-1].append(Recv("dec-1", "req-1", "P", prod.ready.address, (d_ids,), n, 0))
+        sender = threading.Thread(target=lambda: [cons.send_all(s) for s in steps], daemon=True)
+        sender.start()
+        sender.join(120)  # liveness, not speed: a blocking write returns only once the sidecar reads
+        assert not sender.is_alive(), "a send waited for the stopped sidecar"
+        assert cons.unsent > 100_000
+        os.kill(cons.proc.pid, signal.SIGCONT)
+        events = wait([prod, cons], lambda ev: any(isinstance(e, Received) for e in ev)
+                      and any(isinstance(e, Released) for e in ev))
+        assert Received("dec-1", True) in events and Released("req-1", "done") in events
+        assert cons.unsent == 0
+        assert torch.equal(kv(d, d_ids, n), kv(p, p_ids, n))
+    finally:
+        if cons.alive:
+            os.kill(cons.proc.pid, signal.SIGCONT)
         prod.close()
         cons.close()
     assert not prod.alive and not cons.alive

@@ -154,18 +154,51 @@ _HEADER = struct.Struct("<I")
 
 class StreamChannel:
     """Typed messages as length-prefixed frames: read from one file descriptor (made non-blocking),
-    written to a binary file object (a child's stdin, or the parent's end of its stdout)."""
+    written to a binary file object (a child's stdin, or the parent's end of its stdout).
 
-    def __init__(self, read_fd: int, write: Any, receives: Any):
+    `never_block`: the writer's side is an engine step (the vLLM worker's sidecar client). Frames
+    go to an outbox and then as much of it as the pipe takes in one write; the rest waits for the
+    next `send`, `recv` or `flush_out`. A reader that is starved, stopped or busy in a handshake
+    then delays its own commands, never the step that sent them (a blocking write of a full pipe
+    would stall the step for as long as the reader does not read)."""
+
+    def __init__(self, read_fd: int, write: Any, receives: Any, *, never_block: bool = False):
         self.fd, self.write, self.codec, self.buf, self.eof = read_fd, write, Codec(receives), b"", False
+        self.never_block, self.out = never_block, bytearray()
         os.set_blocking(read_fd, False)
+        if never_block:
+            os.set_blocking(write.fileno(), False)
 
     def send(self, msg: Any) -> None:
-        data = self.codec.encode(msg)
-        self.write.write(_HEADER.pack(len(data)) + data)
-        self.write.flush()
+        self.send_all((msg,))
+
+    def send_all(self, msgs: Any) -> None:
+        """Every message, in order; with `never_block` in one write of the outbox (what a step
+        sends goes as one batch)."""
+        frames = b"".join(_HEADER.pack(len(d)) + d for d in map(self.codec.encode, msgs))
+        if not self.never_block:
+            self.write.write(frames)
+            self.write.flush()
+            return
+        self.out += frames
+        self.flush_out()
+
+    def flush_out(self) -> int:
+        """Write what the pipe takes now (never waits); returns the bytes still in the outbox."""
+        while self.out:
+            try:
+                n = os.write(self.write.fileno(), self.out)
+            except BlockingIOError:
+                break
+            del self.out[:n]
+        return len(self.out)
 
     def recv(self, timeout: float = 0.0) -> list[Any]:
+        if self.out:
+            try:
+                self.flush_out()
+            except OSError:  # the reader is gone: its end of input says so
+                self.out.clear()
         if not self.eof and (timeout <= 0 or select.select([self.fd], [], [], timeout)[0]):
             while True:
                 try:

@@ -74,6 +74,7 @@ from kvbridge.integrations.vllm.cache_handles import share_tensors
 from kvbridge.integrations.vllm.registration import check_cpu_kv_layout, group_order, spec_and_layout
 from kvbridge.integrations.vllm.sidecar import (Abandon, Expect, Fatal, Init, Received, Recv, Released, Send, Settings,
                                                 SidecarClient)
+from kvbridge.integrations.vllm.step_profile import StepProfile
 from kvbridge.core.layout import EngineLayout
 
 if TYPE_CHECKING:
@@ -155,6 +156,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self.produces, self.consumes = _role_flags(vllm_config)
         if vllm_config.model_config is not None and vllm_config.model_config.use_mla:
             raise ConfigError("KVBridgeConnector in vLLM moves K/V attention caches; MLA is not supported yet")
+        self.profile = StepProfile()  # KVBRIDGE_STEP_PROFILE=DIR: time the calls on a step's path (issue 31)
         self._scheduler = _Scheduler(self) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _Worker(self) if role == KVConnectorRole.WORKER else None
 
@@ -166,12 +168,16 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        if not scheduler_output.total_num_scheduled_tokens:
-            # An idle step: the engine loops only because a transfer is pending (a request waits
-            # for its KV, or finished blocks wait for their release). Pace it, so that the loop
-            # does not take the CPU that the transfer and the peer engine need (2-core hosts).
-            time.sleep(IDLE_STEP_SLEEP_S)
-        return self._scheduler.build_connector_meta()
+        tokens = scheduler_output.total_num_scheduled_tokens
+        with self.profile.span("schedule") as span:
+            if not tokens:
+                # An idle step: the engine loops only because a transfer is pending (a request waits
+                # for its KV, or finished blocks wait for their release). Pace it, so that the loop
+                # does not take the CPU that the transfer and the peer engine need (2-core hosts).
+                time.sleep(IDLE_STEP_SLEEP_S)
+            meta = self._scheduler.build_connector_meta()
+            span.note(tokens, len(scheduler_output.num_scheduled_tokens), len(meta.recv), len(meta.send))
+        return meta
 
     def on_new_request(self, request: Request) -> None:
         self._scheduler.on_new_request(request)
@@ -193,7 +199,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if isinstance(meta, KVBridgeMetadata):
-            self._worker.submit(meta)
+            with self.profile.span("start_load_kv") as span:
+                self._worker.submit(meta)
+                span.note(len(meta.recv), len(meta.send), len(meta.expect), len(meta.abandon))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Whole requests load asynchronously before they are scheduled; nothing per layer."""
@@ -206,11 +214,14 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         """CPU forward passes are synchronous: a finished request's KV is in its blocks."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        res = self._worker.results()
+        res = self.get_transfer_results(finished_req_ids)
         return res.finished_sending, res.finished_recving
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self._worker.results()
+        with self.profile.span("get_finished") as span:
+            res = self._worker.results()
+            span.note(len(res.finished_recving), len(res.finished_sending))
+        return res
 
     def shutdown(self):
         if self._worker is not None:
@@ -381,15 +392,12 @@ class _Worker:
     def submit(self, meta: KVBridgeMetadata) -> None:
         if self.sidecar is None:
             return
-        for r in meta.send:
-            self.sidecar.send(Send(r.request_id, r.block_ids, r.num_tokens, r.to_engine))
-        for engine, address, rid in meta.expect:
-            self.sidecar.send(Expect(engine, address, rid))
-        for engine, _address, rid in meta.abandon:
-            self.sidecar.send(Abandon(engine, rid))
-        for r in meta.recv:
-            self.sidecar.send(Recv(r.request_id, r.remote_request_id, r.remote_engine_id, r.remote_address,
-                                   r.block_ids, r.num_tokens, r.num_cached_tokens, r.report))
+        cmds: list[Any] = [Send(r.request_id, r.block_ids, r.num_tokens, r.to_engine) for r in meta.send]
+        cmds += [Expect(engine, address, rid) for engine, address, rid in meta.expect]
+        cmds += [Abandon(engine, rid) for engine, _address, rid in meta.abandon]
+        cmds += [Recv(r.request_id, r.remote_request_id, r.remote_engine_id, r.remote_address, r.block_ids,
+                      r.num_tokens, r.num_cached_tokens, r.report) for r in meta.recv]
+        self.sidecar.send_all(cmds)  # one write; never waits for the sidecar (issue 31)
 
     def results(self) -> KVConnectorTransferResults:
         res = KVConnectorTransferResults()

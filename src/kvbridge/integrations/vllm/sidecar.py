@@ -37,11 +37,11 @@ from typing import Any, Union
 
 import msgspec
 
-from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.rank_host import (Failed, Peer, Stop, StreamChannel, report_failure, serve, stderr_logging,
                                           union_of, warm_copier)
-from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.errors import KVBridgeError
 from kvbridge.integrations.vllm.cache_handles import Region, StorageHandle
+from kvbridge.integrations.vllm.settings import Settings
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.spec import ModelSpec
 
@@ -58,55 +58,6 @@ millisecond poll rounds to 0: the sidecar spun a whole core at nice -10 for as l
 prefill request waited for its reader, starving the vLLM processes of both engines on a 2-core
 host; measured: a prefill sidecar at 89 % CPU, the decode engine's worker at 4 %, its engine
 core waiting 60 s for a step.)"""
-
-
-class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """`kv_connector_extra_config` of KVBridgeConnector; an unknown key is refused (named)."""
-
-    transport: str = "shm"  # shm | nixl | mooncake
-    mode: str = "pull"  # pull (decode reads) | push (prefill writes)
-    side_channel_host: str = "127.0.0.1"
-    side_channel_port: int = 5570  # prefill rank r listens on port + r
-    # Generous deadlines: on a loaded 2-core host (load average 10-27 while this was measured) a
-    # vLLM CPU engine stalls its peers for tens of seconds, and a side channel with 1 s heartbeats
-    # (3 s timeout) was dropped; vLLM's own NixlConnector took 114 s for its first transfer in the
-    # same conditions.
-    lease_seconds: float = 300.0
-    transfer_timeout: float = 300.0
-    handshake_timeout: float = 120.0
-    heartbeat_seconds: float = 10.0  # ZMQ heartbeats of the side channel; a peer silent 3x this long is lost
-    stats_path: str = ""  # append one JSON line per transfer event (demos and benchmarks)
-    # The side channel's shared secret (docs/security.md): a file (mode 0600) or the text itself,
-    # the same on both engines; `insecure: true` runs it unauthenticated. One of them is required.
-    secret_file: str = ""
-    secret: str = ""
-    insecure: bool = False
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("pull", "push"):
-            raise ConfigError(f"KVBridgeConnector mode must be 'pull' or 'push', got {self.mode!r}")
-        if not 0 < self.side_channel_port < 65536:
-            raise ConfigError(f"KVBridgeConnector side_channel_port must be in 1..65535, got {self.side_channel_port}")
-        if not (self.secret_file or self.secret or self.insecure):
-            raise ConfigError("KVBridgeConnector needs a side-channel secret: set kv_connector_extra_config "
-                              "secret_file (or secret), the same on both engines, or insecure: true")
-
-    def connector_config(self) -> ConnectorConfig:
-        # transport_notify=False: completion goes over the side channel only. The transport's
-        # notification channel gives a peer 2 s to accept a message and fails the *transfer*
-        # otherwise, after its bytes landed (seen on a loaded host: "accepted no message within
-        # 2000 ms").
-        return ConnectorConfig(lease_seconds=self.lease_seconds, transfer_timeout=self.transfer_timeout,
-                               handshake_timeout=self.handshake_timeout, side_channel_heartbeat=self.heartbeat_seconds,
-                               transport_notify=False, secret=self.secret.encode() or None,
-                               secret_file=self.secret_file or None, insecure=self.insecure)
-
-    @classmethod
-    def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
-        try:
-            return msgspec.convert(dict(extra or {}), cls)
-        except msgspec.ValidationError as e:
-            raise ConfigError(f"KVBridgeConnector kv_connector_extra_config: {e}") from None
 
 
 # -- frames ---------------------------------------------------------------------------------------
@@ -224,6 +175,8 @@ class Sidecar:
         self._pending: list[Recv] = []
         self._recv: dict[str, Recv] = {}  # remote request id -> request
         self._recovered = 0  # the consumer's count of re-handshaken sources, last seen
+        from kvbridge.integrations.vllm.step_profile import StepProfile
+        self.profile = StepProfile()  # KVBRIDGE_STEP_PROFILE: rounds that used the CPU (issue 31)
         warm_copier()
 
     # commands
@@ -249,6 +202,19 @@ class Sidecar:
         short wait while this rank's own transfers are in flight, a longer one otherwise)."""
         if timeout is None:
             timeout = POLL_ACTIVE_S if self.transferring else POLL_IDLE_S
+        if self.profile.on:
+            t0, cpu0 = time.monotonic(), time.process_time()
+            self._step(timeout)
+            cpu = time.process_time() - cpu0
+            if cpu > 0.0005:  # the rounds that worked, not those that only waited
+                self.profile.record("sidecar", t0, time.monotonic() - t0, f"{cpu * 1e3:.3f}",
+                                    len(self.consumer.active) if self.consumer is not None else 0,
+                                    len(self.producer.active) if self.producer is not None else 0)
+            return 0.0
+        self._step(timeout)
+        return 0.0
+
+    def _step(self, timeout: float) -> None:
         if self.producer is not None:
             self.producer.progress(timeout if self.consumer is None else 0.0)
             self._lease_held()
@@ -261,7 +227,6 @@ class Sidecar:
                 self._recovered = recovered
                 for engine in self.consumer.prefill_engines:
                     self._confirm(engine)
-        return 0.0
 
     def stats(self) -> dict[str, int]:
         return {f"{side}.{k}": v for side, c in (("producer", self.producer), ("consumer", self.consumer))
@@ -448,8 +413,10 @@ class SidecarClient(Peer):
     def __init__(self, init: Init, python: str | None = None, start_timeout: float = 180.0):
         self.proc = subprocess.Popen([python or sys.executable, "-m", "kvbridge.integrations.vllm.sidecar"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        super().__init__(StreamChannel(self.proc.stdout.fileno(), self.proc.stdin, union_of(Event, Failed)),
-                         f"kvbridge sidecar of rank {init.rank}", SidecarError)
+        # never_block: the worker sends from its engine step, which must not wait for a sidecar that
+        # is starved, stopped or busy (issue 31); what the pipe cannot take goes with the next call.
+        super().__init__(StreamChannel(self.proc.stdout.fileno(), self.proc.stdin, union_of(Event, Failed),
+                                       never_block=True), f"kvbridge sidecar of rank {init.rank}", SidecarError)
         self.send(init)
         try:
             self.ready: Ready = self.expect(Ready, start_timeout)
@@ -467,8 +434,22 @@ class SidecarClient(Peer):
     def exit_code(self) -> int | None:
         return self.proc.poll()
 
+    def send_all(self, msgs: list[Any]) -> None:
+        """One step's commands in one write, never waiting (the rest goes with the next call)."""
+        if not msgs:
+            return
+        try:
+            self.channel.send_all(msgs)
+        except (BrokenPipeError, OSError, ValueError) as e:
+            raise SidecarError(f"{self.name}: cannot send {len(msgs)} commands: {e}{self._why()}") from None
+
+    @property
+    def unsent(self) -> int:
+        """Bytes of commands the sidecar has not taken yet."""
+        return len(self.channel.out)
+
     def events(self) -> list[Any]:
-        """Every event that arrived since the last call."""
+        """Every event that arrived since the last call (first handing over unsent commands)."""
         self.pump(0.0)
         out = list(self.inbox)
         self.inbox.clear()
@@ -478,7 +459,10 @@ class SidecarClient(Peer):
         if self.alive:
             try:
                 self.send(Close())
-                self.proc.wait(timeout)
+                deadline = time.monotonic() + timeout
+                while self.channel.flush_out() and self.alive and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                self.proc.wait(max(0.0, deadline - time.monotonic()))
             except (SidecarError, subprocess.TimeoutExpired):
                 pass
         self.kill()
