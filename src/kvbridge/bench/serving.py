@@ -2,17 +2,26 @@
 and once with vLLM's NixlConnector, loaded by vLLM's own load generator (`vllm bench serve`).
 
 Both fleets are started before the first run and are loaded in turns (kvbridge, NIXL, kvbridge,
-NIXL, ... per dataset), so the machine's noise falls on both alike; each figure is the median
-over the rounds. A shape NixlConnector refuses (`integrations.vllm.compat.nixl_verdict`: e.g. a
-prefill block larger than the decode block) is reported as refused and only kvbridge runs.
-Figures: TTFT p50/p99, ITL p50/p99, output tokens/s, completed and failed requests, and the
-kvbridge/NIXL ratios (time: NIXL / kvbridge, so above 1 means kvbridge is faster; throughput:
-kvbridge / NIXL).
+NIXL, ... per dataset), so the machine's noise falls on both alike. A shape NixlConnector refuses
+(`integrations.vllm.compat.nixl_verdict`: e.g. a prefill block larger than the decode block) is
+reported as refused and only kvbridge runs.
+
+Figures (issue 31): TTFT p50/p99 and output tokens/s as the median over the rounds; inter-token
+latency p50/p90/p99 and max over every gap of every round together (a p99 of one round of 32
+requests is its 5th-worst gap: pooling the rounds is what makes a tail figure out of them);
+completed and failed summed. The decode instance's step times come from vLLM's own per-iteration
+log (`--enable-logging-iteration-details`, the same on both fleets) as a histogram per dataset.
+Each run notes the host's load average and the CPU time the rest of the host used meanwhile,
+so a reader sees what else ran. Ratios: time NIXL / kvbridge, throughput kvbridge / NIXL (above
+1: kvbridge better).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import resource
 import statistics
 import subprocess
 import tempfile
@@ -28,7 +37,12 @@ DATASETS = {
                           "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
                           "--prefix-repetition-output-len", "16"],
 }
-FIGURES = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput", "completed", "failed")
+ROUND_FIGURES = ("median_ttft_ms", "p99_ttft_ms", "output_throughput")
+ITL_FIGURES = ("itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms")
+TIME_FIGURES = ("median_ttft_ms", "p99_ttft_ms", *ITL_FIGURES)
+STEP_EDGES_MS = (10, 20, 40, 80, 160, 320, 640, 1280)
+"""Upper edges of the step-time histogram's buckets; the last bucket is everything above."""
+_ITERATION = re.compile(r"Iteration\(\d+\): .*?iteration elapsed time: ([0-9.]+) ms")
 
 
 def _nixl_refusal(model: Path, prefill: InstanceShape, decode: InstanceShape) -> str | None:
@@ -40,23 +54,117 @@ def _nixl_refusal(model: Path, prefill: InstanceShape, decode: InstanceShape) ->
     return None if verdict.accepts else "; ".join(verdict.reasons)
 
 
+def percentile(xs: list[float], q: float) -> float | None:
+    """numpy's default (linear) percentile of `xs`, q in [0, 100]; None for no samples."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def step_histogram(steps_ms: list[float]) -> dict[str, Any]:
+    """Counts per bucket (`<=10`, ..., `>1280` ms) and the p50/p99/max of the decode steps."""
+    counts = {f"<={e}": 0 for e in STEP_EDGES_MS} | {f">{STEP_EDGES_MS[-1]}": 0}
+    for ms in steps_ms:
+        edge = next((e for e in STEP_EDGES_MS if ms <= e), None)
+        counts[f"<={edge}" if edge is not None else f">{STEP_EDGES_MS[-1]}"] += 1
+    return {"steps": len(steps_ms), "p50_ms": percentile(steps_ms, 50), "p99_ms": percentile(steps_ms, 99),
+            "max_ms": max(steps_ms) if steps_ms else None, "buckets": counts}
+
+
+def iteration_times(log_text: str) -> list[float]:
+    """The elapsed milliseconds of every step vLLM logged (`--enable-logging-iteration-details`)."""
+    return [float(m.group(1)) for m in _ITERATION.finditer(log_text)]
+
+
+class _HostCpu:
+    """CPU seconds the whole host, the fleets' process sessions and this process's children used
+    between `start` and `stop`: what is left is what else ran on the machine meanwhile."""
+
+    def __init__(self, sessions: set[int]):
+        self.sessions = sessions
+
+    @staticmethod
+    def _busy() -> float:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+    def _ours(self) -> float:
+        ticks = 0
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    st = open(f"/proc/{d}/stat").read()
+                except OSError:
+                    continue
+                f = st[st.rindex(")") + 2:].split()
+                if int(f[3]) in self.sessions:
+                    ticks += int(f[11]) + int(f[12])
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return ticks / os.sysconf("SC_CLK_TCK") + r.ru_utime + r.ru_stime
+
+    def start(self) -> None:
+        self.t0, self.busy0, self.ours0, self.load0 = time.monotonic(), self._busy(), self._ours(), os.getloadavg()
+
+    def stop(self) -> dict[str, Any]:
+        wall = time.monotonic() - self.t0
+        busy, ours = self._busy() - self.busy0, self._ours() - self.ours0
+        return {"seconds": round(wall, 1), "load_avg_1m": [round(self.load0[0], 2), round(os.getloadavg()[0], 2)],
+                "host_cpu_s": round(busy, 1), "benchmark_cpu_s": round(ours, 1),
+                "others_cpu_s": round(max(0.0, busy - ours), 1), "cores": os.cpu_count()}
+
+
 def _bench_once(fleet: Fleet, model: Path, dataset: str, prompts: int, concurrency: int, seed: int,
                 out: Path) -> dict[str, Any]:
     name = f"{fleet.config.connector}-{dataset}-{seed}.json"
     cmd = [str(Path(fleet.python).parent / "vllm"), "bench", "serve", "--backend", "vllm", "--base-url",
            fleet.endpoint, "--model", "model", "--tokenizer", str(model), *DATASETS[dataset],
            "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--seed", str(seed), "--ignore-eos",
-           "--save-result", "--result-dir", str(out), "--result-filename", name, "--percentile-metrics", "ttft,itl",
-           "--metric-percentiles", "50,99"]
+           "--save-result", "--save-detailed", "--result-dir", str(out), "--result-filename", name,
+           "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,90,99"]
+    decode_logs = [m.log_path for m in fleet.members if m.name.startswith("decode")]
+    offsets = [p.stat().st_size if p.exists() else 0 for p in decode_logs]
+    sessions = {m.proc.pid for m in fleet.everyone() if m.proc is not None}
+    host = _HostCpu(sessions)
+    host.start()
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    load = host.stop()
+    steps: list[float] = []
+    for p, off in zip(decode_logs, offsets):
+        with open(p, "rb") as f:
+            f.seek(off)
+            steps += iteration_times(f.read().decode(errors="replace"))
     if res.returncode:
-        return {"error": (res.stdout + res.stderr)[-600:]}
+        return {"error": (res.stdout + res.stderr)[-600:], "host": load, "steps_ms": steps}
     data = json.loads((out / name).read_text())
-    return {k: data.get(k) for k in FIGURES}
+    itls = [1e3 * x for r in data.get("itls") or [] for x in r]  # seconds, per request
+    return {**{k: data.get(k) for k in ROUND_FIGURES}, "completed": data.get("completed"),
+            "failed": data.get("failed", 0), "itls_ms": itls, "steps_ms": steps, "host": load}
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One connector's rounds of one dataset: medians of the per-round figures, ITL percentiles
+    over every gap of every round, the decode steps' histogram, the host's notes per round."""
+    ok = [x for x in runs if "error" not in x]
+    row: dict[str, Any] = {k: statistics.median(x[k] for x in ok) if ok and all(x.get(k) is not None for x in ok)
+                           else None for k in ROUND_FIGURES}
+    itls = [v for x in ok for v in x["itls_ms"]]
+    row |= {"itl_p50_ms": percentile(itls, 50), "itl_p90_ms": percentile(itls, 90),
+            "itl_p99_ms": percentile(itls, 99), "itl_max_ms": max(itls) if itls else None, "itl_samples": len(itls)}
+    row["completed"] = sum(x.get("completed") or 0 for x in ok)
+    row["failed"] = sum(x.get("failed") or 0 for x in ok) + len(runs) - len(ok)
+    row["decode_steps"] = step_histogram([v for x in runs for v in x["steps_ms"]])
+    row["host"] = [x["host"] for x in runs]
+    row["errors"] = [x["error"] for x in runs if "error" in x]
+    return row
 
 
 def bench_serve(model: Path | None = None, prefill: str = "tp=1,block=32", decode: str = "tp=2,block=32",
-                prompts: int = 32, concurrency: int = 8, rounds: int = 2, python: str | None = None,
+                prompts: int = 32, concurrency: int = 8, rounds: int = 3, python: str | None = None,
                 work: Path | None = None) -> dict[str, Any]:
     """Run both fleets (or kvbridge's alone where NIXL refuses the shape) and return the table."""
     work = Path(work or tempfile.mkdtemp(prefix="kvbridge-bench-serve-")).resolve()
@@ -68,8 +176,12 @@ def bench_serve(model: Path | None = None, prefill: str = "tp=1,block=32", decod
     from kvbridge.proofs.vllm.cluster import free_ports
     fleets = {}
     for connector in ("kvbridge",) + (() if refused else ("nixl",)):
-        fleets[connector] = Fleet(FleetConfig(model=Path(model), prefill=[p], decode=[d], log_dir=work / connector,
-                                              port=free_ports(1), vllm_python=python, connector=connector))
+        fleets[connector] = f = Fleet(FleetConfig(model=Path(model), prefill=[p], decode=[d],
+                                                  log_dir=work / connector, port=free_ports(1), vllm_python=python,
+                                                  connector=connector))
+        for m in f.members:  # vLLM's own step timer, the same on both fleets
+            if m.name.startswith("decode"):
+                m.argv.append("--enable-logging-iteration-details")
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {c: {ds: [] for ds in DATASETS} for c in fleets}
     t0 = time.monotonic()
     try:
@@ -89,23 +201,18 @@ def bench_serve(model: Path | None = None, prefill: str = "tp=1,block=32", decod
     for ds in DATASETS:
         row: dict[str, Any] = {"dataset": ds}
         for connector in ("kvbridge", "nixl"):
-            if connector not in fleets:
-                row[connector] = {"refused": refused}
-                continue
-            ok = [x for x in runs[connector][ds] if "error" not in x]
-            row[connector] = {k: statistics.median(x[k] for x in ok) if ok else None for k in FIGURES}
-            row[connector]["errors"] = [x["error"] for x in runs[connector][ds] if "error" in x]
+            row[connector] = summarize(runs[connector][ds]) if connector in fleets else {"refused": refused}
         if "nixl" in fleets:
             k, n = row["kvbridge"], row["nixl"]
-            row["ratios"] = {m: (n[m] / k[m]) if k.get(m) and n.get(m) else None for m in
-                             ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")}
+            row["ratios"] = {m: (n[m] / k[m]) if k.get(m) and n.get(m) else None for m in TIME_FIGURES}
             row["ratios"]["output_throughput"] = (k["output_throughput"] / n["output_throughput"]
                                                   if k.get("output_throughput") and n.get("output_throughput")
                                                   else None)
         table.append(row)
     return {"prefill": p.describe(), "decode": d.describe(), "prompts": prompts, "concurrency": concurrency,
             "rounds": rounds, "startup_seconds": round(startup, 1), "nixl_refused": refused, "table": table,
-            "work": str(work)}
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": os.uname().nodename,
+            "cores": os.cpu_count(), "work": str(work)}
 
 
-__all__ = ["bench_serve"]
+__all__ = ["bench_serve", "iteration_times", "percentile", "step_histogram", "summarize"]

@@ -25,7 +25,7 @@ BENCH_RUNNERS: dict[str, set[str]] = {
     "offload": _COMMON | {"model", "tokens", "repeats", "prefill_tp", "prefill_block_size", "device"},
     "transport": _COMMON | _SHAPE | {"model", "tokens", "repeats", "op"},
     "vllm": _COMMON | {"prefill_tp", "decode_tp"},
-    "serve": _COMMON | {"prefill_tp", "decode_tp", "prefill_block_size", "decode_block_size"},
+    "serve": _COMMON | {"prefill_tp", "decode_tp", "prefill_block_size", "decode_block_size", "repeats"},
     "pool": _COMMON | {"tokens", "repeats"},
 }
 BENCH_FLAGS = {"local": "the local executor (default)", "staged": "--staged", "offload": "--offload",
@@ -73,7 +73,8 @@ def bench(
     prefill_tp: int = typer.Option(1, min=1), decode_tp: int = typer.Option(2, min=1),
     prefill_block_size: int = typer.Option(16, min=1), decode_block_size: int = typer.Option(16, min=1),
     prefill_layout: Order = typer.Option(Order.HND, case_sensitive=False), decode_layout: Order = typer.Option(Order.HND, case_sensitive=False),
-    repeats: int = typer.Option(7, min=1, help="Interleaved repetitions; medians are reported."),
+    repeats: int = typer.Option(7, min=1, help="Interleaved repetitions; medians are reported (--serve: rounds "
+                                "per dataset and connector, default 3)."),
     transport: Transport = typer.Option(Transport.local, help="local executor, or a real engine between processes."),
     op: Mode = typer.Option(Mode.pull, help="pull (READ) or push (WRITE), for --transport shm/nixl/mooncake."),
     offload: bool = typer.Option(False, help="GPU<->CPU offload store and load instead of a P/D transfer."),
@@ -121,7 +122,12 @@ def bench(
         from kvbridge.bench.serving import bench_serve
         with console.status("starting both fleets, then vllm bench serve in turns", spinner="dots") \
                 if not as_json else _nothing():
-            out = bench_serve(prefill=f"tp={prefill_tp},block={blocks[0]}", decode=f"tp={decode_tp},block={blocks[1]}")
+            rounds = repeats if ctx.get_parameter_source("repeats").name == "COMMANDLINE" else 3
+            if not 1 <= rounds <= 20:
+                raise ConfigError(f"--repeats for --serve (rounds of each dataset per connector) must be in 1..20, "
+                                  f"got {rounds}")
+            out = bench_serve(prefill=f"tp={prefill_tp},block={blocks[0]}", decode=f"tp={decode_tp},block={blocks[1]}",
+                              rounds=rounds)
         if as_json:
             print_json(out)
         else:
@@ -226,24 +232,45 @@ def pool_table(out: dict[str, Any]) -> None:
 
 
 def serve_table(out: dict[str, Any]) -> None:
-    """The serving benchmark as a table: both connectors' figures and the ratios per dataset."""
+    """The serving benchmark as tables: both connectors' figures and the ratios per dataset, then
+    the decode instance's step-time histogram and what else the host ran."""
     table = Table(title=f"vllm bench serve through vllm-router: prefill {out['prefill']} -> decode {out['decode']}, "
-                  f"{out['prompts']} prompts, {out['concurrency']} in flight, median of {out['rounds']} rounds")
-    keys = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput")
-    for col in ("dataset", "connector", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "out tok/s",
-                "completed", "failed"):
+                  f"{out['prompts']} prompts, {out['concurrency']} in flight, {out['rounds']} rounds")
+    keys = ("median_ttft_ms", "p99_ttft_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms",
+            "output_throughput")
+    for col in ("dataset", "connector", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms",
+                "ITL max ms", "out tok/s", "completed", "failed"):
         table.add_column(col)
+    steps = Table(title="decode instance: steps by time (vLLM's iteration log), all rounds")
+    buckets = None
     for row in out["table"]:
         for c in ("kvbridge", "nixl", "ratios"):
             v = row.get(c)
             if v is None:
                 continue
             if "refused" in v:
-                table.add_row(row["dataset"], "nixl", "refused: " + str(v["refused"]), *[""] * 6)
+                table.add_row(row["dataset"], "nixl", "refused: " + str(v["refused"]), *[""] * 8)
                 continue
             cells = [f"{v[k]:.2f}" if isinstance(v.get(k), (int, float)) else "-" for k in keys]
             tail = ["", ""] if c == "ratios" else [str(v.get("completed")), str(v.get("failed"))]
             table.add_row(row["dataset"], "NIXL / kvbridge (tok/s: kvbridge / NIXL)" if c == "ratios" else c,
                           *cells, *tail)
+            if c != "ratios":
+                h = v["decode_steps"]
+                if buckets is None:
+                    buckets = list(h["buckets"])
+                    for col in ("dataset", "connector", "steps", "p50 ms", "p99 ms", "max ms", *buckets):
+                        steps.add_column(col)
+                steps.add_row(row["dataset"], c, str(h["steps"]), *[f"{h[k]:.1f}" if h[k] is not None else "-"
+                                                                   for k in ("p50_ms", "p99_ms", "max_ms")],
+                              *[str(h["buckets"][b]) for b in buckets])
     console.print(table)
+    if buckets:
+        console.print(steps)
+    others = [h for row in out["table"] for c in ("kvbridge", "nixl") if "host" in row[c] for h in row[c]["host"]]
+    if others:
+        console.print(f"host: {out.get('cores')} cores; load average (1 min) at the runs' starts "
+                      f"{min(h['load_avg_1m'][0] for h in others):.1f}..{max(h['load_avg_1m'][0] for h in others):.1f}; "
+                      f"other processes used {sum(h['others_cpu_s'] for h in others):.0f} of "
+                      f"{sum(h['host_cpu_s'] for h in others):.0f} CPU-seconds during the runs")
     console.print("compare the ratios, measured side by side in one run; absolute times on a shared host are noise")

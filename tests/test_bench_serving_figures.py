@@ -1,0 +1,57 @@
+"""`bench.serving`'s figures from what vLLM writes: the ITL tail pooled over rounds, the decode
+steps' histogram from vLLM's own iteration log lines, a failed round counted, and the CLI's
+tables printed from them."""
+
+from __future__ import annotations
+
+from kvbridge.bench.serving import iteration_times, percentile, step_histogram, summarize
+
+LOG = """\
+(APIServer pid=14112) INFO 11-27 01:49:48 [loggers.py:199] Engine 000: Iteration(159): 0 context requests, \
+0 context tokens, 8 generation requests, 8 generation tokens, iteration elapsed time: 98.79 ms, CPU KV cache usage: 0.1%
+(APIServer pid=14112) INFO 11-27 01:49:48 [loggers.py:126] Engine 000: Avg prompt throughput: 0.0 tokens/s
+(APIServer pid=14112) INFO 11-27 01:49:48 [loggers.py:199] Engine 000: Iteration(160): 1 context requests, \
+1 context tokens, 7 generation requests, 7 generation tokens, iteration elapsed time: 1423.65 ms, CPU KV cache usage: 0.0%
+"""
+
+
+def test_iteration_times_and_histogram() -> None:
+    steps = iteration_times(LOG)
+    assert steps == [98.79, 1423.65]
+    h = step_histogram(steps + [5.0, 10.0])
+    assert h["steps"] == 4 and h["max_ms"] == 1423.65
+    assert h["buckets"]["<=10"] == 2 and h["buckets"]["<=160"] == 1 and h["buckets"][">1280"] == 1
+    assert sum(h["buckets"].values()) == 4
+
+
+def test_percentile_is_numpys_linear_one() -> None:
+    xs = [float(x) for x in range(1, 101)]
+    assert percentile(xs, 50) == 50.5 and abs(percentile(xs, 99) - 99.01) < 1e-9 and percentile([], 99) is None
+
+
+def test_rounds_pool_their_gaps_and_a_failed_round_counts() -> None:
+    host = {"seconds": 1.0, "load_avg_1m": [1.0, 1.0], "host_cpu_s": 2.0, "benchmark_cpu_s": 1.5,
+            "others_cpu_s": 0.5, "cores": 2}
+    rounds = [{"median_ttft_ms": t, "p99_ttft_ms": 2 * t, "output_throughput": 10.0, "completed": 32, "failed": 0,
+               "itls_ms": [10.0] * 99 + [tail], "steps_ms": [20.0, tail], "host": host}
+              for t, tail in ((100.0, 500.0), (300.0, 50.0))]
+    rounds.append({"error": "vllm bench serve died", "steps_ms": [], "host": host})
+    row = summarize(rounds)
+    assert row["median_ttft_ms"] == 200.0 and row["itl_samples"] == 200
+    assert row["itl_max_ms"] == 500.0 and row["itl_p50_ms"] == 10.0
+    assert row["completed"] == 64 and row["failed"] == 1 and row["errors"] == ["vllm bench serve died"]
+    assert row["decode_steps"]["steps"] == 4 and len(row["host"]) == 3
+
+
+def test_the_cli_prints_both_tables(capsys) -> None:
+    from kvbridge.cli.bench import serve_table
+    host = {"seconds": 1.0, "load_avg_1m": [3.0, 4.0], "host_cpu_s": 2.0, "benchmark_cpu_s": 1.5,
+            "others_cpu_s": 0.5, "cores": 2}
+    r = {"median_ttft_ms": 100.0, "p99_ttft_ms": 200.0, "output_throughput": 10.0, "completed": 32, "failed": 0,
+         "itls_ms": [10.0, 30.0], "steps_ms": [20.0, 700.0], "host": host}
+    row = {"dataset": "random", "kvbridge": summarize([r]), "nixl": summarize([r]),
+           "ratios": {"itl_p99_ms": 1.0, "output_throughput": 1.0}}
+    serve_table({"prefill": "tp=1", "decode": "tp=2", "prompts": 32, "concurrency": 8, "rounds": 1, "cores": 2,
+                 "table": [row]})
+    text = capsys.readouterr().out
+    assert "ITL p99" in text and "<=640" in text and "load average" in text and "other processes used" in text
