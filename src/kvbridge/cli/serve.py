@@ -109,12 +109,16 @@ def serve(
 
     With `--pool`, every instance also shares a prefix cache in Mooncake Store (vLLM's
     MultiConnector: P/D first, then the pool). Every shape is checked against vLLM's and
-    kvbridge's rules before anything starts. Ctrl-C or
+    kvbridge's rules before anything starts. Once healthy, a member (instance, router, the
+    pool's master) that dies is restarted on its ports with backoff (1, 2, 4, 8, 16 s); one that
+    dies 6 times in a row without serving for a minute in between stops the fleet: exit 1, with
+    its log's last lines. Ctrl-C or
     SIGTERM stops the whole fleet: router, instances, their workers and sidecars, and their
     shared-memory segments.
     """
     from kvbridge.integrations.vllm.fleet import Fleet, FleetConfig, FleetError, InstanceShape
     from kvbridge.integrations.vllm.fleet_config import check_model
+    from kvbridge.integrations.vllm.fleet_supervisor import Supervisor
 
     prefill_shapes = [InstanceShape.parse(t, "--prefill") for t in prefill]
     decode_shapes = [InstanceShape.parse(t, "--decode") for t in decode]
@@ -185,14 +189,10 @@ def serve(
                 console.print(f"  {m.name:<10} {m.shape.describe():<32} {m.url}", highlight=False, markup=False)
             console.print(fleet.curl_example(), highlight=False, markup=False, soft_wrap=True)
             console.print("Ctrl-C stops the fleet.", highlight=False)
-        while not stop.is_set():  # watch: a member that dies is reported, the rest keep serving
-            stop.wait(5.0)
-            fleet.track_segments()
-            for m in fleet.everyone():
-                if m.proc is not None and m.proc.poll() is not None:
-                    err_console.print(f"{m.name} exited (rc {m.proc.returncode}); its log: {m.log_path}",
-                                      highlight=False, markup=False)
-                    m.proc = None
+        supervisor = Supervisor(fleet, _reporter(as_json))
+        while not stop.is_set():  # supervise: a member that dies is restarted; one that keeps dying ends it
+            stop.wait(1.0)
+            supervisor.step()
     except KeyboardInterrupt:
         pass
     except FleetError as e:
@@ -209,6 +209,21 @@ def serve(
         _remove_if_empty(made)
     if code:
         raise typer.Exit(code)
+
+
+def _reporter(as_json: bool):
+    """Supervision events: one JSON line each on stdout with --json (after the summary line), else
+    one line each on stderr."""
+    def report(event: dict) -> None:
+        if as_json:
+            sys.stdout.write(json.dumps(event) + "\n")
+            sys.stdout.flush()
+            return
+        what = {"died": "died (rc {rc}, {deaths_in_a_row} in a row); restarting in {restart_in_s:g} s",
+                "restarted": "restarted (pid {pid}, incarnation {incarnation})",
+                "back": "serving again, {after_s:g} s after it died"}[event["event"]]
+        err_console.print(f"{event['member']} {what.format(**event)}", highlight=False, markup=False)
+    return report
 
 
 class _Quiet:

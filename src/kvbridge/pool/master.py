@@ -95,10 +95,20 @@ class MooncakeMaster:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._launch(wait_s)
 
-    def _launch(self, wait_s: float) -> None:
+    def spawn(self) -> subprocess.Popen:
+        """Start the process on the master's ports and return at once (`accepts` says when it
+        listens): a fleet's supervisor restarts a dead master without waiting on it."""
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, preexec_fn=_die_with_parent)
+        return self.proc
+
+    def accepts(self) -> bool:
+        """Whether its RPC port accepts connections now."""
+        return _accepts(self.host, self.rpc_port)
+
+    def _launch(self, wait_s: float) -> None:
+        self.spawn()
         end = time.monotonic() + wait_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:

@@ -28,8 +28,9 @@ from typing import Any
 
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.fleet_config import FleetConfig, FleetError, InstanceShape, check_shapes
-from kvbridge.integrations.vllm.fleet_processes import (Member, _group_alive, find_tool, healthy, port_free,
-                                                        SegmentLedger, stop_session, vllm_python, vllm_serve_member)
+from kvbridge.integrations.vllm.fleet_processes import (Member, _group_alive, _pids_in_groups, find_tool, healthy,
+                                                        kill_seen, port_free, retire_session, SegmentLedger,
+                                                        stop_session, vllm_python, vllm_serve_member)
 from kvbridge.transport.ports import PortReservations
 
 
@@ -60,6 +61,9 @@ class Fleet:
         self.ledger = SegmentLedger()  # the segments of the fleet's processes (`track_segments`), removed at stop
         self._vllm, self._router_bin = vllm, router
         self._incarnation = 0
+        # Every process session any member (the master too) ever led, by leader pid: `stop` kills
+        # what is left of each, the sessions of dead incarnations included.
+        self.sessions: dict[int, str] = {}
         # Every port the fleet binds, checked free on the interface that binds it and held (flock)
         # until `stop`: a fleet starting beside this one never promises the same port.
         self.port_locks = PortReservations()
@@ -123,7 +127,7 @@ class Fleet:
                   "kv_buffer_device": "cpu", "kv_load_failure_policy": "recompute"}
             member = vllm_serve_member(c, vllm, name, shape, http_port, self.log_dir, kv)
             member.env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=c.side_channel_host, VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port))
-            member.engine_id = engine_id
+            member.engine_id, member.side_port = engine_id, side_port
             return member
         extra = {"transport": shape.transport, "mode": shape.mode, "side_channel_host": c.side_channel_host,
                  "side_channel_port": side_port, "secret_file": str(self.secret_file)}
@@ -141,7 +145,7 @@ class Fleet:
             kv = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": engine_id,
                   "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"connectors": children}}
         member = vllm_serve_member(c, vllm, name, shape, http_port, self.log_dir, kv)
-        member.engine_id = engine_id
+        member.engine_id, member.side_port = engine_id, side_port
         return member
 
     @property
@@ -166,6 +170,7 @@ class Fleet:
         with open(m.log_path, "ab") as log:
             m.proc = subprocess.Popen(m.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                       env=m.env, start_new_session=True, cwd=str(self.log_dir))
+        self.sessions[m.proc.pid] = m.name
 
     def start(self) -> None:
         """Start every instance (together: their imports overlap), then the router."""
@@ -176,6 +181,7 @@ class Fleet:
         write_secret_file(self.secret_file)
         if self.master is not None:
             self.master.launch()
+            self.sessions[self.master.proc.pid] = "master"
         for m in self.members:
             self.start_member(m)
         self.start_member(self.router)
@@ -232,9 +238,7 @@ class Fleet:
         if old.proc is not None:
             self.stop_member(old)
         self._incarnation += 1
-        side = old.env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or json.loads(
-            old.argv[old.argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]["side_channel_port"]
-        new = self._instance(self._vllm, name, old.shape, old.http_port, int(side))
+        new = self._instance(self._vllm, name, old.shape, old.http_port, old.side_port)
         self.members[self.members.index(old)] = new
         self.start_member(new)
         return new
@@ -253,6 +257,48 @@ class Fleet:
         self.stop_member(self.router, timeout=30.0)
         self.router = self._router()
         self.start_member(self.router)
+
+    # What the supervisor (fleet_supervisor.py) sees of a member, by name: the instances, "router"
+    # and, with --pool start, "master".
+
+    def supervised(self) -> list[str]:
+        return [m.name for m in self.everyone()] + (["master"] if self.master is not None else [])
+
+    def process(self, name: str) -> subprocess.Popen | None:
+        return self.master.proc if name == "master" and self.master is not None else self.member(name).proc
+
+    def answers(self, name: str) -> bool:
+        """Whether member `name` serves: an instance's or the router's /health, the master's RPC port."""
+        if name == "master" and self.master is not None:
+            return self.master.accepts()
+        return healthy(self.member(name).url)
+
+    def log_of(self, name: str) -> Path:
+        return self.master.log_path if name == "master" and self.master is not None else self.member(name).log_path
+
+    def retire(self, name: str) -> None:
+        """Kill what is left of member `name`'s session once its leader exited (`retire_session`)."""
+        proc = self.process(name)
+        if proc is None:
+            return
+        retire_session(proc, self.ledger)
+        if name == "master":
+            self.master.proc = None
+        else:
+            self.member(name).proc = None
+
+    def relaunch(self, name: str) -> subprocess.Popen:
+        """Start member `name` again on its ports without waiting for it: an instance as a new
+        incarnation (`restart`), the router with every member, the master on its RPC and metrics
+        ports (its objects are gone; the instances' clients re-register by themselves)."""
+        if name == "master" and self.master is not None:
+            proc = self.master.spawn()
+            self.sessions[proc.pid] = "master"
+            return proc
+        if name == "router":
+            self.restart_router()
+            return self.router.proc
+        return self.restart(name).proc
 
     def track_segments(self) -> None:
         """Note the shared-memory segments the fleet's processes map (vLLM's TP channels, Python's
@@ -279,6 +325,11 @@ class Fleet:
             self.stop_member(m)
         if self.master is not None:
             self.master.stop()
+        for leader in self.sessions:  # every incarnation's session: what `retire` or the stops left
+            kill_seen(leader, self.ledger)
+        end = time.monotonic() + 10
+        while set(_pids_in_groups(set(self.sessions), zombies=False)) & self.ledger.pids and time.monotonic() < end:
+            time.sleep(0.1)
         self.ledger.remove_unused()  # only the fleet's own (SegmentLedger): nothing by age
         try:
             self.secret_file.unlink()

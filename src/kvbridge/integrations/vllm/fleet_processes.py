@@ -49,6 +49,7 @@ class Member:
     shape: InstanceShape | None = None
     engine_id: str | None = None
     proc: subprocess.Popen | None = None
+    side_port: int | None = None  # an instance's first side-channel port (one per rank from it)
 
     @property
     def url(self) -> str:
@@ -146,8 +147,9 @@ def _all_pids() -> list[int]:
     return [int(d) for d in os.listdir("/proc") if d.isdigit()]
 
 
-def _pids_in_groups(groups: set[int]) -> list[int]:
-    """Processes whose process group is one of `groups` (each member leads its own session)."""
+def _pids_in_groups(groups: set[int], zombies: bool = True) -> list[int]:
+    """Processes whose process group is one of `groups` (each member leads its own session);
+    `zombies` False: only those not yet dead (a zombie holds no port or memory)."""
     out = []
     for pid in _all_pids():
         try:
@@ -155,7 +157,7 @@ def _pids_in_groups(groups: set[int]) -> list[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) in groups:
+        if int(fields[2]) in groups and (zombies or fields[0] != "Z"):
             out.append(pid)
     return out
 
@@ -175,6 +177,54 @@ def _group_alive(pgid: int) -> bool:
         return True
     except (ProcessLookupError, PermissionError):
         return False
+
+
+def exit_status(proc: subprocess.Popen) -> int | None:
+    """`proc`'s return code once it has exited (negative: the signal), None while it runs, without
+    reaping it: until it is reaped its pid, and so its process group's id, cannot be reused, and
+    what is left of its session can be killed safely (`Fleet.retire`)."""
+    if proc.returncode is not None:
+        return proc.returncode
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped elsewhere
+        return proc.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def retire_session(proc: subprocess.Popen, ledger: SegmentLedger) -> None:
+    """Kill what is left of the session `proc` leads once `proc` has exited (a vLLM instance's
+    EngineCore, workers and kvbridge sidecar may live on, holding its ports and memory), then reap
+    `proc`. The ledger notes the session's processes and segments first (removed at stop). While
+    `proc` is unreaped its pid, the session's id, cannot be reused, so the kill reaches only its
+    processes; once reaped, only those the ledger saw (`kill_seen`)."""
+    ledger.track(proc.pid)
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        end = time.monotonic() + 30
+        while set(_pids_in_groups({proc.pid}, zombies=False)) - {proc.pid} and time.monotonic() < end:
+            time.sleep(0.05)
+    else:
+        kill_seen(proc.pid, ledger)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def kill_seen(leader: int, ledger: SegmentLedger) -> None:
+    """SIGKILL the processes now in session `leader` that the ledger saw in it (a reaped leader's
+    pid can be reused: only processes the fleet saw are its)."""
+    for pid in set(_pids_in_groups({leader})) & ledger.pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def stop_session(proc: subprocess.Popen | None, timeout: float = 20.0) -> None:
@@ -252,6 +302,6 @@ def remove_unused_segments(names: set[str]) -> int:
     return removed
 
 
-__all__ = ["Member", "PortsExhausted", "find_tool", "free_ports", "healthy", "port_free", "remove_unused_segments",
-           "SegmentLedger", "segments_named_by", "session_pids", "session_segments", "stop_session", "vllm_python",
-           "vllm_serve_member"]
+__all__ = ["Member", "PortsExhausted", "exit_status", "find_tool", "free_ports", "healthy", "kill_seen", "port_free",
+           "remove_unused_segments", "retire_session", "SegmentLedger", "segments_named_by", "session_pids",
+           "session_segments", "stop_session", "vllm_python", "vllm_serve_member"]
