@@ -55,3 +55,48 @@ def test_the_cli_prints_both_tables(capsys) -> None:
                  "table": [row]})
     text = capsys.readouterr().out
     assert "ITL p99" in text and "<=640" in text and "load average" in text and "other processes used" in text
+
+
+def test_the_idle_fleet_is_stopped_and_continued_whole() -> None:
+    """`pause_sessions` stops every process of a member's session (its children too: a vLLM
+    instance's engine core, workers and sidecars) and continues them all."""
+    import subprocess
+    import time
+    from pathlib import Path
+
+    from kvbridge.bench.serving import pause_sessions
+
+    leader = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300 & wait"], start_new_session=True)
+    try:
+        def states() -> list[str]:
+            kids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                    and _session(int(p.name)) == leader.pid]
+            return [_state(pid) for pid in kids]
+
+        while len(states()) < 3:  # sh and its two sleeps
+            time.sleep(0.05)
+        pause_sessions([leader.pid], True)
+        assert set(states()) == {"T"}
+        pause_sessions([leader.pid], False)
+        assert "T" not in set(states())
+    finally:
+        leader.kill()
+        leader.wait()
+
+
+def _stat(pid: int) -> list[str]:
+    try:
+        text = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return []
+    return text[text.rindex(")") + 2:].split()
+
+
+def _session(pid: int) -> int | None:
+    f = _stat(pid)
+    return int(f[3]) if f else None
+
+
+def _state(pid: int) -> str:
+    f = _stat(pid)
+    return f[0] if f else "gone"
