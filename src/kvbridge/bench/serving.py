@@ -167,14 +167,14 @@ def _bench_once(fleet: Fleet, model: Path, dataset: str, prompts: int, concurren
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One connector's rounds of one dataset: medians of the per-round figures, ITL percentiles
     over every gap of every round, the decode steps' histogram, the host's notes per round."""
-    ok = [x for x in runs if "error" not in x]
+    ok = [x for x in runs if "error" not in x and x.get("completed")]  # a round where all failed has no times
     row: dict[str, Any] = {k: statistics.median(x[k] for x in ok) if ok and all(x.get(k) is not None for x in ok)
                            else None for k in ROUND_FIGURES}
     itls = [v for x in ok for v in x["itls_ms"]]
     row |= {"itl_p50_ms": percentile(itls, 50), "itl_p90_ms": percentile(itls, 90),
             "itl_p99_ms": percentile(itls, 99), "itl_max_ms": max(itls) if itls else None, "itl_samples": len(itls)}
     row["completed"] = sum(x.get("completed") or 0 for x in ok)
-    row["failed"] = sum(x.get("failed") or 0 for x in ok) + len(runs) - len(ok)
+    row["failed"] = sum(x.get("failed") or 0 for x in runs if "error" not in x) + sum("error" in x for x in runs)
     row["decode_steps"] = step_histogram([v for x in runs for v in x["steps_ms"]])
     row["host"] = [x["host"] for x in runs]
     row["errors"] = [x["error"] for x in runs if "error" in x]
