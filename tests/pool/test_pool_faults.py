@@ -389,3 +389,50 @@ def test_a_get_of_many_small_runs_is_split_below_mooncakes_lane_queue(lender, cl
     finally:
         lender.unregister(src.data_ptr(), src.numel())
         client.unregister(out.data_ptr(), out.numel())
+
+
+def test_vllm_cpu_full_and_sliding_groups_round_trip_with_the_windows_blocks_only(master, lender):
+    """vLLM's hybrid allocator gives a full and a sliding-window group their own block tables, the
+    window's slid-out blocks null: one shape stores the full group's four blocks and the sliding
+    group's last, another loads them, and every byte lands where the planner's oracle puts it,
+    the sliding layer's slid-out blocks untouched (each group is planned as a model of its own,
+    in the engine's own layer class, against the layout's one block size for it)."""
+    import msgspec
+
+    from kvbridge.core.plan import Request
+    from kvbridge.integrations.vllm.layout import vllm_cpu_layout, vllm_cpu_spec
+    from kvbridge.core.spec import LayerSpec
+    from kvbridge.proofs.verify import clone_caches, expected_destination, fill_source, mismatch_report, random_bytes
+    from kvbridge.transport.cache import RankCache as RC
+
+    spec = vllm_cpu_spec(ModelSpec((LayerSpec("full", 2, 32, 32), LayerSpec("sliding", 2, 32, 32, window=65)),
+                                   "float32", "tiny-sliding"))  # keeps its last 64 tokens: the last pool block
+    assert len(spec.groups) == 2
+    la = msgspec.structs.replace(vllm_cpu_layout(1, 64, 16), group_block_sizes=(64, 64))
+    lb = msgspec.structs.replace(vllm_cpu_layout(2, 32, 24), group_block_sizes=(32, 32))
+    src, dst = RC.allocate_engine(spec, la, fill=None), RC.allocate_engine(spec, lb, fill=None)
+    random_bytes(src, 3)
+    random_bytes(dst, 4)
+    a_ids, b_ids = (1, 2, 3, 4), tuple(range(5, 13))
+    sa, sb = (5, 6, 7, 8), tuple(range(13, 21))  # the sliding group's own blocks
+    fill_source(src, (a_ids, sa), 256)
+    before, want = clone_caches(dst), clone_caches(dst)
+    expected_destination(want, Request((a_ids, sa), (b_ids, sb), 256), la)
+    for w, b in zip(want, before):  # the sliding layer's blocks before its window (tokens < 192) stay
+        for c in range(2):
+            w.logical_view(1, c, True)[list(sb[:6])] = b.logical_view(1, c, True)[list(sb[:6])]
+    cfg = PoolConfig(model_id="vllm-cpu-sliding", block_tokens=64, staging_blocks=8, secret=b"vllm-cpu-secret-0123456789")
+    full, sliding = block_keys(4, "vllm-cpu-sliding"), block_keys(4, "vllm-cpu-sliding", group=1)
+    staging = lambda bt, n: vllm_cpu_layout(1, bt, n)  # noqa: E731
+    writers = [PoolTier(c, lender, cfg, staging=staging) for c in src]
+    readers = [PoolTier(c, lender, cfg, staging=staging) for c in dst]
+    try:
+        # Device ids per group, the sliding group's from logical block 3 (its earlier ones are null).
+        store = GPULoadStoreSpec([*a_ids, sa[3]], [4, 1], [0, 3])
+        load = GPULoadStoreSpec([*b_ids, *sb[6:]], [8, 2], [0, 6])
+        assert all(t.store(store, [*full, sliding[3]]).ok for t in writers)
+        assert all(t.load([*full, sliding[3]], load).ok for t in readers)
+        assert not mismatch_report(dst, want)
+    finally:
+        for t in writers + readers:
+            t.close()

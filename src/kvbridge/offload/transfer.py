@@ -25,12 +25,12 @@ import msgspec
 
 import numpy as np
 
-from kvbridge.errors import InvalidRequest
-from kvbridge.core.layout import EngineLayout
+from kvbridge.errors import IncompatibleEngines, InvalidRequest
+from kvbridge.core.layout import Addressing, EngineLayout
 from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.spec import BlockIDsLoadStoreSpec, GPULoadStoreSpec, split_groups
 from kvbridge.core.plan import Request, plan_request
-from kvbridge.core.spec import LayerSpec, ModelSpec
+from kvbridge.core.spec import ModelSpec
 
 
 @lru_cache(maxsize=256)
@@ -40,9 +40,9 @@ def group_model(spec: ModelSpec, group: int, layers: tuple[int, ...] | None = No
     out = []
     for li in spec.groups[group] if layers is None else layers:
         layer = spec.layers[li]
-        if layer.window is not None:  # sliding K/V becomes full K/V, sliding MLA plain MLA
-            layer = LayerSpec("full" if layer.kind == "sliding" else layer.kind, layer.num_kv_heads, layer.key_dim,
-                              layer.value_dim)
+        if layer.window is not None:  # sliding K/V becomes full K/V, sliding MLA plain MLA (same class: an
+            # engine's own layer subclass, e.g. vLLM CPU's, says how its layout addresses the layer)
+            layer = msgspec.structs.replace(layer, kind="full" if layer.kind == "sliding" else layer.kind, window=None)
         out.append(layer)
     return ModelSpec(tuple(out), spec.dtype, f"{spec.name}/group{group}")
 
@@ -93,6 +93,18 @@ class _Part(NamedTuple):
     cpu_regions: np.ndarray  # sub-model region i -> the pool's full-model region
 
 
+def _check_alone(whole: Addressing, alone: Addressing, layers: tuple[int, ...], group: int) -> None:
+    """A group's layers must sit where the whole model puts them when planned as a model of their
+    own: a layout that pads every page to the largest group's would otherwise be misread."""
+    for i, li in enumerate(layers):
+        n = int(alone.num_components[i])
+        for field in ("base", "block_stride", "token_stride", "head_stride", "row_bytes", "heads"):
+            if n != int(whole.num_components[li]) or not np.array_equal(getattr(whole, field)[li, :n],
+                                                                         getattr(alone, field)[i, :n]):
+                raise IncompatibleEngines(f"KV-cache group {group}: layer {li}'s {field.replace('_', ' ')} depends on "
+                                          f"the other groups' layers (padded pages); offload does not move it")
+
+
 class JobPlanner:
     """Plans store and load jobs between some ranks of a device engine and a CPU pool."""
 
@@ -113,18 +125,24 @@ class JobPlanner:
         # Same TP on both sides: pool rank r reads and writes only device rank r (the mirror case).
         self._rank_to_rank = pool.layout.tp_size == device.tp_size
         # Each PP stage is planned as a TP-only engine over the group's layers it holds.
-        self._stage_layout = msgspec.structs.replace(device, pp_size=1, layer_split=())
         stage_of = device.layer_stage(spec.num_layers)
         cpu_addr = self.cpu.addr[0]
         self._parts: dict[int, list[_Part]] = {}
+        self._stage_layouts: dict[int, EngineLayout] = {}
         for g, layers in enumerate(spec.groups):
+            # One group's layers are planned as a model of their own, so the layout keeps that group's block size alone.
+            self._stage_layouts[g] = msgspec.structs.replace(
+                device, pp_size=1, layer_split=(),
+                group_block_sizes=(device.group_block_size(g),) if device.group_block_sizes else ())
             parts = []
             for p in range(device.pp_size):
                 mine = tuple(li for li in layers if stage_of[li] == p)
                 if not mine:
                     continue
                 dev_addr = device.addressing(spec, device.flat_rank(0, p))
-                parts.append(_Part(g, p, group_model(spec, g, mine), dev_addr.region[list(mine), 0].copy(),
+                model = group_model(spec, g, mine)
+                _check_alone(dev_addr, self._stage_layouts[g].addressing(model, 0), mine, g)
+                parts.append(_Part(g, p, model, dev_addr.region[list(mine), 0].copy(),
                                    cpu_addr.region[list(mine), 0].copy()))
             self._parts[g] = parts
 
@@ -147,13 +165,13 @@ class JobPlanner:
                     continue  # none of this worker's ranks holds these layers
                 if store:
                     dst_ranks = stage_ranks if self._rank_to_rank else None
-                    p = plan_request(part.model, self._stage_layout, self.pool.layout, req, dst_ranks)
+                    p = plan_request(part.model, self._stage_layouts[s.group], self.pool.layout, req, dst_ranks)
                     src_flat = p.src_rank + part.stage * tp
                     keep = self.dev.pos[src_flat] >= 0  # canonical: this worker writes the heads its ranks serve
                     src = self.dev.flat(src_flat[keep], part.dev_regions[p.src_region[keep]])
                     dst = self.cpu.flat(p.dst_rank[keep], part.cpu_regions[p.dst_region[keep]])
                 else:
-                    p = plan_request(part.model, self.pool.layout, self._stage_layout, req, stage_ranks)
+                    p = plan_request(part.model, self.pool.layout, self._stage_layouts[s.group], req, stage_ranks)
                     keep = slice(None)
                     src = self.cpu.flat(p.src_rank, part.cpu_regions[p.src_region])
                     dst = self.dev.flat(p.dst_rank + part.stage * tp, part.dev_regions[p.dst_region])
