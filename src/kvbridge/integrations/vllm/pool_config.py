@@ -112,20 +112,37 @@ class PoolSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def pool_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelSpec:
-    """The spec every rank registers, from the configs alone (the scheduler has no tensors)."""
+    """The spec every rank registers, from the configs alone (the scheduler has no tensors).
+
+    One group of full attention is read off vLLM's own group; several groups (vLLM's hybrid
+    allocator: full and sliding-window attention) come from the model's config through
+    transformers, as the worker's registration derives them, so both sides agree on the groups
+    and windows. Recurrent state (Mamba-style, kept per prefix only in vLLM's `align` mode) and
+    MLA are refused in one line."""
     mc = vllm_config.model_config
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or getattr(kv_cache_config, "has_mamba_layers", False):
-        raise IncompatibleEngines(f"KVBridgePoolConnector serves one KV-cache group of full attention; this model "
-                                  f"has {len(groups)} groups (hybrid or sliding-window models are not supported yet)")
+    if getattr(kv_cache_config, "has_mamba_layers", False):
+        raise IncompatibleEngines("KVBridgePoolConnector does not serve models with recurrent state (Mamba, gated delta "
+                                  "net, short conv) through vLLM yet")
     if mc.use_mla:
         raise IncompatibleEngines("KVBridgePoolConnector does not serve MLA models through vLLM yet")
     kv = groups[0].kv_cache_spec
-    if getattr(kv, "sliding_window", None):
-        raise IncompatibleEngines("KVBridgePoolConnector serves full attention only; this model slides a window")
-    heads, head = mc.get_total_num_kv_heads(), int(kv.head_size)
-    layers = tuple(LayerSpec("full", heads, head, head) for _ in groups[0].layer_names)
-    return vllm_cpu_spec(ModelSpec(layers, normalize_dtype(str(kv.dtype)), str(mc.model)))
+    if len(groups) == 1 and not getattr(kv, "sliding_window", None):
+        heads, head = mc.get_total_num_kv_heads(), int(kv.head_size)
+        layers = tuple(LayerSpec("full", heads, head, head) for _ in groups[0].layer_names)
+        return vllm_cpu_spec(ModelSpec(layers, normalize_dtype(str(kv.dtype)), str(mc.model)))
+    from kvbridge.models.config import spec_from_hf_config
+
+    spec = spec_from_hf_config(mc.hf_config.to_dict(), dtype=normalize_dtype(str(kv.dtype)), view="engine", warn=False)
+    kinds = sorted({layer.kind for layer in spec.layers if not layer.is_stateless} - {"full", "sliding"})
+    if kinds:
+        raise IncompatibleEngines(f"KVBridgePoolConnector serves full and sliding-window attention through vLLM; this "
+                                  f"model also has {', '.join(kinds)} layers")
+    if len(spec.groups) != len(groups):
+        raise IncompatibleEngines(f"vLLM keeps this model's layers in {len(groups)} KV-cache group(s), kvbridge in "
+                                  f"{len(spec.groups)} (one per attention kind); the pool serves it only with vLLM's "
+                                  f"hybrid allocator on and one group per kind")
+    return vllm_cpu_spec(ModelSpec(spec.layers, spec.dtype, str(mc.model)))
 
 
 @dataclass

@@ -34,10 +34,14 @@ The pool is a cache, never a dependency: errors and deadlines open a breaker (`p
 that makes every lookup a miss and every store a drop until a probe finds the store again; the
 first failure and the recovery are logged once each.
 
-Limits, each refused in one line at start: one KV-cache group of full attention (no hybrid or
-sliding-window models through vLLM yet; the pool itself handles them, see `proofs/pool_demo`),
-no MLA, no multimodal model, an engine block size that divides `block_tokens`. Stores happen
-when a request finishes, not while it decodes.
+Every KV-cache group of attention is served, full and sliding-window alike: a lookup counts
+the tokens every group can supply (the full groups' whole prefix, the sliding groups' last
+window before it: `offload.lookup.request_hits`), and a store writes, per group, the blocks
+still on the device (a window's slid-out blocks are vLLM's null block and are skipped).
+Limits, each refused in one line at start: recurrent state (Mamba-style layers) and MLA through
+vLLM, multimodal models, groups of different block sizes, an engine block size that does not
+divide `block_tokens`. Stores happen when a request finishes, not while it decodes, so a
+sliding group keeps only the blocks its window still holds then.
 """
 
 from __future__ import annotations
@@ -66,8 +70,8 @@ if TYPE_CHECKING:
 class KVBridgePoolConnector(KVConnectorBase_V1, SupportsHMA):
     """kvbridge's shared pool behind vLLM's KVConnectorBase_V1 (see the module doc).
 
-    `SupportsHMA` so that vLLM's MultiConnector can pair it with `KVBridgeConnector`; the model
-    still has one KV-cache group (`pool_spec` refuses others)."""
+    `SupportsHMA`: vLLM's hybrid allocator hands it every KV-cache group (full and sliding-window
+    attention), and vLLM's MultiConnector can pair it with `KVBridgeConnector`."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -104,11 +108,11 @@ class KVBridgePoolConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.take_meta()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.finished(request, block_ids), None
+        return self._scheduler.finished(request, (block_ids,)), None
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.finished(request, block_ids[0]) if len(block_ids) == 1 else False, None
+        return self._scheduler.finished(request, block_ids), None
 
     # -- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):

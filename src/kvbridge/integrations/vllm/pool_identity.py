@@ -56,8 +56,15 @@ def block_extras(request: Request, block_tokens: int, num_blocks: int) -> list[b
 
 def request_pool_keys(request: Request, tokens: list[int], block_tokens: int) -> list[OffloadKey]:
     """The pool keys of the full `block_tokens`-token blocks of `tokens` (a prefix of the request's)."""
+    return request_group_keys(request, tokens, block_tokens, 1)[0]
+
+
+def request_group_keys(request: Request, tokens: list[int], block_tokens: int, num_groups: int
+                       ) -> list[list[OffloadKey]]:
+    """Per KV-cache group, the pool keys of those blocks: one chain of hashes, one key per group."""
     n = len(tokens) // block_tokens
-    return group_keys(chained_block_hashes(tokens, block_tokens, extras=block_extras(request, block_tokens, n)), 0)
+    hashes = chained_block_hashes(tokens, block_tokens, extras=block_extras(request, block_tokens, n))
+    return [group_keys(hashes, g) for g in range(num_groups)]
 
 
 def pool_model_id(vllm_config: VllmConfig, configured: str = "") -> str:
@@ -76,4 +83,4 @@ def refuse_unkeyable(vllm_config: VllmConfig) -> None:
                                   "not proven through vLLM); serve this model without the pool")
 
 
-__all__ = ["block_extras", "pool_model_id", "refuse_unkeyable", "request_pool_keys"]
+__all__ = ["block_extras", "pool_model_id", "refuse_unkeyable", "request_group_keys", "request_pool_keys"]

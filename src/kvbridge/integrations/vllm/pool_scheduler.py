@@ -16,9 +16,12 @@ from typing import TYPE_CHECKING
 from vllm.logger import init_logger
 
 from kvbridge.integrations.vllm.pool_config import PoolJob, PoolMetadata, announce, one_line, vllm_staging
-from kvbridge.integrations.vllm.pool_identity import request_pool_keys
+from kvbridge.errors import IncompatibleEngines
+from kvbridge.integrations.vllm.pool_identity import request_group_keys
 from kvbridge.integrations.vllm.pool_metrics import StatsTally
-from kvbridge.offload.scheduling import load_job, store_job
+from kvbridge.integrations.vllm.registration import group_order
+from kvbridge.offload.lookup import request_hits
+from kvbridge.offload.scheduling import NULL, load_job, storable_keys, store_job
 from kvbridge.pool.background import Call, PoolThread, Prober
 from kvbridge.pool.breaker import Breaker
 from kvbridge.pool.store import PoolUnavailable, StoreClient
@@ -41,6 +44,12 @@ class PoolScheduler:
         s = conn.settings
         self.bt = conn.config.block_tokens
         self.factor = self.bt // conn.block_size
+        spec = conn.spec
+        self.windows = [spec.group_layer(g).window for g in range(len(spec.groups))]
+        self.vllm_groups, sizes = group_order(conn._kv_cache_config, conn.block_size)
+        if len(self.vllm_groups) != len(self.windows) or set(sizes) != {conn.block_size}:
+            raise IncompatibleEngines(f"KVBridgePoolConnector needs every KV-cache group in blocks of {conn.block_size} "
+                                      f"tokens; vLLM's {len(sizes)} groups use {sorted(set(sizes))}")
         self.lookup_timeout = s.lookup_timeout_ms / 1000
         self._client: StoreClient | None = None  # thread-only
         self._index: PoolIndex | None = None  # thread-only
@@ -49,7 +58,7 @@ class PoolScheduler:
         self.breaker = Breaker(1.0, s.max_backoff_s, on_change=announce(logger, s.master, "scheduler", self.tally))
         self._asked: dict[str, Call] = {}  # lookups in flight, by request
         self._prober = Prober(self._thread, self.breaker, self._probe_store, self.lookup_timeout)
-        self._pending: dict[str, tuple[list[bytes], int]] = {}
+        self._pending: dict[str, tuple[list[list[bytes]], int]] = {}  # keys per group, tokens hit
         self._loaded: set[str] = set()  # requests a load was scheduled for (until they finish)
         self._meta = PoolMetadata()
 
@@ -94,7 +103,8 @@ class PoolScheduler:
             if not self.breaker.is_closed:
                 self.tally.add(lookups_skipped=1)
                 return 0, False
-            keys = request_pool_keys(request, tokens[:usable * self.bt], self.bt)
+            keys = [k for ks in request_group_keys(request, tokens[:usable * self.bt], self.bt, len(self.windows))
+                    for k in ks]  # every group's keys, group after group
             call = self._thread.submit(self._hits, keys)
             if call is None:
                 return 0, False
@@ -113,18 +123,17 @@ class PoolScheduler:
             self.breaker.failure(one_line(call.error))
             return 0, False
         self.breaker.success()
-        keys = call.args[0]
-        hits = 0
-        for present in call.result:
-            if present is not True:
-                break
-            hits += 1
-        tokens_hit = hits * self.bt
-        logger.debug("KVBridgePoolConnector: %s: %d of %d pool blocks complete, %d tokens computed here", rid, hits,
-                     len(keys), num_computed_tokens)
+        flat, per = call.args[0], len(call.args[0]) // len(self.windows)
+        keys = [flat[g * per:(g + 1) * per] for g in range(len(self.windows))]
+        present = dict(zip(flat, call.result))
+        # Full groups need every block of the prefix, sliding ones the blocks their window still sees.
+        tokens_hit = request_hits(keys, self.windows, self.bt, len(tokens), present.get) or 0
+        hits = tokens_hit // self.bt
+        logger.debug("KVBridgePoolConnector: %s: %d of %d pool blocks usable, %d tokens computed here", rid, hits,
+                     per, num_computed_tokens)
         if tokens_hit <= num_computed_tokens:
             return 0, False
-        self._pending[rid] = (keys[:hits], tokens_hit)
+        self._pending[rid] = ([ks[:hits] for ks in keys], tokens_hit)
         self.tally.add(hit_tokens=tokens_hit - num_computed_tokens)
         # Synchronous by default: the worker loads at the start of the very step that computes the
         # rest of the prompt (an asynchronous load costs two more engine steps before the request
@@ -144,27 +153,35 @@ class PoolScheduler:
         self._loaded.add(request.request_id)
         bs = self.conn.block_size
         local = tokens_hit - num_external_tokens
-        table = [int(b) for b in blocks.get_block_ids()[0]][: tokens_hit // bs]
+        tables = [t[: tokens_hit // bs] for t in self._tables(blocks.get_block_ids())]
         try:
-            on_device = [i < local // bs for i in range(len(table))]
-            load_keys, gpu = load_job([table], [keys], tokens_hit, bs, self.factor, [on_device])
+            on_device = [[i < local // bs for i in range(len(t))] for t in tables]
+            load_keys, gpu = load_job(tables, keys, tokens_hit, bs, self.factor, on_device)
             job = PoolJob(request.request_id, load_keys, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices)
         except Exception as e:  # noqa: BLE001 - vLLM counts these tokens as coming: the worker must fail them
             logger.warning("KVBridgePoolConnector: load of %s not planned, recomputing: %s", request.request_id,
                            one_line(e))
-            job = PoolJob(request.request_id, [], table[local // bs:], (), ())
+            job = PoolJob(request.request_id, [], [b for t in tables for b in t[local // bs:] if b != NULL], (), ())
         self._meta.loads.append(job)
 
-    def finished(self, request: Request, block_ids: list[int]) -> bool:
-        """Queue the store of the request's full pool blocks (each rank puts those of its objects the
-        store lacks); True: hold its blocks until the ranks have copied them out."""
+    def _tables(self, block_ids: tuple[list[int], ...]) -> list[list[int]]:
+        """vLLM's block ids per group in kvbridge's group order, its null block (id 0: the block
+        pool's first, standing for blocks a sliding window no longer holds) as `NULL`."""
+        if len(block_ids) != len(self.vllm_groups):
+            raise IncompatibleEngines(f"{len(block_ids)} block-id groups where the KV cache has {len(self.vllm_groups)}")
+        return [[NULL if int(b) == 0 else int(b) for b in block_ids[v]] for v in self.vllm_groups]
+
+    def finished(self, request: Request, block_ids: tuple[list[int], ...]) -> bool:
+        """Queue the store of the request's full pool blocks, per group those still on the device
+        (each rank puts those of its objects the store lacks); True: hold its blocks until the
+        ranks have copied them out."""
         try:
             return self._finished(request, block_ids)
         except Exception as e:  # noqa: BLE001 - a store that cannot be queued is dropped
             logger.warning("KVBridgePoolConnector: store of %s dropped: %s", request.request_id, one_line(e))
             return False
 
-    def _finished(self, request: Request, block_ids: list[int]) -> bool:
+    def _finished(self, request: Request, block_ids: tuple[list[int], ...]) -> bool:
         rid = request.request_id
         self._loaded.discard(rid)
         self._pending.pop(rid, None)
@@ -172,13 +189,16 @@ class PoolScheduler:
         if not self.conn.settings.store or not self.breaker.is_closed:
             return False
         n = min(int(request.num_computed_tokens), len(request.all_token_ids)) // self.bt
-        table = [int(b) for b in block_ids][: n * self.factor]
-        n = min(n, len(table) // self.factor)
+        tables = self._tables(block_ids)
+        n = min([n] + [len(t) // self.factor for t in tables])
         if n <= 0:
             return False
-        keys = request_pool_keys(request, list(request.all_token_ids)[: n * self.bt], self.bt)
-        gpu = store_job([table], [keys], keys, self.factor)
-        self._meta.stores.append(PoolJob(rid, keys, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices))
+        keys = request_group_keys(request, list(request.all_token_ids)[: n * self.bt], self.bt, len(tables))
+        to_store = [k for g, t in enumerate(tables) for k in storable_keys(t, keys[g], self.factor, 0, n)]
+        if not to_store:
+            return False
+        gpu = store_job(tables, keys, to_store, self.factor)
+        self._meta.stores.append(PoolJob(rid, to_store, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices))
         return True
 
     def take_meta(self) -> PoolMetadata:

@@ -20,8 +20,13 @@ from pathlib import Path
 
 
 def make_tiny_llama(path: str | Path, *, num_kv_heads: int = 2, num_heads: int = 4, head_dim: int = 32,
-                    num_layers: int = 2, vocab_size: int = 256, seed: int = 0) -> Path:
-    """Write the model to `path` (config.json + model.safetensors) and return the path."""
+                    num_layers: int = 2, vocab_size: int = 256, seed: int = 0,
+                    sliding_window: int | None = None) -> Path:
+    """Write the model to `path` (config.json + model.safetensors) and return the path.
+
+    `sliding_window`: every second layer (1, 3, ...) attends to that many tokens only
+    (`layer_types`, which vLLM's Llama reads), so vLLM's hybrid allocator keeps a full and a
+    sliding-window KV-cache group."""
     import torch
     from safetensors.torch import save_file
 
@@ -35,6 +40,9 @@ def make_tiny_llama(path: str | Path, *, num_kv_heads: int = 2, num_heads: int =
         "pretraining_tp": 1, "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
         "tie_word_embeddings": False, "use_cache": True, "vocab_size": vocab_size,
     }
+    if sliding_window is not None:
+        config["sliding_window"] = sliding_window
+        config["layer_types"] = ["sliding_attention" if i % 2 else "full_attention" for i in range(num_layers)]
     gen = torch.Generator().manual_seed(seed)
 
     def normal(*shape: int) -> torch.Tensor:

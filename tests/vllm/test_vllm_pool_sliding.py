@@ -1,0 +1,107 @@
+"""A model of full and sliding-window attention through the shared pool, two `vllm serve`
+instances of different shapes (X: TP 1, block 64; Y: TP 2, block 32), vLLM's hybrid allocator
+keeping one KV-cache group of each kind (issue 29 point 3).
+
+The model's odd layers attend to their last 64 tokens. X answers a 300-token prompt and, when it
+finishes, stores per group the 64-token pool blocks still on its device: all four of the full
+group, and of the sliding group only those its window still holds (the others are vLLM's null
+block by then). Y then asks for the same prompt: its lookup needs the full group's whole prefix
+and the sliding group's last window before the hit point, loads 256 tokens of both groups into
+its own shape, and answers as X, which computed the prompt itself, did.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, healthy, vllm_serve_member
+from kvbridge.integrations.vllm.fleet_processes import stop_session
+from kvbridge.pool.master import MooncakeMaster
+from kvbridge.proofs.vllm.cluster import free_ports
+from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
+from kvbridge.testing.serving import metric_total, prompt_text, request
+
+pytestmark = pytest.mark.vllm
+START_S = 900.0
+WINDOW = 64
+HITS = "vllm:external_prefix_cache_hits_total"
+HEADS = 2  # objects per pool block, layer and group: one per KV head
+
+
+@pytest.fixture(scope="module")
+def fleet(vllm_env, tmp_path_factory):
+    work = tmp_path_factory.mktemp("vllm-pool-sliding")
+    model = add_byte_tokenizer(make_tiny_llama(work / "tiny-sliding", seed=7, sliding_window=WINDOW))
+    (work / "pool.key").write_bytes(b"k" * 32)
+    (work / "pool.key").chmod(0o600)
+    vllm = str(vllm_env.python.parent / "vllm")
+    master = MooncakeMaster.start(work / "master.log")
+    config = FleetConfig(model=model, prefill=[], decode=[], log_dir=work)
+    kv = {"kv_connector": "KVBridgePoolConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
+          "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
+              "master": master.address, "secret_file": str(work / "pool.key"), "block_tokens": 64,
+              "segment_mib": 32, "staging_blocks": 16,
+              # A starved host answers late: a late lookup is a miss and opens the breaker, which drops stores.
+              "lookup_timeout_ms": 60_000, "load_timeout_ms": 120_000, "store_timeout_ms": 120_000,
+              "max_backoff_s": 5}}
+    ports = free_ports(2, set(master.ports))
+    members = [vllm_serve_member(config, vllm, name, shape, port, work, kv=kv)
+               for name, shape, port in (("x", InstanceShape(tp=1, block=64), ports),
+                                         ("y", InstanceShape(tp=2, block=32), ports + 1))]
+    for m in members:
+        with open(m.log_path, "wb") as log:
+            m.proc = subprocess.Popen(m.argv, env=m.env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True, cwd=work)
+    try:
+        end = time.monotonic() + START_S
+        for m in members:
+            while not healthy(m.url):
+                assert m.proc.poll() is None, m.log_tail(30)
+                assert time.monotonic() < end, f"{m.name} did not start"
+                time.sleep(1)
+        yield master, *members
+        for m in members:
+            text = m.log_path.read_text(errors="replace")
+            assert "Traceback" not in text and "EngineDeadError" not in text, m.log_tail(40)
+    finally:
+        for m in members:
+            if m.proc is not None:
+                stop_session(m.proc)
+        master.stop()
+
+
+def test_sliding_and_full_groups_are_shared_across_shapes(fleet):
+    master, x, y = fleet
+    keys = lambda: metric_total(f"http://{master.host}:{master.metrics_port}", "master_key_count")  # noqa: E731
+    # Full group: 4 blocks. Sliding group: at X's finish (307 tokens computed) its window holds
+    # tokens 244.. only, so block 3 (192-255) is the one left to store. Fresh prompts until X
+    # stored one (a store is dropped while X's breaker is open, e.g. after its first client start).
+    end, seed = time.monotonic() + 600, 41
+    while True:
+        assert time.monotonic() < end, "X never stored a prompt"
+        text, seed = prompt_text(seed, 300), seed + 1000
+        before = keys()
+        reference = request(x.url, text, 8)
+        assert reference.ok, reference.error
+        want = before + (4 + 1) * HEADS
+        settle = time.monotonic() + 60
+        while keys() < want and time.monotonic() < settle:
+            time.sleep(0.5)
+        if keys() >= want:
+            break
+    time.sleep(2)
+    assert keys() == want, "a sliding block that had left the window was stored (or a full one missed)"
+    hits = metric_total(y.url, HITS)
+    got = request(y.url, text, 8)
+    assert got.ok, got.error
+    assert metric_total(y.url, HITS) - hits >= 256, "Y did not load the 256 tokens both groups can supply"
+    assert got.token_ids == reference.token_ids
+    assert metric_total(y.url, "vllm:kvbridge_pool_seal_failures_total") == 0
+    # A prompt nobody stored: no hit, and Y computing it agrees with X.
+    fresh = prompt_text(42, 200)
+    hits = metric_total(y.url, HITS)
+    assert request(y.url, fresh, 8).token_ids == request(x.url, fresh, 8).token_ids
+    assert metric_total(y.url, HITS) == hits
