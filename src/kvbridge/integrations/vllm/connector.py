@@ -69,6 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults, SupportsHMA)
 from vllm.logger import init_logger
 
+from kvbridge.connector.once import OnceEach
 from kvbridge.errors import ConfigError, IncompatibleEngines
 from kvbridge.integrations.vllm.cache_handles import share_tensors
 from kvbridge.integrations.vllm.registration import check_cpu_kv_layout, group_order, spec_and_layout
@@ -366,6 +367,7 @@ class _Worker:
         self.sidecar: SidecarClient | None = None
         self._keep: list[torch.Tensor] = []
         self._res = KVConnectorTransferResults()
+        self._recv_reported = OnceEach()  # a load's end is told to vLLM once (see `connector.once`)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         spec, layout, names = spec_and_layout(self.conn._vllm_config, self.conn._kv_cache_config, kv_caches,
@@ -407,6 +409,9 @@ class _Worker:
             if isinstance(ev, Released):
                 res.finished_sending.add(ev.request_id)
             elif isinstance(ev, Received):
+                if not self._recv_reported.first(ev.request_id):
+                    logger.debug("KVBridgeConnector rank %d: %s's load was reported already", self.rank, ev.request_id)
+                    continue
                 res.finished_recving.add(ev.request_id)
                 if not ev.ok:
                     res.failed_recving.add(ev.request_id)
