@@ -105,6 +105,7 @@ class KVBridgePoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._scheduler.scheduled(scheduler_output)
         return self._scheduler.take_meta()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

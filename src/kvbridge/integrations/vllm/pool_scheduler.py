@@ -29,6 +29,7 @@ from kvbridge.pool.tier import PoolIndex
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
     from kvbridge.integrations.vllm.pool_connector import KVBridgePoolConnector
@@ -60,6 +61,10 @@ class PoolScheduler:
         self._prober = Prober(self._thread, self.breaker, self._probe_store, self.lookup_timeout)
         self._pending: dict[str, tuple[list[list[bytes]], int]] = {}  # keys per group, tokens hit
         self._loaded: set[str] = set()  # requests a load was scheduled for (until they finish)
+        # Tokens of each live request that an engine step has run on: its KV is in its blocks then.
+        # A request finished before any step ran it (aborted while its KV was still arriving from a
+        # prefill engine) holds blocks of nothing: storing them would poison the pool.
+        self._reached: dict[str, int] = {}
         self._meta = PoolMetadata()
 
     # -- on the pool thread -------------------------------------------------------------------------
@@ -183,12 +188,13 @@ class PoolScheduler:
 
     def _finished(self, request: Request, block_ids: tuple[list[int], ...]) -> bool:
         rid = request.request_id
+        reached = self._reached.pop(rid, 0)
         self._loaded.discard(rid)
         self._pending.pop(rid, None)
         self._forget_lookup(rid)
         if not self.conn.settings.store or not self.breaker.is_closed:
             return False
-        n = min(int(request.num_computed_tokens), len(request.all_token_ids)) // self.bt
+        n = min(reached, int(request.num_computed_tokens), len(request.all_token_ids)) // self.bt
         tables = self._tables(block_ids)
         n = min([n] + [len(t) // self.factor for t in tables])
         if n <= 0:
@@ -200,6 +206,15 @@ class PoolScheduler:
         gpu = store_job(tables, keys, to_store, self.factor)
         self._meta.stores.append(PoolJob(rid, to_store, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices))
         return True
+
+    def scheduled(self, output: SchedulerOutput) -> None:
+        """Note how far each scheduled request's KV will be computed once this step has run."""
+        n = output.num_scheduled_tokens
+        for r in output.scheduled_new_reqs:
+            self._reached[r.req_id] = max(self._reached.get(r.req_id, 0), r.num_computed_tokens + n.get(r.req_id, 0))
+        cached = output.scheduled_cached_reqs
+        for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            self._reached[rid] = max(self._reached.get(rid, 0), computed + n.get(rid, 0))
 
     def take_meta(self) -> PoolMetadata:
         meta, self._meta = self._meta, PoolMetadata()
