@@ -34,10 +34,11 @@ from pathlib import Path
 import pytest
 
 from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, healthy, vllm_serve_member
-from kvbridge.integrations.vllm.fleet_processes import Member, stop_session
+from kvbridge.integrations.vllm.fleet_processes import Member
 from kvbridge.pool.master import MooncakeMaster, master_binary
 from kvbridge.proofs.vllm.cluster import free_ports
 from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama, make_tiny_lora
+from kvbridge.testing.members import running
 from kvbridge.testing.serving import Answer, metric_total, prompt_text, request
 
 pytestmark = pytest.mark.vllm
@@ -142,26 +143,10 @@ def pool(vllm_env, tmp_path_factory):
     kv_y["kv_connector_extra_config"]["load_async"] = True  # X loads at its step's start, Y through vLLM's async path
     y = vllm_serve_member(config, vllm, "pool-y", InstanceShape(tp=2, block=32), port_y, work, kv=kv_y)
     y.argv += lora
-    members = [x, y]
-    for m in members:
-        with open(m.log_path, "wb") as log:
-            m.proc = subprocess.Popen(m.argv, env=m.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                      cwd=work)
     try:
-        end = time.monotonic() + START_S
-        for m in members:
-            while not healthy(m.url):
-                assert m.proc.poll() is None, m.log_tail(30)
-                assert time.monotonic() < end, f"{m.name} did not start"
-                time.sleep(1)
-        yield Pool(master, *members)
-        for m in members:
-            text = m.log_path.read_text(errors="replace")
-            assert "Traceback" not in text and "EngineDeadError" not in text, m.log_tail(40)
+        with running([x, y], work, START_S):
+            yield Pool(master, x, y)
     finally:
-        for m in members:
-            if m.proc is not None:
-                stop_session(m.proc)
         master.stop()
 
 

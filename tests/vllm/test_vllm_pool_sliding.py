@@ -12,16 +12,15 @@ its own shape, and answers as X, which computed the prompt itself, did.
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import pytest
 
-from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, healthy, vllm_serve_member
-from kvbridge.integrations.vllm.fleet_processes import stop_session
+from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, vllm_serve_member
 from kvbridge.pool.master import MooncakeMaster
 from kvbridge.proofs.vllm.cluster import free_ports
 from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
+from kvbridge.testing.members import running
 from kvbridge.testing.serving import metric_total, prompt_text, request
 
 pytestmark = pytest.mark.vllm
@@ -51,25 +50,10 @@ def fleet(vllm_env, tmp_path_factory):
     members = [vllm_serve_member(config, vllm, name, shape, port, work, kv=kv)
                for name, shape, port in (("x", InstanceShape(tp=1, block=64), ports),
                                          ("y", InstanceShape(tp=2, block=32), ports + 1))]
-    for m in members:
-        with open(m.log_path, "wb") as log:
-            m.proc = subprocess.Popen(m.argv, env=m.env, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True, cwd=work)
     try:
-        end = time.monotonic() + START_S
-        for m in members:
-            while not healthy(m.url):
-                assert m.proc.poll() is None, m.log_tail(30)
-                assert time.monotonic() < end, f"{m.name} did not start"
-                time.sleep(1)
-        yield master, *members
-        for m in members:
-            text = m.log_path.read_text(errors="replace")
-            assert "Traceback" not in text and "EngineDeadError" not in text, m.log_tail(40)
+        with running(members, work, START_S):
+            yield master, *members
     finally:
-        for m in members:
-            if m.proc is not None:
-                stop_session(m.proc)
         master.stop()
 
 
