@@ -53,16 +53,21 @@ def _replace(client: StoreClient, key: str, payload: bytes) -> None:
     """Remove `key` and put `payload` under it, as anyone who reaches the store can."""
     buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     client.register(buf.data_ptr(), buf.numel())
-    client.remove([key])
-    assert client.put([key], [[(buf.data_ptr(), buf.numel())]]) == [0]
-    client._keep = buf  # type: ignore[attr-defined] - registered memory must outlive the client
+    try:
+        client.remove([key])
+        assert client.put([key], [[(buf.data_ptr(), buf.numel())]]) == [0]
+    finally:  # memory freed while registered makes a later buffer at that address "overlapped"
+        client.unregister(buf.data_ptr(), buf.numel())
 
 
 def _object_bytes(client: StoreClient, key: str, size: int) -> bytes:
     buf = torch.zeros(size, dtype=torch.uint8)
     client.register(buf.data_ptr(), size)
-    assert client.get([key], [[(buf.data_ptr(), size)]]) == [size]
-    return bytes(buf.numpy())
+    try:
+        assert client.get([key], [[(buf.data_ptr(), size)]]) == [size]
+        return bytes(buf.numpy())
+    finally:
+        client.unregister(buf.data_ptr(), size)
 
 
 @pytest.mark.parametrize("attack", ["flipped byte", "random payload", "another key's object", "truncated",

@@ -155,27 +155,40 @@ def _ok(answer: Answer) -> Answer:
     return answer
 
 
-def _shared_prefix_loads(pool: Pool, seed: int, timeout: float = 240.0) -> None:
-    """X answers a fresh prompt and stores it; Y then loads it as external hits and answers as X did.
-    Retried with fresh prompts while either has not yet found the master again (each breaker
-    probes on its own backoff, up to 5 s here): a miss meanwhile is computed, never wrong."""
+def _shared_prefix_loads(pool: Pool, seed: int, timeout: float = 240.0, who: dict | None = None,
+                         others: tuple[dict, ...] = ()) -> tuple[Answer, list[Answer]]:
+    """X answers a fresh prompt for `who` (a tenant's salt, an adapter) and stores it; Y then serves
+    each of `others` without an external hit (their KV is not `who`'s), and `who` from the pool as
+    external hits, answering as X did. Retried with fresh prompts while either side's breaker is
+    open (the master just came back, or a starved host timed out a 1 s lookup: a breaker probes on
+    its own backoff, up to 5 s here): a miss meanwhile is computed, never wrong, and is no store.
+    Returns X's answer and the answers to `others` of the round that loaded."""
+    who = who or {}
     end = time.monotonic() + timeout
     while True:
-        assert time.monotonic() < end, "X and Y never shared a prefix through the pool after the master came up"
+        assert time.monotonic() < end, ("X and Y never shared a prefix through the pool: X's "
+                                        f"{_pool_figures(pool.x)}; Y's {_pool_figures(pool.y)}")
         text = prompt_text(seed, 300)
         seed += 1000
         before = pool.keys()
-        reference = _ok(request(pool.x.url, text, 8))
+        reference = _ok(request(pool.x.url, text, 8, **who))
         try:
             pool.wait_keys(before + BLOCKS * OBJECTS_PER_BLOCK, timeout=15)
         except AssertionError:
             continue
         hits = metric_total(pool.y.url, HITS)
-        got = _ok(request(pool.y.url, text, 8))
+        answers = [_ok(request(pool.y.url, text, 8, **o)) for o in others]
+        assert metric_total(pool.y.url, HITS) == hits, f"Y served {others} the prefix X stored for {who}"
+        got = _ok(request(pool.y.url, text, 8, **who))
         assert got.token_ids == reference.token_ids
         if metric_total(pool.y.url, HITS) - hits >= BLOCKS * 64:
-            return
+            return reference, answers
         time.sleep(1.0)
+
+
+def _pool_figures(m: Member) -> str:
+    names = ("stores", "stores_dropped", "timeouts", "lookup_timeouts", "breaker_opened", "breaker_closed")
+    return ", ".join(f"{n} {metric_total(m.url, f'vllm:kvbridge_pool_{n}_total'):.0f}" for n in names)
 
 
 def test_instances_serve_with_the_master_down_and_use_the_pool_once_it_is_up(pool):
@@ -202,33 +215,13 @@ def test_instances_serve_with_the_master_down_and_use_the_pool_once_it_is_up(poo
 
 
 def test_tenants_never_share_a_prefix_and_each_hits_its_own(pool):
-    text = prompt_text(20, 300)
-    salted = {t: {"cache_salt": f"tenant-{t}"} for t in "ab"}
-    keys = pool.keys()
-    reference = _ok(request(pool.x.url, text, 8, extra=salted["a"]))
-    pool.wait_keys(keys + BLOCKS * OBJECTS_PER_BLOCK)  # tenant a's blocks are new objects
-    hits = metric_total(pool.y.url, HITS)
-    _ok(request(pool.y.url, text, 8, extra=salted["b"]))
-    _ok(request(pool.y.url, text, 8))  # no salt is a tenant of its own too
-    assert metric_total(pool.y.url, HITS) == hits, "tenant b (or no tenant) was served tenant a's prefix"
-    got = _ok(request(pool.y.url, text, 8, extra=salted["a"]))
-    assert metric_total(pool.y.url, HITS) - hits >= BLOCKS * 64
-    assert got.token_ids == reference.token_ids
+    salted = {t: {"extra": {"cache_salt": f"tenant-{t}"}} for t in "ab"}
+    _shared_prefix_loads(pool, seed=20, who=salted["a"], others=(salted["b"], {}))  # no salt is a tenant too
 
 
 def test_lora_adapters_never_share_kv_with_each_other_or_the_base_model(pool):
-    text = prompt_text(30, 300)
-    keys = pool.keys()
-    reference = _ok(request(pool.x.url, text, 8, model="a"))
-    pool.wait_keys(keys + BLOCKS * OBJECTS_PER_BLOCK)
-    hits = metric_total(pool.y.url, HITS)
-    other = _ok(request(pool.y.url, text, 8, model="b"))
-    base = _ok(request(pool.y.url, text, 8))
-    assert metric_total(pool.y.url, HITS) == hits, "KV of adapter a was loaded for adapter b or the base model"
+    reference, (other, base) = _shared_prefix_loads(pool, seed=30, who={"model": "a"}, others=({"model": "b"}, {}))
     assert other.token_ids != reference.token_ids and base.token_ids != reference.token_ids  # the adapters matter
-    got = _ok(request(pool.y.url, text, 8, model="a"))
-    assert metric_total(pool.y.url, HITS) - hits >= BLOCKS * 64
-    assert got.token_ids == reference.token_ids
 
 
 def _load(pool: Pool, seconds: float, seed: int) -> list[tuple[float, Answer]]:
