@@ -97,6 +97,32 @@ def test_prefill_sidecar_to_decode_sidecar(p_block, d_block, transport, mode):
     assert not prod.alive and not cons.alive
 
 
+def test_an_unnamed_request_waits_for_its_claimant_not_the_only_decode_engine_connected():
+    """vLLM's router names no decode engine to the prefill instance, and decode engines connect to
+    a prefill engine on their first request from it. With decode-1 connected (it read req-1) and
+    decode-0 not yet, req-2 is held until decode-0 claims it, then moved to decode-0; leasing it to
+    the only engine connected left decode-0 waiting for it until its deadline."""
+    p = Engine(vllm_cpu_layout(1, 32, 8), 0, fill=5)
+    d0, d1 = Engine(vllm_cpu_layout(1, 32, 8), 0), Engine(vllm_cpu_layout(1, 32, 8), 0)
+    n, p_ids, d_ids = 70, [(5, 2, 7), (1, 3, 4)], (6, 1, 3)
+    prod = SidecarClient(p.init("P", True, free_ports(1)))
+    cons = [SidecarClient(d.init(f"decode-{i}", False, free_ports(1))) for i, d in enumerate((d0, d1))]
+    try:
+        prod.send(Send("req-1", (p_ids[0],), n))
+        cons[1].send(Recv("dec-1", "req-1", "P", prod.ready.address, (d_ids,), n, 0))
+        first = wait([prod, cons[1]], lambda ev: Received("dec-1", True) in ev and Released("req-1", "done") in ev)
+        prod.send(Send("req-2", (p_ids[1],), n))
+        time.sleep(1.0)  # the prefill sidecar holds req-2 with decode-1 its only engine
+        cons[0].send(Recv("dec-2", "req-2", "P", prod.ready.address, (d_ids,), n, 0))
+        events = wait([prod, cons[0], cons[1]], lambda ev: any(isinstance(e, Received) for e in ev), timeout=30)
+        assert Received("dec-2", True) in events, (first, events)
+        assert torch.equal(kv(d0, d_ids, n), kv(p, p_ids[1], n))
+        assert torch.equal(kv(d1, d_ids, n), kv(p, p_ids[0], n))  # decode-1 got nothing of req-2
+    finally:
+        for c in (prod, *cons):
+            c.close()
+
+
 def test_a_stopped_sidecar_never_holds_the_step_that_sends_to_it():
     """Issue 31: the worker sends a step's commands from the engine step. With the decode sidecar
     stopped (SIGSTOP: a starved process), a step's worth of commands far beyond the pipe's buffer

@@ -158,6 +158,12 @@ class Producer(RankEndpoint):
         claim = self._claims.get(request_id)
         return claim[1] if claim is not None else None
 
+    def take_early_abort(self, request_id: str) -> str | None:
+        """Why a decode engine gave `request_id` up before it was leased here (and forget that it
+        did), or None: a caller holding blocks for a lease that will never be read releases them."""
+        abort = self._early_aborts.pop(request_id, None)
+        return abort[1] if abort is not None else None
+
     def add_request(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int,
                     first_token: int | None = None, *, to_engine: str | None = None,
                     lease_seconds: float | None = None) -> None:

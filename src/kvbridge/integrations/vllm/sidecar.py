@@ -255,9 +255,19 @@ class Sidecar:
         engines = self.producer.decode_engines
         for rid, (req, deadline) in list(self._held.items()):
             named = req.to_engine
-            if named is None:  # the router named no decode engine: the one that claimed it reads it
+            aborted = self.producer.take_early_abort(rid)
+            if aborted is not None:  # its decode engine gave it up before it was leased here
+                del self._held[rid]
+                self._released(rid, aborted)
+                continue
+            if named is None:
+                # The router named no decode engine: the one that claims it (its heartbeat names the
+                # request as soon as the router hands it the request) reads it. Never "the only one
+                # connected": decode engines connect to a prefill engine on their first request from
+                # it, so in a fleet of several the only one connected so far is often not the reader
+                # (it was leased to decode-1 while decode-0 waited for it until its deadline).
                 claimant = self.producer.claimant(rid)
-                target = claimant if claimant in engines else (engines[0] if len(engines) == 1 else None)
+                target = claimant if claimant in engines else None
                 if target is None and engines and all(not self.producer.topology.reader_ranks(e) for e in engines):
                     target = engines[0]  # no decode engine reads this rank (GQA de-duplication, MLA): release now
             else:
