@@ -10,12 +10,15 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from kvbridge.cli.app import app, console, err_console, friendly_errors
 from kvbridge.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvbridge.integrations.vllm.fleet_file import FleetFile
 
 _EXAMPLE = "e.g. --prefill tp=1,block=64 --prefill tp=2,block=32 --decode tp=2,block=32 --decode tp=1,block=128"
 
@@ -104,6 +107,18 @@ def serve(
                                                     "same for every fleet that shares the pool): keeps what the "
                                                     "pool stored usable across restarts [default: a new secret per "
                                                     "run]."),
+    fleet_file: Optional[Path] = typer.Option(None, "--fleet", help="A fleet across hosts: a TOML file, the same "
+                                              "on every host, naming each instance (name, role, host, port, "
+                                              "side_channel_port, shape) and the router's host and port (see "
+                                              "docs/serving.md, 'Across hosts'); replaces --prefill, --decode, "
+                                              "--host, --port and --side-channel-host. Needs --on and "
+                                              "--secret-file."),
+    on: str = typer.Option("", "--on", help="With --fleet: this host, as the file names it (an address or a name "
+                           "resolving to one here); starts exactly the members the file puts on it, the router "
+                           "too if it is there, each bound to this host's address."),
+    secret_file: Optional[Path] = typer.Option(None, help="The side channel's secret: a 0600 file of 16+ bytes "
+                                               "this user owns, the same on every host of a fleet (needed with "
+                                               "--fleet) [default: a new secret per run]."),
 ) -> None:
     """Start P/D instances (`vllm serve` with KVBridgeConnector) and vLLM's router in front of them.
 
@@ -115,6 +130,9 @@ def serve(
     its log's last lines. Ctrl-C or
     SIGTERM stops the whole fleet: router, instances, their workers and sidecars, and their
     shared-memory segments.
+
+    Across hosts: the same `--fleet FILE` and `--secret-file` on every host, and `--on HOST`;
+    each host's command starts and supervises (and stops) only the members the file puts on it.
     """
     from kvbridge.integrations.vllm.fleet import Fleet, FleetConfig, FleetError, InstanceShape
     from kvbridge.integrations.vllm.fleet_config import check_model
@@ -122,6 +140,7 @@ def serve(
 
     prefill_shapes = [InstanceShape.parse(t, "--prefill") for t in prefill]
     decode_shapes = [InstanceShape.parse(t, "--decode") for t in decode]
+    across = _fleet_file(fleet_file, on, bool(prefill or decode), (host, port, side_channel_host), secret_file)
     if log_dir is not None and not dry_run:
         _check_log_dir(log_dir)
     if not model.exists() and str(model) in TINY_SERVABLE:
@@ -139,7 +158,8 @@ def serve(
         side_channel_host=side_channel_host, max_model_len=max_model_len, dtype=dtype, kv_cache_gib=kv_cache_gib,
         router_policy=router_policy, vllm_python=str(vllm_python) if vllm_python else None,
         stats_path=str(stats_path.resolve()) if stats_path else "", pool=pool, pool_block_tokens=pool_block_tokens,
-        pool_secret_file=str(pool_secret_file) if pool_secret_file else "")
+        pool_secret_file=str(pool_secret_file) if pool_secret_file else "",
+        secret_file=str(secret_file) if secret_file else "", fleet_file=across, on=on)
     try:
         check_model(config)  # at once: the shape checks below take seconds
         fleet = Fleet(config)
@@ -178,7 +198,12 @@ def serve(
             sys.stdout.write(json.dumps(fleet.summary()) + "\n")
             sys.stdout.flush()
         else:
-            console.print(f"fleet ready at [bold]{fleet.endpoint}[/] (logs in {config.log_dir})", highlight=False)
+            if across is None:
+                console.print(f"fleet ready at [bold]{fleet.endpoint}[/] (logs in {config.log_dir})", highlight=False)
+            else:
+                router = "the router" if fleet.router is not None else f"the router on {across.router_host}"
+                console.print(f"{on}'s part of the fleet is ready (logs in {config.log_dir}); {router} serves it "
+                              f"at [bold]{fleet.endpoint}[/] once every host's part is", highlight=False)
             if fleet.pool_address:
                 where = "the fleet's own master" if fleet.master else "a running master"
                 secret = (f"secret from {fleet.pool_secret_file}" if config.pool_secret_file
@@ -209,6 +234,28 @@ def serve(
         _remove_if_empty(made)
     if code:
         raise typer.Exit(code)
+
+
+def _fleet_file(path: Path | None, on: str, shapes: bool, places: tuple[str, int, str],
+                secret: Path | None) -> FleetFile | None:
+    """--fleet FILE read and checked (a FleetFile), None without it; the options it replaces or
+    needs refused in one line."""
+    if path is None:
+        if on:
+            raise ConfigError("--on needs --fleet FILE (the fleet across hosts it names a host of)")
+        return None
+    if shapes or places != ("127.0.0.1", 8000, "127.0.0.1"):
+        raise ConfigError("--fleet names every instance and address: give no --prefill, --decode, --host, --port "
+                          "or --side-channel-host with it")
+    if not on:
+        raise ConfigError("--fleet needs --on HOST: which of the file's hosts this one is")
+    if secret is None:
+        raise ConfigError("--fleet needs --secret-file: the side channel's secret, the same 0600 file of 16+ bytes "
+                          "on every host")
+    from kvbridge.integrations.vllm.fleet_file import read_fleet_file
+    fleet = read_fleet_file(path)
+    fleet.on(on)
+    return fleet
 
 
 def _reporter(as_json: bool):

@@ -12,6 +12,10 @@ all, leaving no process, port or shared-memory segment behind.
 
 Every instance is `kv_both` (it can serve either role; the router assigns them), runs vLLM with
 prefix caching on (vLLM's serving default) and takes its shape from an `InstanceShape`.
+
+Across hosts (`fleet_file.py`) a `Fleet` is one host's part: the members the file puts on that
+host, on the file's ports and the host's own address, the operator's shared secret file (read,
+never written or removed), and the router, if it runs there, with every instance's URL.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.fleet_config import FleetConfig, FleetError, InstanceShape, check_shapes
+from kvbridge.integrations.vllm.fleet_file import place_here
 from kvbridge.integrations.vllm.fleet_processes import (Member, _group_alive, _pids_in_groups, find_tool, healthy,
                                                         kill_seen, port_free, retire_session, SegmentLedger,
                                                         stop_session, vllm_python, vllm_serve_member)
@@ -41,6 +46,9 @@ class Fleet:
         self.config = config
         self.python = vllm_python(config.vllm_python)
         config.vllm_python = self.python
+        # A fleet across hosts (fleet_file.py): this launcher runs the members the file puts on
+        # `config.on`, and the router if it is there; the shapes checked are the whole fleet's.
+        self.here = place_here(config) if config.fleet_file is not None else None
         self.notes = check_shapes(config)
         vllm = find_tool(self.python, "vllm")
         router = find_tool(self.python, "vllm-router")
@@ -55,8 +63,10 @@ class Fleet:
             config.stats_path = str(Path(config.stats_path).resolve())
         self.tag = os.urandom(4).hex()
         # Written by `start`, removed by `stop`; named by the fleet's tag, so two fleets sharing a
-        # log directory never remove each other's.
-        self.secret_file = self.log_dir / f"fleet-{self.tag}.secret"
+        # log directory never remove each other's. A given one (--secret-file: every host of a
+        # fleet across hosts shares it) is only read.
+        self.secret_file = Path(config.secret_file) if config.secret_file else self.log_dir / f"fleet-{self.tag}.secret"
+        self._own_secret = not config.secret_file
         self.pool_secret_file = Path(config.pool_secret_file) if config.pool_secret_file else self.secret_file
         self.ledger = SegmentLedger()  # the segments of the fleet's processes (`track_segments`), removed at stop
         self._vllm, self._router_bin = vllm, router
@@ -75,8 +85,10 @@ class Fleet:
 
     def _place(self, config: FleetConfig) -> None:
         """The pool's master, the instances and the router, each on ports reserved for it."""
-        if (why := self.port_locks.take(config.port, config.host)):
-            raise ConfigError(f"--port {config.port}: {why}")
+        router_here = self.here is None or config.fleet_file.router_host == config.on
+        if router_here and (why := self.port_locks.take(config.port, config.host)):
+            raise ConfigError(f"--port {config.port}: {why}" if self.here is None else
+                              f"fleet file {config.fleet_file.path}: the router's port {config.port}: {why}")
         self.master = None  # the fleet's own mooncake_master (--pool start), launched by `start`
         self.pool_address = ""
         if config.pool == "start":
@@ -93,21 +105,39 @@ class Fleet:
         elif config.pool:
             self.pool_address = config.pool
         self.members: list[Member] = []
-        for role, shapes in (("prefill", config.prefill), ("decode", config.decode)):
-            for i, shape in enumerate(shapes):
-                self.members.append(self._new_instance(f"{role}-{i}", shape))
-        self._prometheus = self.port_locks.run(["127.0.0.1"])  # the router's metrics
-        self.router = self._router()
+        if self.here is not None:
+            self._place_from_file(config)
+        else:
+            for role, shapes in (("prefill", config.prefill), ("decode", config.decode)):
+                for i, shape in enumerate(shapes):
+                    self.members.append(self._new_instance(f"{role}-{i}", role, shape))
+        self._prometheus = self.port_locks.run(["127.0.0.1"]) if router_here else 0  # the router's metrics
+        self.router = self._router() if router_here else None
+
+    def _place_from_file(self, config: FleetConfig) -> None:
+        """This host's instances on the file's ports, each checked free on this host's address and
+        reserved; refused in one line naming the file and the instance."""
+        for p in self.here:
+            for port, host in zip(p.ports, [config.host] + [config.side_channel_host] * (len(p.ports) - 1)):
+                if (why := self.port_locks.take(port, host)):
+                    raise ConfigError(f"fleet file {config.fleet_file.path}: instance {p.name}'s port {port}: {why}")
+            self.members.append(self._instance(self._vllm, p.name, p.role, p.shape, p.port, p.side_port))
 
     @property
     def _promised(self) -> set[int]:
         """Every port the fleet holds (callers starting more servers beside it exclude them)."""
         return self.port_locks.ports
 
-    def _new_instance(self, name: str, shape: InstanceShape) -> Member:
+    def _new_instance(self, name: str, role: str, shape: InstanceShape) -> Member:
         c = self.config  # HTTP on --host, then one side-channel port per rank on --side-channel-host
         base = self.port_locks.run([c.host] + [c.side_channel_host] * (shape.tp * shape.pp))
-        return self._instance(self._vllm, name, shape, http_port=base, side_port=base + 1)
+        return self._instance(self._vllm, name, role, shape, http_port=base, side_port=base + 1)
+
+    def routes(self) -> list[tuple[str, str]]:
+        """(role, URL) of every instance of the fleet, this host's and, across hosts, the others'."""
+        if self.here is None:
+            return [(m.role, m.url) for m in self.members]
+        return [(p.role, p.url) for p in self.config.fleet_file.instances]
 
     def _router(self) -> Member:
         c = self.config
@@ -115,11 +145,12 @@ class Fleet:
                 "--policy", c.router_policy, "--prometheus-host", "127.0.0.1", "--prometheus-port",
                 str(self._prometheus), "--request-timeout-secs", str(c.request_timeout_s),
                 "--worker-startup-timeout-secs", "1800", *health_flags()]
-        for m in self.members:
-            argv += ["--prefill" if m.name.startswith("prefill") else "--decode", m.url]
+        for role, url in self.routes():
+            argv += [f"--{role}", url]
         return Member("router", argv, dict(os.environ), self.log_dir / "router.log", c.port, argv_host=c.host)
 
-    def _instance(self, vllm: str, name: str, shape: InstanceShape, http_port: int, side_port: int) -> Member:
+    def _instance(self, vllm: str, name: str, role: str, shape: InstanceShape, http_port: int,
+                  side_port: int) -> Member:
         c = self.config
         engine_id = f"{name}-{self.tag}" + (f"-{self._incarnation}" if self._incarnation else "")
         if c.connector == "nixl":  # vLLM's own, the benchmark's baseline (same fleet, same router)
@@ -127,7 +158,7 @@ class Fleet:
                   "kv_buffer_device": "cpu", "kv_load_failure_policy": "recompute"}
             member = vllm_serve_member(c, vllm, name, shape, http_port, self.log_dir, kv)
             member.env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=c.side_channel_host, VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port))
-            member.engine_id, member.side_port = engine_id, side_port
+            member.engine_id, member.side_port, member.role = engine_id, side_port, role
             return member
         extra = {"transport": shape.transport, "mode": shape.mode, "side_channel_host": c.side_channel_host,
                  "side_channel_port": side_port, "secret_file": str(self.secret_file)}
@@ -145,12 +176,13 @@ class Fleet:
             kv = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": engine_id,
                   "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"connectors": children}}
         member = vllm_serve_member(c, vllm, name, shape, http_port, self.log_dir, kv)
-        member.engine_id, member.side_port = engine_id, side_port
+        member.engine_id, member.side_port, member.role = engine_id, side_port, role
         return member
 
     @property
     def endpoint(self) -> str:
-        return self.router.url
+        """The router's URL (across hosts: as the file names it, wherever it runs)."""
+        return self.router.url if self.here is None else self.config.fleet_file.router_url
 
     def pool_unreachable(self) -> str:
         """'' when the fleet has no pool or its master accepts connections, else the one line to say
@@ -164,7 +196,8 @@ class Fleet:
                 f"the pool and use it once it does")
 
     def everyone(self) -> list[Member]:
-        return [*self.members, self.router]
+        """The members this launcher runs: its instances and the router, if it runs here."""
+        return [*self.members, *([self.router] if self.router is not None else [])]
 
     def start_member(self, m: Member) -> None:
         with open(m.log_path, "ab") as log:
@@ -176,15 +209,15 @@ class Fleet:
         """Start every instance (together: their imports overlap), then the router."""
         from kvbridge.core.secrets import write_secret_file
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        if self.secret_file.exists():
-            self.secret_file.unlink()
-        write_secret_file(self.secret_file)
+        if self._own_secret:
+            if self.secret_file.exists():
+                self.secret_file.unlink()
+            write_secret_file(self.secret_file)
         if self.master is not None:
             self.master.launch()
             self.sessions[self.master.proc.pid] = "master"
-        for m in self.members:
+        for m in self.everyone():
             self.start_member(m)
-        self.start_member(self.router)
 
     def wait_ready(self, timeout: float, on_progress: Callable[[list[tuple[str, str]]], None] | None = None) -> None:
         """Until every instance and the router answer /health; a member that exits raises."""
@@ -238,15 +271,15 @@ class Fleet:
         if old.proc is not None:
             self.stop_member(old)
         self._incarnation += 1
-        new = self._instance(self._vllm, name, old.shape, old.http_port, old.side_port)
+        new = self._instance(self._vllm, name, old.role, old.shape, old.http_port, old.side_port)
         self.members[self.members.index(old)] = new
         self.start_member(new)
         return new
 
     def join(self, role: str, shape: InstanceShape) -> Member:
         """Start one more instance (`role` prefill or decode); `restart_router` then routes to it."""
-        count = sum(m.name.startswith(role) for m in self.members)
-        m = self._new_instance(f"{role}-{count}", shape)
+        count = sum(m.role == role for m in self.members)
+        m = self._new_instance(f"{role}-{count}", role, shape)
         self.members.append(m)
         self.start_member(m)
         return m
@@ -254,6 +287,8 @@ class Fleet:
     def restart_router(self) -> None:
         """Stop the router (it finishes what it accepted) and start it with every member: vLLM's
         router takes no new P/D workers while it runs."""
+        if self.router is None:
+            return
         self.stop_member(self.router, timeout=30.0)
         self.router = self._router()
         self.start_member(self.router)
@@ -314,7 +349,8 @@ class Fleet:
     def stop(self) -> None:
         """Stop the router first (no new requests), then every instance; remove their segments."""
         self.track_segments()
-        self.stop_member(self.router, timeout=5.0)
+        if self.router is not None:
+            self.stop_member(self.router, timeout=5.0)
         for m in self.members:
             if m.proc is not None:
                 try:
@@ -331,10 +367,11 @@ class Fleet:
         while set(_pids_in_groups(set(self.sessions), zombies=False)) & self.ledger.pids and time.monotonic() < end:
             time.sleep(0.1)
         self.ledger.remove_unused()  # only the fleet's own (SegmentLedger): nothing by age
-        try:
-            self.secret_file.unlink()
-        except OSError:
-            pass
+        if self._own_secret:
+            try:
+                self.secret_file.unlink()
+            except OSError:
+                pass
         self.port_locks.release()
 
     def summary(self) -> dict[str, Any]:
@@ -344,9 +381,10 @@ class Fleet:
                 "instances": [{"name": m.name, "url": m.url, "shape": m.shape.describe() if m.shape else None,
                                "engine_id": m.engine_id, "pid": m.proc.pid if m.proc else None,
                                "log": str(m.log_path)} for m in self.members],
-                "router": {"url": self.router.url, "pid": self.router.proc.pid if self.router.proc else None,
+                "router": {"url": self.endpoint, "pid": self.router.proc.pid if self.router.proc else None,
                            "metrics": f"http://127.0.0.1:{self._prometheus}",
-                           "log": str(self.router.log_path)},
+                           "log": str(self.router.log_path)} if self.router is not None else
+                          {"url": self.endpoint, "on": self.config.fleet_file.router_host},
                 "pool": {"master": self.pool_address, "block_tokens": self.config.pool_block_tokens,
                          "metrics": (f"http://{self.master.host}:{self.master.metrics_port}" if self.master
                                      else None),

@@ -95,6 +95,9 @@ class FleetConfig:
     pool: str = ""  # "" none; "start": a mooncake_master of the fleet's; "host:port": a running one (issue 23)
     pool_block_tokens: int = 64  # the shared pool's block; every instance's block size divides it
     pool_secret_file: str = ""  # the pool's secret, kept across restarts (default: the fleet's own, new per run)
+    secret_file: str = ""  # the side channel's secret, a 0600 file every host shares (default: the fleet's own, new)
+    fleet_file: Any = None  # a FleetFile (fleet_file.py): a fleet across hosts, of which this launcher runs...
+    on: str = ""  # ...the members on this host (`fleet_file.place_here` fills the fields above from the file)
 
 
 def check_model(config: FleetConfig) -> Path:
@@ -175,26 +178,38 @@ def check_shapes(config: FleetConfig) -> list[str]:
         if not 1 <= config.pool_block_tokens <= 1 << 16:
             raise ConfigError(f"--pool-block-tokens must be in 1..65536, got {config.pool_block_tokens}")
         if config.pool_secret_file:
-            from kvbridge.core.secrets import read_secret_file
-            try:
-                read_secret_file(config.pool_secret_file)
-            except ConfigError as e:
-                raise ConfigError(str(e).replace("secret file ", "--pool-secret-file ", 1)) from None
-            config.pool_secret_file = str(Path(config.pool_secret_file).resolve())
+            config.pool_secret_file = _checked_secret(config.pool_secret_file, "--pool-secret-file")
         for s in everyone:
             if config.pool_block_tokens % s.block:
                 raise ConfigError(f"instance {s.describe()}: block {s.block} does not divide the pool's "
                                   f"{config.pool_block_tokens}-token block (--pool-block-tokens)")
     elif config.pool_secret_file or config.pool_block_tokens != 64:
         raise ConfigError("--pool-secret-file and --pool-block-tokens need --pool (start or HOST:PORT)")
+    if config.secret_file:
+        config.secret_file = _checked_secret(config.secret_file, "--secret-file")
+    elif config.fleet_file is not None:
+        raise ConfigError("--fleet needs --secret-file: the side channel's secret, the same 0600 file of 16+ bytes "
+                          "on every host")
     if config.router_policy not in ROUTER_POLICIES:
         raise ConfigError(f"--router-policy must be one of {', '.join(ROUTER_POLICIES)}, got {config.router_policy!r}")
     if not 1 <= config.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {config.port}")
-    if not port_free(config.host, config.port):
+    router_here = config.fleet_file is None or config.fleet_file.router_host == config.on
+    if router_here and not port_free(config.host, config.port):
         raise ConfigError(f"--port {config.port}: {config.host}:{config.port} is in use or cannot be bound")
     return [f"{len(config.prefill)} prefill x {len(config.decode)} decode instances of {model.name}, "
             f"{layers} layers"]
+
+
+def _checked_secret(path: str, flag: str) -> str:
+    """A secret file as every kvbridge secret is checked (ours, 0600, no symlink, 16+ bytes), or
+    one line naming `flag`; its absolute path (instances run in the log directory)."""
+    from kvbridge.core.secrets import read_secret_file
+    try:
+        read_secret_file(path)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("secret file ", f"{flag} ", 1)) from None
+    return str(Path(path).resolve())
 
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")

@@ -50,6 +50,7 @@ class Member:
     engine_id: str | None = None
     proc: subprocess.Popen | None = None
     side_port: int | None = None  # an instance's first side-channel port (one per rank from it)
+    role: str = ""  # an instance's: prefill or decode (the router's --prefill / --decode)
 
     @property
     def url(self) -> str:
