@@ -57,8 +57,10 @@ VLLM_VENV ?= .venv-vllm
 vllm-env: $(VLLM_VENV)/.installed
 
 # kvbridge serve's fleet (2 prefill x 2 decode, four shapes) behind vllm-router through edge cases,
-# churn, faults and starvation, then `vllm bench serve` beside vLLM's NixlConnector (docs/serving.md).
-# About 30-40 minutes on a 2-core machine; CI runs one pair (tests/vllm/test_vllm_serve.py).
+# churn, faults and starvation, then `vllm bench serve` beside vLLM's NixlConnector, then the shared
+# pool (docs/serving.md, docs/pool.md): one JSON, no machine paths; copied to docs/serve-check.json,
+# `python scripts/serve_tables.py` renders the docs' tables from it. About an hour on a 2-core
+# machine; CI runs one pair (tests/vllm/test_vllm_serve.py).
 serve-check: $(STAMP) $(VLLM_VENV)/.installed
 	$(BIN)/python scripts/serve_check.py --out serve-check.json --work serve-check-logs
 

@@ -91,28 +91,23 @@ def _cli_bound_rows() -> list[str]:
 
 def serving_lines(path: str) -> list[str]:
     """The `make serve-check` fleet table from its JSON (`--serve-check`), when there is one: the
-    fleet needs vLLM and half an hour, so it is measured by that target, not by this script."""
+    fleet needs vLLM and half an hour, so it is measured by that target, not by this script. The
+    table is a generated block (scripts/serve_tables.py renders it from the same JSON)."""
     if not os.path.isfile(path):
         return []
-    data = json.load(open(path)).get("faults")
-    if not data:
+    report = json.load(open(path))
+    if not report.get("faults"):
         return []
-    cols = ("phase", "requests", "completed", "equal", "wrong", "errors", "kv_loads", "recomputed", "seconds")
-    out = ["## Serving fleets under churn, faults and starvation", "",
-           "`make serve-check` (`kvbridge.testing.serve_check`): `kvbridge serve` with prefill TP 1 / block 64, "
-           "prefill TP 2 / block 32, decode TP 2 / block 32 and decode TP 1 / block 128 behind `vllm-router`, "
-           "a plain `vllm serve` instance beside it; each phase sends distinct prompts (every other one "
-           "streamed) through the router while something happens to the fleet. equal: the plain instance's "
-           "tokens; wrong: other tokens; errors: what a client saw as an HTTP error or a cut stream; recomputed: "
-           "KV loads that failed over to vLLM's recompute (`kv_load_failure_policy: recompute`).", "",
-           "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in data["rows"]:
-        out.append("| " + " | ".join("-" if r.get(c) is None else str(r[c]) for c in cols) + " |")
-    samples = sorted({e for r in data["rows"] for e in r.get("error_samples") or []})
-    if samples:
-        out += ["", "What clients saw as errors: " + "; ".join(f"`{e}`" for e in samples[:4])]
-    out += ["", f"After the fleet stopped: {data['leaks']}.", ""]
-    return out
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from serve_tables import faults_table
+    return ["## Serving fleets under churn, faults and starvation", "",
+            "`make serve-check` (`kvbridge.testing.serve_check`): `kvbridge serve` with prefill TP 1 / block 64, "
+            "prefill TP 2 / block 32, decode TP 2 / block 32 and decode TP 1 / block 128 behind `vllm-router`, "
+            "a plain `vllm serve` instance beside it; each phase sends distinct prompts (every other one "
+            "streamed) through the router while something happens to the fleet. equal: the plain instance's "
+            "tokens; wrong: other tokens; errors: what a client saw as an HTTP error or a cut stream; recomputed: "
+            "KV loads that failed over to vLLM's recompute (`kv_load_failure_policy: recompute`).", "",
+            "<!-- serve-check: faults_table -->", *faults_table(report), "<!-- /serve-check -->", ""]
 
 
 def main(argv: list[str] | None = None) -> int:

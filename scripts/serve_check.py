@@ -1,12 +1,16 @@
 """`make serve-check`: kvbridge serve's fleet through edge cases, churn, faults and starvation
 (kvbridge.testing.serve_check), then the serving benchmark beside vLLM's NixlConnector
-(`kvbridge bench --serve`); prints the tables and writes JSON next to them."""
+(`kvbridge bench --serve`), then the shared pool's (`kvbridge.bench.pool`); prints the tables and
+writes them as one JSON without machine paths, from which scripts/serve_tables.py renders the
+docs' tables (copy it to docs/serve-check.json, then run that script)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -19,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="edge cases and one load only")
     parser.add_argument("--work", default=None, help="keep the fleet's logs here")
     parser.add_argument("--skip-faults", action="store_true", help="only the benchmark")
-    parser.add_argument("--skip-bench", action="store_true", help="only the fleet scenarios")
+    parser.add_argument("--skip-bench", action="store_true", help="no serving benchmark")
+    parser.add_argument("--skip-pool", action="store_true", help="no pool benchmark")
     args = parser.parse_args(argv)
     console = Console(width=160)
     report: dict = {}
@@ -27,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_faults:
         from kvbridge.testing.serve_check import run
         result = run(Path(args.work) / "faults" if args.work else None, quick=args.quick)
-        report["faults"] = result
+        report["faults"] = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "cores": os.cpu_count(), **result}
         table = Table(title="kvbridge serve: 2 prefill x 2 decode instances of four shapes behind vllm-router")
         cols = ("phase", "requests", "completed", "equal", "wrong", "errors", "kv_loads", "recomputed", "seconds")
         for col in cols:
@@ -57,7 +62,13 @@ def main(argv: list[str] | None = None) -> int:
             b = bench_serve(prefill=p, decode=d, work=Path(args.work) / f"bench-{p}-{d}" if args.work else None)
             report["bench"].append(b)
             serve_table(b)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    if not args.skip_pool:
+        from kvbridge.bench.pool import bench_pool_serve, bench_pool_transfer
+        report["pool"] = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "cores": os.cpu_count(),
+                          "transfer": bench_pool_transfer(), "serve": bench_pool_serve(prompts=16)}
+        console.print(json.dumps(report["pool"]["transfer"]))
+    from serve_tables import strip_paths
+    Path(args.out).write_text(json.dumps(strip_paths(report), indent=2) + "\n")
     console.print(f"JSON: {args.out}")
     return 1 if bad else 0
 

@@ -10,7 +10,10 @@ reported as refused and only kvbridge runs.
 Figures (issue 31): TTFT p50/p99 and output tokens/s as the median over the rounds; inter-token
 latency p50/p90/p99 and max over every gap of every round together (a p99 of one round of 32
 requests is its 5th-worst gap: pooling the rounds is what makes a tail figure out of them);
-completed and failed summed. The decode instance's step times come from vLLM's own per-iteration
+completed and failed summed. Before the rounds each fleet serves one unmeasured warm-up of every
+dataset (as many prompts as are in flight, other prompts than the rounds'): a fleet's first steps
+compile (10-60 s here), a one-time start cost that otherwise lands in one round's TTFT or ITL
+tail. The decode instance's step times come from vLLM's own per-iteration
 log (`--enable-logging-iteration-details`, the same on both fleets) as a histogram per dataset.
 Each run notes the host's load average and the CPU time the rest of the host used meanwhile,
 so a reader sees what else ran. Ratios: time NIXL / kvbridge, throughput kvbridge / NIXL (above
@@ -33,6 +36,7 @@ from typing import Any
 
 from kvbridge.integrations.vllm.fleet import Fleet, FleetConfig, InstanceShape
 
+WARMUP_SEED = 7  # other prompts (and prefixes) than the measured rounds' seeds 100, 101, ...
 DATASETS = {
     "random": ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "16"],
     "prefix_repetition": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "192",
@@ -201,6 +205,7 @@ def bench_serve(model: Path | None = None, prefill: str = "tp=1,block=32", decod
             if m.name.startswith("decode"):
                 m.argv.append("--enable-logging-iteration-details")
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {c: {ds: [] for ds in DATASETS} for c in fleets}
+    warmup: dict[str, float] = {}
     t0 = time.monotonic()
     try:
         for f in fleets.values():
@@ -208,6 +213,17 @@ def bench_serve(model: Path | None = None, prefill: str = "tp=1,block=32", decod
         for f in fleets.values():
             f.wait_ready(1800)
         startup = time.monotonic() - t0
+        for connector, f in fleets.items():  # unmeasured: each fleet's first steps compile (tens of s)
+            idle = [pid for c, g in fleets.items() if c != connector for pid in _leaders(g)]
+            pause_sessions(idle, True)
+            try:
+                w0 = time.monotonic()
+                (work / "warmup").mkdir(parents=True, exist_ok=True)
+                for ds in DATASETS:
+                    _bench_once(f, Path(model), ds, concurrency, concurrency, WARMUP_SEED, work / "warmup")
+                warmup[connector] = round(time.monotonic() - w0, 1)
+            finally:
+                pause_sessions(idle, False)
         for r in range(rounds):
             for ds in DATASETS:
                 for connector, f in fleets.items():
@@ -234,7 +250,7 @@ def bench_serve(model: Path | None = None, prefill: str = "tp=1,block=32", decod
                                                   else None)
         table.append(row)
     return {"prefill": p.describe(), "decode": d.describe(), "prompts": prompts, "concurrency": concurrency,
-            "rounds": rounds, "startup_seconds": round(startup, 1), "nixl_refused": refused, "table": table,
+            "rounds": rounds, "startup_seconds": round(startup, 1), "warmup_seconds": warmup, "nixl_refused": refused, "table": table,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": os.uname().nodename,
             "cores": os.cpu_count(), "work": str(work)}
 

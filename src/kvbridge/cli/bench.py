@@ -273,4 +273,7 @@ def serve_table(out: dict[str, Any]) -> None:
                       f"{min(h['load_avg_1m'][0] for h in others):.1f}..{max(h['load_avg_1m'][0] for h in others):.1f}; "
                       f"other processes used {sum(h['others_cpu_s'] for h in others):.0f} of "
                       f"{sum(h['host_cpu_s'] for h in others):.0f} CPU-seconds during the runs")
+    if out.get("warmup_seconds"):
+        console.print(f"fleets healthy after {out['startup_seconds']:.0f} s; unmeasured warm-up (first steps compile): "
+                      + ", ".join(f"{c} {s:.0f} s" for c, s in out["warmup_seconds"].items()))
     console.print("compare the ratios, measured side by side in one run; absolute times on a shared host are noise")

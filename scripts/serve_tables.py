@@ -1,0 +1,180 @@
+"""The serving tables of docs/serving.md and docs/reliability.md, rendered from `make serve-check`'s
+one JSON (docs/serve-check.json), so that a figure in the docs is a figure of a committed run and
+its counts add up (issue 28 point 6).
+
+Each generated block sits between `<!-- serve-check: NAME -->` and `<!-- /serve-check -->` in a
+doc; `python scripts/serve_tables.py` rewrites every block from the JSON, `--check` exits 1 naming
+the blocks that differ (tests/test_serve_tables.py runs it), and nothing outside the markers is
+touched. The JSON keeps no machine paths (`make serve-check` writes it so; `strip_paths` here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+JSON = ROOT / "docs" / "serve-check.json"
+DOCS = (ROOT / "docs" / "serving.md", ROOT / "docs" / "reliability.md")
+BLOCK = re.compile(r"(<!-- serve-check: (?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /serve-check -->)", re.S)
+FAULT_COLS = ("phase", "requests", "completed", "equal", "wrong", "errors", "kv_loads", "recomputed", "seconds")
+PATH_KEYS = ("work", "log", "log_path", "log_dir")
+
+
+def strip_paths(data: Any) -> Any:
+    """The report without machine paths (work and log directories): what may be committed."""
+    if isinstance(data, dict):
+        return {k: strip_paths(v) for k, v in data.items() if k not in PATH_KEYS}
+    if isinstance(data, list):
+        return [strip_paths(v) for v in data]
+    return data
+
+
+def _num(v: Any, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.{digits}f}" if abs(v) < 100 else f"{v:,.0f}"
+    return f"{v:,}" if isinstance(v, int) else str(v)
+
+
+def fault_totals(faults: dict[str, Any]) -> dict[str, int]:
+    rows = faults["rows"]
+    return {k: sum(r[k] or 0 for r in rows) for k in ("requests", "completed", "equal", "wrong", "errors",
+                                                          "recomputed")}
+
+
+def faults_table(report: dict[str, Any]) -> list[str]:
+    faults = report["faults"]
+    out = [f"Measured {faults['date']} on a {faults['cores']}-core host (`make serve-check`).", "",
+           "| " + " | ".join(FAULT_COLS) + " |", "|" + "---|" * len(FAULT_COLS)]
+    out += ["| " + " | ".join(_num(r.get(c)) for c in FAULT_COLS) + " |" for r in faults["rows"]]
+    t = fault_totals(faults)
+    out.append(f"| all phases | {t['requests']} | {t['completed']} | {t['equal']} | {t['wrong']} | {t['errors']} "
+               f"| | {t['recomputed']} | |")
+    samples = sorted({e for r in faults["rows"] for e in r.get("error_samples") or []})
+    if samples:
+        out += ["", "What clients saw as errors: " + "; ".join(f"`{e}`" for e in samples[:4])]
+    leaks = faults["leaks"]
+    out += ["", f"After the fleet stopped: {leaks['processes_left']} processes, {leaks['segments_left']} of "
+                f"{leaks['segments_tracked']} tracked segments and {leaks['ports_left']} ports left."]
+    return out
+
+
+def faults_summary(report: dict[str, Any]) -> list[str]:
+    faults = report["faults"]
+    t = fault_totals(faults)
+    killed = [r for r in faults["rows"] if "killed" in r["phase"]]
+    calm = [r for r in faults["rows"] if r not in killed]
+    leaks = faults["leaks"]
+    return [f"On {faults['date']} (docs/serve-check.json; the table is in docs/reliability.md, \"Serving "
+            f"fleets\"): {t['wrong']} wrong answers in {t['requests']} requests; every request equal to the "
+            "plain instance except those in flight on an instance that was killed ("
+            + " and ".join(f"{r['errors']} of {r['requests']}" for r in killed)
+            + "), which vLLM's router answered with HTTP 500 or a cut stream (it does not retry a request whose "
+            f"instance died under it); starvation, restarts and the join: {sum(r['errors'] for r in calm)} errors, "
+            f"{sum(r['recomputed'] or 0 for r in calm)} recomputed; after stop, {leaks['processes_left']} "
+            f"processes, {leaks['segments_left']} of {leaks['segments_tracked']} tracked segments and "
+            f"{leaks['ports_left']} ports left."]
+
+
+BENCH_KEYS = ("median_ttft_ms", "p99_ttft_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms",
+              "output_throughput")
+
+
+def _host_line(bench: dict[str, Any]) -> str:
+    hosts = [h for row in bench["table"] for c in ("kvbridge", "nixl") for h in row.get(c, {}).get("host", [])]
+    if not hosts:
+        return ""
+    load = [h["load_avg_1m"][0] for h in hosts]
+    return (f"The host's 1-minute load average at the runs' starts: {min(load):.1f} to {max(load):.1f}; other "
+            f"programs used {sum(h['others_cpu_s'] for h in hosts):.0f} of the "
+            f"{sum(h['host_cpu_s'] for h in hosts):.0f} CPU-seconds the host spent during the runs.")
+
+
+def bench_tables(report: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for bench in report.get("bench", []):
+        warm = bench.get("warmup_seconds") or {}
+        out += [f"P {bench['prefill']} -> D {bench['decode']}: {bench['prompts']} prompts, {bench['concurrency']} "
+                f"in flight, {bench['rounds']} rounds, measured {bench['date']} ({bench.get('cores')} cores)"
+                + (f"; fleets healthy after {bench['startup_seconds']:.0f} s, then an unmeasured warm-up ("
+                   + ", ".join(f"{c} {s:.0f} s" for c, s in warm.items()) + ")" if warm else "") + ".", "",
+                "| dataset | connector | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p90 ms | ITL p99 ms "
+                "| ITL max ms | out tok/s | completed | failed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        steps = ["", "The decode instance's steps (vLLM's iteration log, all rounds; count per bucket of step time):",
+                 ""]
+        buckets: list[str] | None = None
+        for row in bench["table"]:
+            ds = row["dataset"].replace("_", " ")
+            for c, label in (("kvbridge", "kvbridge"), ("nixl", "NixlConnector")):
+                v = row.get(c)
+                if v is None:
+                    continue
+                if "refused" in v:
+                    out.append(f"| {ds} | {label} | refused: {v['refused']} |" + " |" * 8)
+                    ds = ""
+                    continue
+                out.append(f"| {ds} | {label} | " + " | ".join(_num(v.get(k)) for k in BENCH_KEYS)
+                           + f" | {v['completed']} | {v['failed']} |")
+                h = v["decode_steps"]
+                if buckets is None:
+                    buckets = list(h["buckets"])
+                    steps += ["| dataset | connector | steps | p50 ms | p99 ms | max ms | " + " | ".join(buckets)
+                              + " |", "|" + "---|" * (6 + len(buckets))]
+                steps.append(f"| {ds} | {label} | {h['steps']} | " + " | ".join(
+                    _num(h[k]) for k in ("p50_ms", "p99_ms", "max_ms")) + " | "
+                    + " | ".join(str(h["buckets"][b]) for b in buckets) + " |")
+                ds = ""
+            if row.get("ratios"):
+                r = row["ratios"]
+                out.append("| | ratio (NIXL / kvbridge; tok/s kvbridge / NIXL) | "
+                           + " | ".join("-" if r.get(k) is None else f"**{r[k]:.2f}**" if k == "itl_p99_ms"
+                                        else f"{r[k]:.2f}" for k in BENCH_KEYS) + " | | |")
+        out += steps if buckets else []
+        line = _host_line(bench)
+        out += ["", line, ""] if line else [""]
+    return out[:-1] if out and out[-1] == "" else out
+
+
+RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "faults_table": faults_table, "faults_summary": faults_summary, "bench": bench_tables}
+
+
+def render(text: str, report: dict[str, Any]) -> str:
+    """`text` with every generated block rewritten from `report`."""
+    def block(m: re.Match) -> str:
+        name = m.group("name")
+        if name not in RENDER:
+            raise SystemExit(f"error: unknown generated block {name!r} (known: {', '.join(RENDER)})")
+        return m.group(1) + "\n".join(RENDER[name](report)) + "\n" + m.group(4)
+    return BLOCK.sub(block, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, default=JSON)
+    ap.add_argument("--check", action="store_true", help="exit 1 if a doc's generated block differs")
+    args = ap.parse_args(argv)
+    report = json.loads(args.json.read_text())
+    stale = []
+    for doc in DOCS:
+        old = doc.read_text()
+        new = render(old, report)
+        if new != old:
+            stale.append(doc.name)
+            if not args.check:
+                doc.write_text(new)
+    if args.check and stale:
+        print(f"stale generated blocks in {', '.join(stale)}: run python scripts/serve_tables.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The serving tables in the docs are those of the committed `make serve-check` JSON (issue 28
+point 6): every generated block equals its rendering from docs/serve-check.json, a changed figure
+makes the check fail, the totals are the rows' sums, and the JSON holds no machine path."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tables():
+    spec = importlib.util.spec_from_file_location("serve_tables", ROOT / "scripts" / "serve_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _strings(data):
+    if isinstance(data, dict):
+        for k, v in data.items():
+            yield k
+            yield from _strings(v)
+    elif isinstance(data, list):
+        for v in data:
+            yield from _strings(v)
+    elif isinstance(data, str):
+        yield data
+
+
+def test_the_docs_generated_blocks_are_the_committed_json() -> None:
+    mod = _tables()
+    assert mod.main(["--check"]) == 0, "run: python scripts/serve_tables.py"
+    names = {m.group("name") for doc in mod.DOCS for m in mod.BLOCK.finditer(doc.read_text())}
+    assert {"faults_table", "faults_summary", "bench"} <= names
+
+
+def test_a_changed_figure_is_a_stale_block(tmp_path) -> None:
+    mod = _tables()
+    report = json.loads(mod.JSON.read_text())
+    changed = copy.deepcopy(report)
+    changed["faults"]["rows"][0]["requests"] += 1
+    text = "\n".join(doc.read_text() for doc in mod.DOCS)
+    assert mod.render(text, report) == text
+    assert mod.render(text, changed) != text
+    path = tmp_path / "changed.json"
+    path.write_text(json.dumps(changed))
+    assert mod.main(["--check", "--json", str(path)]) == 1
+
+
+def test_the_totals_are_the_rows_sums_and_no_path_is_committed() -> None:
+    mod = _tables()
+    report = json.loads(mod.JSON.read_text())
+    rows = report["faults"]["rows"]
+    total = mod.fault_totals(report["faults"])
+    assert total["requests"] == sum(r["requests"] for r in rows)
+    assert total["completed"] == total["equal"] + total["wrong"]
+    assert f"{total['wrong']} wrong answers in {total['requests']} requests" in " ".join(mod.faults_summary(report))
+    assert not [s for s in _strings(report) if s.startswith("/") or "/tmp/" in s or "/work/" in s]
+    assert mod.strip_paths({"work": "/x", "a": [{"log_path": "/y", "b": 1}]}) == {"a": [{"b": 1}]}
