@@ -83,6 +83,27 @@ def faults_summary(report: dict[str, Any]) -> list[str]:
             f"{leaks['ports_left']} ports left."]
 
 
+def rotation(report: dict[str, Any]) -> list[str]:
+    """Out of rotation after a kill (requests and errors by the second each was sent, from the
+    kill) and a starved member kept (the router's health gauge sampled each second)."""
+    out: list[str] = []
+    for r in report["faults"].get("rotation", []):
+        if "by_second" in r:
+            secs = r["by_second"]
+            out += [f"{r['member']} SIGKILLed under a load of {r['clients']} clients (`make serve-check`, "
+                    f"{report['faults']['date']}): {r['errors']} of {r['requests']} requests failed, the last one "
+                    f"sent {_num(r['last_error_sent_s'], 2)} s after the kill.", "",
+                    "| second sent (from the kill) | " + " | ".join(str(b["second"]) for b in secs) + " |",
+                    "|---|" + "---|" * len(secs),
+                    "| failed / sent | " + " | ".join(f"{b['errors']} / {b['sent']}" for b in secs) + " |", ""]
+        else:
+            out += [f"{r['member']} stopped (SIGSTOP of its session) for {r['stopped_s']:.0f} s under load "
+                    f"(`make serve-check`, {report['faults']['date']}): marked unhealthy by the router in "
+                    f"{r['unhealthy_samples']} of {r['health_samples']} samples, {r['errors']} of {r['requests']} "
+                    f"requests failed, the slowest took {r['slowest_request_s']} s.", ""]
+    return out[:-1] if out else ["(this run of `make serve-check` measured no rotation)"]
+
+
 BENCH_KEYS = ("median_ttft_ms", "p99_ttft_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms",
               "output_throughput")
 
@@ -143,7 +164,7 @@ def bench_tables(report: dict[str, Any]) -> list[str]:
 
 
 RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
-    "faults_table": faults_table, "faults_summary": faults_summary, "bench": bench_tables}
+    "faults_table": faults_table, "faults_summary": faults_summary, "rotation": rotation, "bench": bench_tables}
 
 
 def render(text: str, report: dict[str, Any]) -> str:

@@ -61,3 +61,17 @@ def test_the_totals_are_the_rows_sums_and_no_path_is_committed() -> None:
     assert f"{total['wrong']} wrong answers in {total['requests']} requests" in " ".join(mod.faults_summary(report))
     assert not [s for s in _strings(report) if s.startswith("/") or "/tmp/" in s or "/work/" in s]
     assert mod.strip_paths({"work": "/x", "a": [{"log_path": "/y", "b": 1}]}) == {"a": [{"b": 1}]}
+
+
+def test_rotation_renders_errors_by_second_and_the_starved_member() -> None:
+    mod = _tables()
+    report = {"faults": {"date": "2026-01-01", "rotation": [
+        {"member": "prefill-1", "clients": 4, "requests": 30, "errors": 3, "last_error_sent_s": 4.5,
+         "by_second": [{"second": -1, "sent": 4, "errors": 0}, {"second": 0, "sent": 5, "errors": 3}]},
+        {"member": "decode-1", "stopped_s": 60.0, "health_samples": 65, "unhealthy_samples": 0, "requests": 90,
+         "errors": 0, "slowest_request_s": 61.2}]}}
+    text = "\n".join(mod.rotation(report))
+    assert "| second sent (from the kill) | -1 | 0 |" in text and "| failed / sent | 0 / 4 | 3 / 5 |" in text
+    assert "3 of 30 requests failed, the last one sent 4.50 s after the kill" in text
+    assert "unhealthy by the router in 0 of 65 samples, 0 of 90 requests failed" in text
+    assert mod.rotation({"faults": {"date": "x"}}) == ["(this run of `make serve-check` measured no rotation)"]
