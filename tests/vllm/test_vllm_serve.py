@@ -13,9 +13,7 @@ stop the fleet leaving no process, port or shared-memory segment of it behind.
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -28,27 +26,10 @@ from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, healthy
 from kvbridge.integrations.vllm.fleet_processes import remove_unused_segments, session_segments, stop_session
 from kvbridge.proofs.vllm.cluster import free_ports
 from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
-from kvbridge.testing.serving import edge_cases, metric_total, prompt_text, request, transfer_events
+from kvbridge.testing.serving import edge_cases, first_json_line, metric_total, prompt_text, request, transfer_events
 
 pytestmark = pytest.mark.vllm
 START_S = 900.0
-
-
-def _read_json_line(proc: subprocess.Popen, timeout: float) -> dict:
-    end = time.monotonic() + timeout
-    buf = b""
-    while time.monotonic() < end:
-        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
-        if ready:
-            chunk = os.read(proc.stdout.fileno(), 65536)
-            if not chunk:
-                break
-            buf += chunk
-            if b"\n" in buf:
-                return json.loads(buf.split(b"\n", 1)[0])
-        elif proc.poll() is not None:
-            break
-    raise AssertionError(f"kvbridge serve gave no endpoint (rc {proc.poll()}): {proc.stderr.read()[-3000:]!r}")
 
 
 def _pool_hits(fleet: dict, reference_url: str) -> None:
@@ -88,7 +69,7 @@ def test_serve_fleet_answers_as_one_instance_and_stops_clean(vllm_env, tmp_path)
         ref.proc = subprocess.Popen(ref.argv, env=ref.env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
     try:
-        fleet = _read_json_line(serve, START_S)
+        fleet = first_json_line(serve, START_S)
         end = time.monotonic() + START_S
         while not healthy(ref.url) and time.monotonic() < end:
             assert ref.proc.poll() is None, ref.log_tail(20)

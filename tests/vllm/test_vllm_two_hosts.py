@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, healthy
 from kvbridge.integrations.vllm.fleet_processes import (_pids_in_groups, remove_unused_segments, session_segments,
                                                         stop_session)
 from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
-from kvbridge.testing.serving import prompt_text, request, transfer_events
+from kvbridge.testing.serving import first_json_line, prompt_text, request, transfer_events
 from kvbridge.transport.ports import PortReservations
 
 pytestmark = pytest.mark.vllm
@@ -58,22 +57,6 @@ port = {decode}
 shape = "tp=2,block=32,transport=mooncake"
 """)
     return path
-
-
-def _json_line(proc: subprocess.Popen, timeout: float, what: str) -> dict:
-    end, buf = time.monotonic() + timeout, b""
-    while time.monotonic() < end:
-        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
-        if ready:
-            chunk = os.read(proc.stdout.fileno(), 65536)
-            if not chunk:
-                break
-            buf += chunk
-            if b"\n" in buf:
-                return json.loads(buf.split(b"\n", 1)[0])
-        elif proc.poll() is not None:
-            break
-    raise AssertionError(f"{what} gave no summary (rc {proc.poll()}): {proc.stderr.read()[-3000:]!r}")
 
 
 def _rx_bytes(ns: str) -> int:
@@ -120,8 +103,8 @@ def test_a_fleet_across_two_hosts_answers_as_one_instance(vllm_env, namespaces, 
                                     start_new_session=True)
     pids: list[int] = []
     try:
-        part_b = _json_line(serve_b, START_S, "host b")
-        part_a = _json_line(serve_a, START_S, "host a")
+        part_b = first_json_line(serve_b, START_S, "host b")
+        part_a = first_json_line(serve_a, START_S, "host a")
         assert [i["name"] for i in part_a["instances"]] == ["prefill-0"] and part_a["router"]["pid"]
         assert [i["name"] for i in part_b["instances"]] == ["decode-0"] and part_b["router"]["on"] == addr_a
         assert part_a["instances"][0]["url"].startswith(f"http://{addr_a}:")

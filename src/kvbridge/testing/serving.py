@@ -10,7 +10,11 @@ sequences can share.
 from __future__ import annotations
 
 import json
+import os
 import re
+import select
+import subprocess
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -165,4 +169,22 @@ def transfer_events(stats_path: str) -> list[dict[str, Any]]:
         return []
 
 
-__all__ = ["Answer", "Case", "edge_cases", "prompt_text", "request", "transfer_events"]
+def first_json_line(proc: subprocess.Popen, timeout: float, what: str = "kvbridge serve") -> dict:
+    """The first line `proc` writes to stdout, as JSON (`kvbridge serve --json`'s summary, printed
+    once the fleet serves); an AssertionError with its stderr's tail if it exits or stays silent."""
+    end, buf = time.monotonic() + timeout, b""
+    while time.monotonic() < end:
+        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+        if ready:
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            if not chunk:
+                break
+            buf += chunk
+            if b"\n" in buf:
+                return json.loads(buf.split(b"\n", 1)[0])
+        elif proc.poll() is not None:
+            break
+    raise AssertionError(f"{what} gave no summary (rc {proc.poll()}): {proc.stderr.read()[-3000:]!r}")
+
+
+__all__ = ["Answer", "Case", "edge_cases", "first_json_line", "prompt_text", "request", "transfer_events"]
