@@ -22,6 +22,7 @@ so a reader sees what else ran. Ratios: time NIXL / kvbridge, throughput kvbridg
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -31,6 +32,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +142,17 @@ def _leaders(fleet: Fleet) -> list[int]:
     return [m.proc.pid for m in fleet.everyone() if m.proc is not None and m.proc.poll() is None]
 
 
+@contextlib.contextmanager
+def _alone(fleets: dict[str, Fleet], connector: str) -> Iterator[None]:
+    """Every other fleet stopped (SIGSTOP of its sessions) while `connector`'s is loaded."""
+    idle = [pid for c, g in fleets.items() if c != connector for pid in _leaders(g)]
+    pause_sessions(idle, True)
+    try:
+        yield
+    finally:
+        pause_sessions(idle, False)
+
+
 def _bench_once(fleet: Fleet, model: Path, dataset: str, prompts: int, concurrency: int, seed: int,
                 out: Path) -> dict[str, Any]:
     name = f"{fleet.config.connector}-{dataset}-{seed}.json"
@@ -213,27 +226,19 @@ def bench_serve(model: Path | None = None, prefill: str = "tp=1,block=32", decod
         for f in fleets.values():
             f.wait_ready(1800)
         startup = time.monotonic() - t0
+        (work / "warmup").mkdir(parents=True, exist_ok=True)
         for connector, f in fleets.items():  # unmeasured: each fleet's first steps compile (tens of s)
-            idle = [pid for c, g in fleets.items() if c != connector for pid in _leaders(g)]
-            pause_sessions(idle, True)
-            try:
+            with _alone(fleets, connector):
                 w0 = time.monotonic()
-                (work / "warmup").mkdir(parents=True, exist_ok=True)
                 for ds in DATASETS:
                     _bench_once(f, Path(model), ds, concurrency, concurrency, WARMUP_SEED, work / "warmup")
                 warmup[connector] = round(time.monotonic() - w0, 1)
-            finally:
-                pause_sessions(idle, False)
         for r in range(rounds):
             for ds in DATASETS:
                 for connector, f in fleets.items():
-                    idle = [pid for c, g in fleets.items() if c != connector for pid in _leaders(g)]
-                    pause_sessions(idle, True)
-                    try:
+                    with _alone(fleets, connector):
                         runs[connector][ds].append(_bench_once(f, Path(model), ds, prompts, concurrency, 100 + r,
                                                                work))
-                    finally:
-                        pause_sessions(idle, False)
     finally:
         for f in fleets.values():
             f.stop()
