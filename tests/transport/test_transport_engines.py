@@ -192,6 +192,39 @@ def test_dead_peer_fails_with_reason_within_deadline(backend, here, names):
         assert not glob.glob(f"/dev/shm/kvbridge-{doomed.pid}-*")
 
 
+def test_a_peer_starved_past_one_send_try_is_waited_for_not_failed(backend, here, names):
+    """The peer process is stopped (SIGSTOP) before this side's notification channel to it has
+    connected, and continued 5 s later: a starved peer is slow, not gone, so the read and its
+    notification complete within the deadline (one 2 s send try used to fail the read after
+    its bytes had landed)."""
+    import signal
+    P, D = SHAPES["P1-D2"]
+    request = random_request(SPEC, P, D, 40, 0, random.Random(4))
+    plan = plan_request(SPEC, P, D, request)
+    opts = options(backend, staged=False)
+    starved = PeerProcess()
+    p, d = names("P"), names("D")
+    try:
+        starved.create(backend, p, **opts)
+        starved.alloc(p, SPEC, P, 0, "pattern", request.src_block_ids, request.num_tokens, seed=1)
+        md = starved.metadata(p)
+        here.create(backend, d, **opts)
+        here.alloc(d, SPEC, D, 0, "random", seed=5)
+        here.snapshot(d)
+        os.kill(starved.pid, signal.SIGSTOP)
+        try:
+            here.connect(d, p, md)
+            hid = here.submit(d, p, "read", runs_between(plan, 0, 0, "read"), b"read-done")
+            time.sleep(5)
+        finally:
+            os.kill(starved.pid, signal.SIGCONT)
+        assert here.wait(d, [hid], DEADLINE + 5) == [("done", "")]
+        assert here.verify(d, request) == []
+        assert starved.notifications(p, 1) == [(d, b"read-done")]
+    finally:
+        starved.kill()
+
+
 def test_abort_stops_touching_memory(backend, child, here, names):
     spec = ModelSpec.uniform(4, 8, 128, "bfloat16", "abort")
     P, D = EngineLayout(tp_size=1, block_size=16, num_blocks=40), EngineLayout(tp_size=2, block_size=16, num_blocks=40)

@@ -17,7 +17,7 @@ import numpy as np
 from kvbridge.errors import InvalidRequest
 from kvbridge.transport.backoff import Backoff
 from kvbridge.transport.base import Op, Runs, TransferFailed, XferState
-from kvbridge.transport.notify import PeerUnreachable
+from kvbridge.transport.notify import NoLiveConnection, PeerUnreachable
 
 if TYPE_CHECKING:
     from kvbridge.transport.agent import _Job, _Peer
@@ -74,6 +74,18 @@ class DirectPath:
         if gone:
             raise TransferFailed(gone)
 
+    def _notify_within(self, job: _Job, p: _Peer, notify: bytes) -> None:
+        """Send the transfer's notification before the job's deadline. A peer whose connection
+        has not completed may only be starved (a loaded host: its I/O thread has not run), so the
+        send is tried again until the deadline, an abort or the peer's known death; the 2 s of one
+        try turned a slow peer into a failed transfer whose bytes had landed."""
+        while True:
+            self._check_job(job, p)
+            try:
+                return self._engine_notify(p.name, notify)
+            except NoLiveConnection:
+                continue
+
     def _wait_token(self, job: _Job, p: _Peer, token: Any) -> None:
         backoff = Backoff()
         try:
@@ -97,5 +109,4 @@ class DirectPath:
             if attach is not None:
                 return
         if notify is not None:
-            self._check_job(job, p)
-            self._engine_notify(p.name, notify)
+            self._notify_within(job, p, notify)

@@ -47,6 +47,11 @@ class PeerUnreachable(KVBridgeError, ConnectionError):
     """A message could not be handed to a live connection to the peer in time."""
 
 
+class NoLiveConnection(PeerUnreachable):
+    """No connection to the peer completed within the send timeout: the peer may be gone, or only
+    starved (its ZMQ I/O thread has not run yet), so a caller with a deadline may try again."""
+
+
 class Channel:
     """One agent's endpoint: `endpoint` is what peers connect to."""
 
@@ -106,9 +111,9 @@ class Channel:
                     parts.append(self._auth.sign(b"%d:%s>%s\0" % (kind, self._name_bytes, peer.encode()) + payload))
                 s.send_multipart(parts, copy=len(payload) < 65536)
             except zmq.Again:
-                raise PeerUnreachable(
+                raise NoLiveConnection(
                     f"{self.name}: peer {peer!r} accepted no message within {self._send_timeout_ms} ms "
-                    "(no live connection: the peer process is gone or unreachable)") from None
+                    "(no live connection: the peer process is gone, unreachable or starved)") from None
             except zmq.ZMQError as e:
                 raise PeerUnreachable(f"{self.name}: sending to peer {peer!r} failed: {e}") from None
 

@@ -295,7 +295,7 @@ class StagedPath:
                 self._staged_read(job, p, nwin, held, inflight, post, window_copy)
                 self._ctl(p.name, End(xfer))
                 if notify is not None:
-                    self._engine_notify(p.name, notify)
+                    self._notify_within(job, p, notify)
             else:
                 self._staged_write(job, p, nwin, held, inflight, post, window_copy)
         except BaseException:
