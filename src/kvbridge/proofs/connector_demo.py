@@ -274,7 +274,9 @@ def _demo_config(config: ConnectorConfig | None, timeout: float, secret: bytes |
         if secret is not None or secret_file is not None or insecure:
             raise InvalidRequest("give the secret in `config` or as secret/secret_file/insecure, not both")
         return config
-    return ConnectorConfig(transfer_timeout=min(60.0, timeout), lease_seconds=min(60.0, timeout),
+    # Every deadline is `timeout` (the CLI's "deadline for every wait"): with the library's 5 s
+    # handshake and 60 s transfer deadlines a starved host (CI) failed the demo's one request.
+    return ConnectorConfig(transfer_timeout=timeout, lease_seconds=timeout, handshake_timeout=timeout,
                            secret=secret.encode() if isinstance(secret, str) else secret,
                            secret_file=None if secret_file is None else str(secret_file), insecure=insecure)
 
