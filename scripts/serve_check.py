@@ -1,5 +1,6 @@
 """`make serve-check`: kvbridge serve's fleet through edge cases, churn, faults and starvation
-(kvbridge.testing.serve_check), then the serving benchmark beside vLLM's NixlConnector
+(kvbridge.testing.serve_check), then a supervised fleet losing each kind of member under load
+(kvbridge.testing.supervision), then the serving benchmark beside vLLM's NixlConnector
 (`kvbridge bench --serve`), then the shared pool's (`kvbridge.bench.pool`); prints the tables and
 writes them as one JSON without machine paths, from which scripts/serve_tables.py renders the
 docs' tables (copy it to docs/serve-check.json, then run that script)."""
@@ -23,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="edge cases and one load only")
     parser.add_argument("--work", default=None, help="keep the fleet's logs here")
     parser.add_argument("--skip-faults", action="store_true", help="only the benchmark")
+    parser.add_argument("--skip-supervision", action="store_true", help="no supervised fleet")
     parser.add_argument("--skip-bench", action="store_true", help="no serving benchmark")
     parser.add_argument("--skip-pool", action="store_true", help="no pool benchmark")
     args = parser.parse_args(argv)
@@ -54,6 +56,15 @@ def main(argv: list[str] | None = None) -> int:
                    for r in result.get("rotation", []))
         bad |= any(r["wrong"] for r in result["rows"]) or any(result["leaks"].get(k) for k in
                                                              ("processes_left", "segments_left", "ports_left"))
+    if not args.skip_supervision:
+        import tempfile
+        from kvbridge.testing.supervision import run_supervision
+        sup = Path(args.work) / "supervision" if args.work else Path(tempfile.mkdtemp(prefix="kvbridge-supervision-"))
+        report["supervision"] = run_supervision(sup)
+        for r in report["supervision"]["rows"]:
+            console.print(json.dumps({k: v for k, v in r.items() if k != "error_samples"}))
+        bad |= any(r["failed_10s_after_kill"] or not r["full_strength"] or r["old_session_left"]
+                   for r in report["supervision"]["rows"])
     if not args.skip_bench:
         from kvbridge.bench.serving import bench_serve
         from kvbridge.cli.bench import serve_table

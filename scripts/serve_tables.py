@@ -1,5 +1,5 @@
 """The serving tables of docs/serving.md and docs/reliability.md, rendered from `make serve-check`'s
-one JSON (docs/serve-check.json), so that a figure in the docs is a figure of a committed run and
+one JSON (docs/serve-check.json) and the scale bench's (docs/fleet-scale.json), so that a figure in the docs is a figure of a committed run and
 its counts add up (issue 28 point 6).
 
 Each generated block sits between `<!-- serve-check: NAME -->` and `<!-- /serve-check -->` in a
@@ -20,6 +20,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON = ROOT / "docs" / "serve-check.json"
+SCALE_JSON = ROOT / "docs" / "fleet-scale.json"
 DOCS = (ROOT / "docs" / "serving.md", ROOT / "docs" / "reliability.md")
 BLOCK = re.compile(r"(<!-- serve-check: (?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /serve-check -->)", re.S)
 FAULT_COLS = ("phase", "requests", "completed", "equal", "wrong", "errors", "kv_loads", "recomputed", "seconds")
@@ -163,8 +164,57 @@ def bench_tables(report: dict[str, Any]) -> list[str]:
     return out[:-1] if out and out[-1] == "" else out
 
 
+def supervision(report: dict[str, Any]) -> list[str]:
+    """Each kind of member SIGKILLed under load in a supervised fleet (`kill_and_recover`)."""
+    sup = report.get("supervision")
+    if not sup:
+        return ["(this run of `make serve-check` measured no supervision)"]
+    out = [f"Measured {sup['date']} on a {sup['cores']}-core host (`make serve-check`; load average "
+           f"{' / '.join(str(x) for x in sup['load_avg_at_start'])} at the start; the fleet started in "
+           f"{sup['start_s']:.0f} s).", "",
+           "| SIGKILLed | requests | failed | failures sent at (s from the kill) | sent 10 s or more after: failed / "
+           "sent | back (s) | full strength (s) | routed to (s) | left of the old session |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in sup["rows"]:
+        at = "-" if r["first_error_sent_s"] is None else f"{r['first_error_sent_s']} .. {r['last_error_sent_s']}"
+        out.append(f"| {r['member']} | {r['requests']} | {r['errors']} | {at} | {r['failed_10s_after_kill']} / "
+                   f"{r['sent_10s_after_kill']} | {_num(r['back_after_s'])} | {_num(r['full_strength_after_s'])} | "
+                   f"{_num(r['served_by_new_incarnation_after_s'])} | {len(r['old_session_left'])} processes |")
+    return out
+
+
+def scale(report: dict[str, Any]) -> list[str]:
+    """What one rank holds as the fleet around it grows (docs/fleet-scale.json, `decode` and `prefill`)."""
+    sc = report["fleet_scale"]
+    out = [f"| remote engines (TP {sc['tp']}) | decode rank 0: fds | TCP | ZMQ sockets | RSS KiB | handshake ms "
+           "| prefill rank 0: fds | TCP | ZMQ sockets | peers | RSS KiB |", "|" + "---:|" * 11]
+    for d, p in zip(sc["decode"]["rows"], sc["prefill"]["rows"]):
+        dc, pc = d["counts"], p["counts"]
+        out.append(f"| {d['engines']} | {_num(dc['fds'])} | {_num(dc['tcp_established'])} | {_num(dc['eventfds'])} "
+                   f"| {_num(dc['rss_kib'])} | {d['handshake_ms_median']:.0f} | {_num(pc['fds'])} "
+                   f"| {_num(pc['tcp_established'])} | {_num(pc['eventfds'])} | {_num(p['transport_peers'])} "
+                   f"| {_num(pc['rss_kib'])} |")
+    return out
+
+
+def scale_pool(report: dict[str, Any]) -> list[str]:
+    """Lookups against one master (docs/fleet-scale.json, `pool`)."""
+    out = ["| clients | keys per call | calls/s | keys/s |", "|---:|---:|---:|---:|"]
+    out += [f"| {r['clients']} | {_num(r['batch_keys'])} | {_num(r['calls_per_s'])} | {_num(r['keys_per_s'])} |"
+            for r in report["fleet_scale"]["pool"]["rows"]]
+    return out
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
-    "faults_table": faults_table, "faults_summary": faults_summary, "rotation": rotation, "bench": bench_tables}
+    "faults_table": faults_table, "faults_summary": faults_summary, "rotation": rotation, "bench": bench_tables,
+    "supervision": supervision, "scale": scale, "scale_pool": scale_pool}
+
+
+def load_report(path: Path = JSON) -> dict[str, Any]:
+    """The serve-check JSON at `path`, with the scale bench's (docs/fleet-scale.json) as `fleet_scale`."""
+    report = json.loads(path.read_text())
+    report["fleet_scale"] = json.loads(SCALE_JSON.read_text())
+    return report
 
 
 def render(text: str, report: dict[str, Any]) -> str:
@@ -182,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=JSON)
     ap.add_argument("--check", action="store_true", help="exit 1 if a doc's generated block differs")
     args = ap.parse_args(argv)
-    report = json.loads(args.json.read_text())
+    report = load_report(args.json)
     stale = []
     for doc in DOCS:
         old = doc.read_text()

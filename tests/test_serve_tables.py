@@ -35,12 +35,12 @@ def test_the_docs_generated_blocks_are_the_committed_json() -> None:
     mod = _tables()
     assert mod.main(["--check"]) == 0, "run: python scripts/serve_tables.py"
     names = {m.group("name") for doc in mod.DOCS for m in mod.BLOCK.finditer(doc.read_text())}
-    assert {"faults_table", "faults_summary", "bench"} <= names
+    assert {"faults_table", "faults_summary", "bench", "scale", "scale_pool"} <= names
 
 
 def test_a_changed_figure_is_a_stale_block(tmp_path) -> None:
     mod = _tables()
-    report = json.loads(mod.JSON.read_text())
+    report = mod.load_report()
     changed = copy.deepcopy(report)
     changed["faults"]["rows"][0]["requests"] += 1
     text = "\n".join(doc.read_text() for doc in mod.DOCS)
@@ -49,6 +49,9 @@ def test_a_changed_figure_is_a_stale_block(tmp_path) -> None:
     path = tmp_path / "changed.json"
     path.write_text(json.dumps(changed))
     assert mod.main(["--check", "--json", str(path)]) == 1
+    scaled = copy.deepcopy(report)
+    scaled["fleet_scale"]["pool"]["rows"][0]["keys_per_s"] += 1
+    assert mod.render(text, scaled) != text
 
 
 def test_the_totals_are_the_rows_sums_and_no_path_is_committed() -> None:
@@ -75,3 +78,19 @@ def test_rotation_renders_errors_by_second_and_the_starved_member() -> None:
     assert "3 of 30 requests failed, the last one sent 4.50 s after the kill" in text
     assert "unhealthy by the router in 0 of 65 samples, 0 of 90 requests failed" in text
     assert mod.rotation({"faults": {"date": "x"}}) == ["(this run of `make serve-check` measured no rotation)"]
+
+
+def test_supervision_renders_each_killed_member() -> None:
+    mod = _tables()
+    row = {"member": "decode-1", "requests": 40, "errors": 2, "first_error_sent_s": -0.5, "last_error_sent_s": 3.25,
+           "failed_10s_after_kill": 0, "sent_10s_after_kill": 30, "back_after_s": 61.5,
+           "full_strength_after_s": 64.0, "served_by_new_incarnation_after_s": 65.5, "old_session_left": []}
+    report = {"supervision": {"date": "2026-01-01", "cores": 2, "load_avg_at_start": [1.0, 2.0, 3.0],
+                              "start_s": 70.2, "rows": [row, dict(row, member="master", errors=0,
+                                                                  first_error_sent_s=None, last_error_sent_s=None,
+                                                                  served_by_new_incarnation_after_s=None)]}}
+    text = "\n".join(mod.supervision(report))
+    assert "| decode-1 | 40 | 2 | -0.5 .. 3.25 | 0 / 30 | 61.5 | 64.0 | 65.5 | 0 processes |" in text
+    assert "| master | 40 | 0 | - | 0 / 30 | 61.5 | 64.0 | - | 0 processes |" in text
+    assert "started in 70 s" in text
+    assert mod.supervision({}) == ["(this run of `make serve-check` measured no supervision)"]

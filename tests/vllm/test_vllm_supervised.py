@@ -19,9 +19,7 @@ import json
 import os
 import signal
 import socket
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -30,23 +28,19 @@ from kvbridge.integrations.vllm.fleet_processes import session_pids
 from kvbridge.proofs.vllm.cluster import free_ports
 from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
 from kvbridge.testing.serving import prompt_text, request
-from kvbridge.testing.supervision import ServeProcess, _running, kill_and_recover
+from kvbridge.testing.supervision import KINDS, ServeProcess, _running, kill_and_recover, supervised_fleet_argv
 
 pytestmark = pytest.mark.vllm
 # Each instance restart is a vLLM start (about a minute on an idle 2-core machine): the default run
 # kills one instance and the master, a bounded sample for CI; KVBRIDGE_SUPERVISE_ALL=1 kills each
 # kind (prefill, decode, master), as the check does.
-KILLED = ("prefill-1", "decode-1", "master") if os.environ.get("KVBRIDGE_SUPERVISE_ALL") else ("decode-1", "master")
+KILLED = KINDS if os.environ.get("KVBRIDGE_SUPERVISE_ALL") else ("decode-1", "master")
 
 
 def test_killed_members_come_back_by_themselves_and_one_that_keeps_dying_ends_the_fleet(vllm_env, tmp_path):
     model = add_byte_tokenizer(make_tiny_llama(tmp_path / "tiny-llama", seed=3))
     port = free_ports(1)
-    argv = [str(Path(sys.executable).parent / "kvbridge"), "serve", str(model), "--prefill", "block=32",
-            "--prefill", "block=32", "--decode", "block=32", "--decode", "block=32", "--pool", "start",
-            "--port", str(port), "--log-dir", str(tmp_path / "fleet"), "--vllm-python", str(vllm_env.python),
-            "--json"]
-    serve = ServeProcess(argv)
+    serve = ServeProcess(supervised_fleet_argv(model, port, tmp_path / "fleet", str(vllm_env.python)))
     held = None
     leaders: set[int] = set()
     try:

@@ -15,8 +15,10 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from kvbridge.integrations.vllm.fleet_processes import session_pids
@@ -162,8 +164,43 @@ def kill_and_recover(serve: ServeProcess, member: str, clients: int = 3, before_
             "back_after_s": back["after_s"], "full_strength_after_s": round(t_full - t_kill, 1),
             "served_by_new_incarnation_after_s": round(t_served - t_kill, 1) if t_served else None,
             "full_strength": full_strength(serve), "load_s": round(t_end - t_kill, 1),
+            "first_error_sent_s": min(failed, default=None), "last_error_sent_s": max(failed, default=None),
             "old_session_left": sorted(p for p in session_pids(leader) & old if _running(p)),
             "error_samples": sorted({e for *_, ok, e in load.sent if not ok})[:3]}
+
+
+KINDS = ("prefill-1", "decode-1", "master")
+"""One member of each kind, as `make serve-check` kills them."""
+
+
+def supervised_fleet_argv(model: Path, port: int, log_dir: Path, vllm_python: str | None = None) -> list[str]:
+    """`kvbridge serve --json` of the supervised fleet: 2 prefill and 2 decode instances (block 32)
+    with their own pool master, so each kind of member can be killed."""
+    argv = [str(Path(sys.executable).parent / "kvbridge"), "serve", str(model), "--prefill", "block=32",
+            "--prefill", "block=32", "--decode", "block=32", "--decode", "block=32", "--pool", "start",
+            "--port", str(port), "--log-dir", str(log_dir), "--json"]
+    return argv + (["--vllm-python", str(vllm_python)] if vllm_python else [])
+
+
+def run_supervision(work: Path, killed: tuple[str, ...] = KINDS, python: str | None = None) -> dict[str, Any]:
+    """`make serve-check`'s supervision part: the supervised fleet on the tiny Llama, each member of
+    `killed` SIGKILLed under load in turn (`kill_and_recover`), one row each."""
+    from kvbridge.proofs.vllm.cluster import free_ports
+    from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
+    model = add_byte_tokenizer(make_tiny_llama(work / "tiny-llama", seed=3))
+    serve = ServeProcess(supervised_fleet_argv(model, free_ports(1), work / "fleet", python))
+    rows = []
+    load = os.getloadavg()
+    try:
+        t0 = time.monotonic()
+        serve.wait_summary(1800)
+        started = time.monotonic() - t0
+        for i, member in enumerate(killed):
+            rows.append(kill_and_recover(serve, member, seed=90_000 + 10_000 * i))
+    finally:
+        serve.stop()
+    return {"date": time.strftime("%Y-%m-%d", time.gmtime()), "cores": os.cpu_count(),
+            "load_avg_at_start": [round(x, 1) for x in load], "start_s": round(started, 1), "rows": rows}
 
 
 def _running(pid: int) -> bool:
@@ -175,4 +212,4 @@ def _running(pid: int) -> bool:
         return False
 
 
-__all__ = ["ServeProcess", "full_strength", "kill_and_recover"]
+__all__ = ["KINDS", "ServeProcess", "full_strength", "kill_and_recover", "run_supervision", "supervised_fleet_argv"]
