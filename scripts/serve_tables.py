@@ -27,12 +27,18 @@ FAULT_COLS = ("phase", "requests", "completed", "equal", "wrong", "errors", "kv_
 PATH_KEYS = ("work", "log", "log_path", "log_dir")
 
 
+ABSOLUTE = re.compile(r"(?<![\w.])/(?:[\w.+-]+/)+([\w.+-]+)")
+
+
 def strip_paths(data: Any) -> Any:
-    """The report without machine paths (work and log directories): what may be committed."""
+    """The report without machine paths: no work and log directories, and an absolute path inside
+    any other text (a model directory, a traceback's file) cut to its last part."""
     if isinstance(data, dict):
         return {k: strip_paths(v) for k, v in data.items() if k not in PATH_KEYS}
     if isinstance(data, list):
         return [strip_paths(v) for v in data]
+    if isinstance(data, str):
+        return ABSOLUTE.sub(r"\1", data)
     return data
 
 

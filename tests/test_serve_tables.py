@@ -64,6 +64,9 @@ def test_the_totals_are_the_rows_sums_and_no_path_is_committed() -> None:
     assert f"{total['wrong']} wrong answers in {total['requests']} requests" in " ".join(mod.faults_summary(report))
     assert not [s for s in _strings(report) if s.startswith("/") or "/tmp/" in s or "/work/" in s]
     assert mod.strip_paths({"work": "/x", "a": [{"log_path": "/y", "b": 1}]}) == {"a": [{"b": 1}]}
+    assert mod.strip_paths({"model": "/tmp/x-1/small-llama", "e": "died: /root/.pyenv/lib/tracker.py:254: Warn",
+                            "m": "tp=1/b32 -> 2/1"}) == {"model": "small-llama", "e": "died: tracker.py:254: Warn",
+                                                        "m": "tp=1/b32 -> 2/1"}
 
 
 def test_rotation_renders_errors_by_second_and_the_starved_member() -> None:

@@ -167,7 +167,7 @@ def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: 
                     time.sleep(1)
             down = [m for m in members if not healthy(m.url)]
             if down:
-                row["error"] = f"{down[0].name} did not start: {down[0].log_tail(3)[-300:]}"
+                row["error"] = f"{down[0].name} did not start: {down[0].cause() or down[0].log_tail(1)[-300:]}"
                 rows.append(row)
                 continue
             a, b = members
@@ -190,7 +190,7 @@ def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: 
     for r in rows:
         if base and "b" in r and "error" not in r["b"] and r["b"].get("median_ttft_ms"):
             r["b_ttft_vs_prefix_cache_only"] = base["b"]["median_ttft_ms"] / r["b"]["median_ttft_ms"]
-    return {"model": str(model), "prompts": prompts, "concurrency": concurrency, "workload": workload,
+    return {"model": Path(model).name, "prompts": prompts, "concurrency": concurrency, "workload": workload,
             "rows": rows, "work": str(work)}
 
 
