@@ -57,8 +57,9 @@ VLLM_VENV ?= .venv-vllm
 vllm-env: $(VLLM_VENV)/.installed
 
 # kvbridge serve's fleet (2 prefill x 2 decode, four shapes) behind vllm-router through edge cases,
-# churn, faults and starvation, then `vllm bench serve` beside vLLM's NixlConnector, then the shared
-# pool (docs/serving.md, docs/pool.md): one JSON, no machine paths; copied to docs/serve-check.json,
+# churn, faults and starvation, then a supervised fleet losing each kind of member, then `vllm bench
+# serve` beside vLLM's NixlConnector, then the shared pool (docs/serving.md, docs/reliability.md,
+# docs/pool.md): one JSON, no machine paths (--skip-PART runs the others); copied to docs/serve-check.json,
 # `python scripts/serve_tables.py` renders the docs' tables from it. About an hour on a 2-core
 # machine; CI runs one pair (tests/vllm/test_vllm_serve.py).
 serve-check: $(STAMP) $(VLLM_VENV)/.installed

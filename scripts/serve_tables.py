@@ -21,7 +21,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 JSON = ROOT / "docs" / "serve-check.json"
 SCALE_JSON = ROOT / "docs" / "fleet-scale.json"
-DOCS = (ROOT / "docs" / "serving.md", ROOT / "docs" / "reliability.md")
+DOCS = (ROOT / "docs" / "serving.md", ROOT / "docs" / "reliability.md", ROOT / "docs" / "pool.md")
 BLOCK = re.compile(r"(<!-- serve-check: (?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /serve-check -->)", re.S)
 FAULT_COLS = ("phase", "requests", "completed", "equal", "wrong", "errors", "kv_loads", "recomputed", "seconds")
 PATH_KEYS = ("work", "log", "log_path", "log_dir")
@@ -211,9 +211,36 @@ def scale_pool(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def pool(report: dict[str, Any]) -> list[str]:
+    """The pool part: store and load beside a copy, then instance B (another shape) after A on
+    repeated prefixes, with and without the pool (`kvbridge.bench.pool`)."""
+    p = report.get("pool")
+    if not p:
+        return ["(this run of `make serve-check` measured no pool)"]
+    t, sv = p["transfer"], p["serve"]
+    out = [f"Measured {p['date']} on a {p['cores']}-core host (`make serve-check`, docs/serve-check.json `pool`).", "",
+           f"Transfer: {t['tokens']:,} tokens of `{t['spec']}` ({t['bytes'] / 2**20:.0f} MiB), stored by "
+           f"{t['store_engine']}, loaded by {t['load_engine']}, median of {t['rounds']}: store "
+           f"{t['store_gb_s']:.2f} GB/s ({t['store_vs_copy']:.3f} of a copy), load {t['load_gb_s']:.2f} GB/s "
+           f"({t['load_vs_copy']:.3f} of a copy), copy {t['copy_gb_s']:.1f} GB/s.", "",
+           f"Serving (`{sv['model']}`; `vllm bench serve {' '.join(sv['workload'])}`, {sv['prompts']} prompts, "
+           f"{sv['concurrency']} in flight, sent to A (TP 1, block 64), then to B (TP 2, block 32)):", "",
+           "| setup | A's TTFT p50 ms | B's TTFT p50 ms | B's TTFT p99 ms | B's out tok/s | failed | "
+           "B's hits: local / external |", "|---|---|---|---|---|---|---|"]
+    for r in sv["rows"]:
+        if "error" in r:
+            out.append(f"| {r['setup']} | {r['error']} |" + " |" * 5)
+            continue
+        a, b, h = r["a"], r["b"], r["b_hit_rate"]
+        hits = " / ".join("-" if h[k] is None else f"{h[k]:.0%}" for k in ("local", "external"))
+        out.append(f"| {r['setup']} | {_num(a['median_ttft_ms'])} | {_num(b['median_ttft_ms'])} | "
+                   f"{_num(b['p99_ttft_ms'])} | {_num(b['output_throughput'])} | {a['failed'] + b['failed']} | {hits} |")
+    return out
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "faults_table": faults_table, "faults_summary": faults_summary, "rotation": rotation, "bench": bench_tables,
-    "supervision": supervision, "scale": scale, "scale_pool": scale_pool}
+    "supervision": supervision, "scale": scale, "scale_pool": scale_pool, "pool": pool}
 
 
 def load_report(path: Path = JSON) -> dict[str, Any]:

@@ -35,7 +35,7 @@ def test_the_docs_generated_blocks_are_the_committed_json() -> None:
     mod = _tables()
     assert mod.main(["--check"]) == 0, "run: python scripts/serve_tables.py"
     names = {m.group("name") for doc in mod.DOCS for m in mod.BLOCK.finditer(doc.read_text())}
-    assert {"faults_table", "faults_summary", "bench", "scale", "scale_pool"} <= names
+    assert {"faults_table", "faults_summary", "bench", "supervision", "pool", "scale", "scale_pool"} <= names
 
 
 def test_a_changed_figure_is_a_stale_block(tmp_path) -> None:
