@@ -125,6 +125,32 @@ def _host_line(bench: dict[str, Any]) -> str:
             f"{sum(h['host_cpu_s'] for h in hosts):.0f} CPU-seconds the host spent during the runs.")
 
 
+STEP_CALLS = (("schedule", "scheduler: `build_connector_meta`"), ("start_load_kv", "workers: `start_load_kv`"),
+              ("get_finished", "workers: `get_finished`"))
+
+
+def _step_path(bench: dict[str, Any]) -> list[str]:
+    """kvbridge's calls on its decode instance's step path in the measured rounds (`step_path`)."""
+    rows = [(row["dataset"].replace("_", " "), row["kvbridge"]["step_path"]) for row in bench["table"]
+            if "step_path" in row.get("kvbridge", {})]
+    if not rows:
+        return []
+    out = ["", "kvbridge's connector on its decode instance's step path in the measured rounds "
+               "(`KVBRIDGE_STEP_PROFILE`; the sidecars' rounds run beside the step, not on it):", "",
+           "| dataset | seconds | call | calls | p50 ms | p99 ms | max ms | all calls |", "|---|---|---|---|---|---|---|---|"]
+    for ds, prof in rows:
+        secs = _num(prof["seconds"])
+        for kind, label in STEP_CALLS + (("sidecar", "sidecar rounds that used CPU"),):
+            c = prof["calls"].get(kind)
+            if c is None:
+                continue
+            total = f"{c['cpu_ms']:,.0f} ms CPU" if kind == "sidecar" else f"{c['total_ms']:,.1f} ms"
+            out.append(f"| {ds} | {secs} | {label} | {c['calls']:,} | {c['p50_ms']:.3f} | {c['p99_ms']:.3f} | "
+                       f"{c['max_ms']:.1f} | {total} |")
+            ds = secs = ""
+    return out
+
+
 def bench_tables(report: dict[str, Any]) -> list[str]:
     out: list[str] = []
     for bench in report.get("bench", []):
@@ -165,6 +191,7 @@ def bench_tables(report: dict[str, Any]) -> list[str]:
                            + " | ".join("-" if r.get(k) is None else f"**{r[k]:.2f}**" if k == "itl_p99_ms"
                                         else f"{r[k]:.2f}" for k in BENCH_KEYS) + " | | |")
         out += steps if buckets else []
+        out += _step_path(bench)
         line = _host_line(bench)
         out += ["", line, ""] if line else [""]
     return out[:-1] if out and out[-1] == "" else out

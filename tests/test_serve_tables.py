@@ -97,3 +97,15 @@ def test_supervision_renders_each_killed_member() -> None:
     assert "| master | 40 | 0 | - | 0 / 30 | 61.5 | 64.0 | - | 0 processes |" in text
     assert "started in 70 s" in text
     assert mod.supervision({}) == ["(this run of `make serve-check` measured no supervision)"]
+
+
+def test_the_step_path_table_renders_each_call_and_the_sidecars_cpu() -> None:
+    mod = _tables()
+    prof = {"seconds": 71.2, "calls": {
+        "get_finished": {"calls": 300, "p50_ms": 0.027, "p99_ms": 0.48, "max_ms": 8.7, "total_ms": 19.8},
+        "sidecar": {"calls": 79, "p50_ms": 1.0, "p99_ms": 9.0, "max_ms": 9.9, "total_ms": 120.0, "cpu_ms": 107.4,
+                    "max_cpu_ms": 9.9}}}
+    text = "\n".join(mod._step_path({"table": [{"dataset": "prefix_repetition", "kvbridge": {"step_path": prof}}]}))
+    assert "| prefix repetition | 71.2 | workers: `get_finished` | 300 | 0.027 | 0.480 | 8.7 | 19.8 ms |" in text
+    assert "|  |  | sidecar rounds that used CPU | 79 | 1.000 | 9.000 | 9.9 | 107 ms CPU |" in text
+    assert mod._step_path({"table": [{"dataset": "random", "kvbridge": {}}]}) == []

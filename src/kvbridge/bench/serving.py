@@ -166,7 +166,9 @@ def _bench_once(fleet: Fleet, model: Path, dataset: str, prompts: int, concurren
     sessions = {m.proc.pid for m in fleet.everyone() if m.proc is not None}
     host = _HostCpu(sessions)
     host.start()
+    t0 = time.monotonic()
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    window = (t0, time.monotonic())
     load = host.stop()
     steps: list[float] = []
     for p, off in zip(decode_logs, offsets):
@@ -174,11 +176,35 @@ def _bench_once(fleet: Fleet, model: Path, dataset: str, prompts: int, concurren
             f.seek(off)
             steps += iteration_times(f.read().decode(errors="replace"))
     if res.returncode:
-        return {"error": (res.stdout + res.stderr)[-600:], "host": load, "steps_ms": steps}
+        return {"error": (res.stdout + res.stderr)[-600:], "host": load, "steps_ms": steps, "window": window}
     data = json.loads((out / name).read_text())
     itls = [1e3 * x for r in data.get("itls") or [] for x in r]  # seconds, per request
     return {**{k: data.get(k) for k in ROUND_FIGURES}, "completed": data.get("completed"),
-            "failed": data.get("failed", 0), "itls_ms": itls, "steps_ms": steps, "host": load}
+            "failed": data.get("failed", 0), "itls_ms": itls, "steps_ms": steps, "host": load, "window": window}
+
+
+def step_path_profile(directory: Path, windows: list[tuple[float, float]]) -> dict[str, Any]:
+    """What kvbridge's connector did on the decode instance's step path during `windows` (the
+    measured rounds of one dataset), from its `KVBRIDGE_STEP_PROFILE` files: per timed call kind
+    (scheduler `schedule`, each worker's `start_load_kv` and `get_finished`), the count and the
+    p50/p99/max/total milliseconds; for the sidecars, the rounds that used CPU and their CPU
+    milliseconds (their work runs beside the step, not on it)."""
+    from kvbridge.integrations.vllm.step_profile import read_profiles
+    spans: dict[str, list[tuple[float, list[str]]]] = {}
+    for lines in read_profiles(directory).values():
+        for kind, t0, ms, counts in lines:
+            if any(a <= t0 <= b for a, b in windows):
+                spans.setdefault(kind, []).append((ms, counts))
+    out: dict[str, Any] = {"seconds": round(sum(b - a for a, b in windows), 1), "calls": {}}
+    for kind, xs in sorted(spans.items()):
+        ms = [m for m, _ in xs]
+        entry = {"calls": len(ms), "p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99), "max_ms": max(ms),
+                 "total_ms": sum(ms)}
+        if kind == "sidecar":
+            cpu = [float(c[0]) for _, c in xs if c]
+            entry |= {"cpu_ms": sum(cpu), "max_cpu_ms": max(cpu, default=0.0)}
+        out["calls"][kind] = entry
+    return out
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -196,6 +222,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row["host"] = [x["host"] for x in runs]
     row["errors"] = [x["error"] for x in runs if "error" in x]
     return row
+
+
+def _flush_request(fleet: Fleet) -> None:
+    from kvbridge.testing.serving import prompt_text, request
+    request(fleet.endpoint, prompt_text(1, 64), 2)
 
 
 def bench_serve(model: Path | None = None, prefill: str = "tp=1,block=32", decode: str = "tp=2,block=32",
@@ -217,6 +248,9 @@ def bench_serve(model: Path | None = None, prefill: str = "tp=1,block=32", decod
         for m in f.members:  # vLLM's own step timer, the same on both fleets
             if m.name.startswith("decode"):
                 m.argv.append("--enable-logging-iteration-details")
+                if connector == "kvbridge":  # and what kvbridge does on its step path (issue 31)
+                    (work / "step-profile").mkdir(parents=True, exist_ok=True)
+                    m.env["KVBRIDGE_STEP_PROFILE"] = str(work / "step-profile")
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {c: {ds: [] for ds in DATASETS} for c in fleets}
     warmup: dict[str, float] = {}
     t0 = time.monotonic()
@@ -239,6 +273,9 @@ def bench_serve(model: Path | None = None, prefill: str = "tp=1,block=32", decod
                     with _alone(fleets, connector):
                         runs[connector][ds].append(_bench_once(f, Path(model), ds, prompts, concurrency, 100 + r,
                                                                work))
+        with _alone(fleets, "kvbridge"):  # a profile is written a second after its lines: one more request
+            time.sleep(1.5)
+            _flush_request(fleets["kvbridge"])
     finally:
         for f in fleets.values():
             f.stop()
@@ -247,6 +284,8 @@ def bench_serve(model: Path | None = None, prefill: str = "tp=1,block=32", decod
         row: dict[str, Any] = {"dataset": ds}
         for connector in ("kvbridge", "nixl"):
             row[connector] = summarize(runs[connector][ds]) if connector in fleets else {"refused": refused}
+        row["kvbridge"]["step_path"] = step_path_profile(work / "step-profile",
+                                                         [x["window"] for x in runs["kvbridge"][ds]])
         if "nixl" in fleets:
             k, n = row["kvbridge"], row["nixl"]
             row["ratios"] = {m: (n[m] / k[m]) if k.get(m) and n.get(m) else None for m in TIME_FIGURES}
@@ -260,4 +299,5 @@ def bench_serve(model: Path | None = None, prefill: str = "tp=1,block=32", decod
             "cores": os.cpu_count(), "work": str(work)}
 
 
-__all__ = ["bench_serve", "iteration_times", "pause_sessions", "percentile", "step_histogram", "summarize"]
+__all__ = ["bench_serve", "iteration_times", "pause_sessions", "percentile", "step_histogram", "step_path_profile",
+           "summarize"]
