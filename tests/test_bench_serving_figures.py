@@ -54,10 +54,13 @@ def test_the_cli_prints_both_tables(capsys) -> None:
          "itls_ms": [10.0, 30.0], "steps_ms": [20.0, 700.0], "host": host}
     row = {"dataset": "random", "kvbridge": summarize([r]), "nixl": summarize([r]),
            "ratios": {"itl_p99_ms": 1.0, "output_throughput": 1.0}}
+    row["kvbridge"]["step_path"] = {"seconds": 9.0, "calls": {
+        "get_finished": {"calls": 7, "p50_ms": 0.02, "p99_ms": 0.5, "max_ms": 0.6, "total_ms": 1.25}}}
     serve_table({"prefill": "tp=1", "decode": "tp=2", "prompts": 32, "concurrency": 8, "rounds": 1, "cores": 2,
                  "table": [row]})
     text = capsys.readouterr().out
     assert "ITL p99" in text and "<=640" in text and "load average" in text and "other processes used" in text
+    assert "step path" in text and "get_finished" in text and "1.2 ms" in text
 
 
 def test_the_idle_fleet_is_stopped_and_continued_whole() -> None:

@@ -231,6 +231,21 @@ def pool_table(out: dict[str, Any]) -> None:
     console.print(table)
 
 
+def _step_path_table(out: dict[str, Any]) -> None:
+    """kvbridge's calls on its decode instance's step path in the measured rounds (issue 31)."""
+    rows = [(r["dataset"], r["kvbridge"]["step_path"]) for r in out["table"] if "step_path" in r.get("kvbridge", {})]
+    if not rows:
+        return
+    t = Table(title="kvbridge on its decode instance's step path, measured rounds (sidecar rounds run beside it)")
+    for col in ("dataset", "call", "calls", "p50 ms", "p99 ms", "max ms", "all calls"):
+        t.add_column(col)
+    for ds, prof in rows:
+        for kind, c in prof["calls"].items():
+            total = f"{c['cpu_ms']:,.0f} ms CPU" if kind == "sidecar" else f"{c['total_ms']:,.1f} ms"
+            t.add_row(ds, kind, str(c["calls"]), f"{c['p50_ms']:.3f}", f"{c['p99_ms']:.3f}", f"{c['max_ms']:.1f}", total)
+    console.print(t)
+
+
 def serve_table(out: dict[str, Any]) -> None:
     """The serving benchmark as tables: both connectors' figures and the ratios per dataset, then
     the decode instance's step-time histogram and what else the host ran."""
@@ -267,6 +282,7 @@ def serve_table(out: dict[str, Any]) -> None:
     console.print(table)
     if buckets:
         console.print(steps)
+    _step_path_table(out)
     others = [h for row in out["table"] for c in ("kvbridge", "nixl") if "host" in row[c] for h in row[c]["host"]]
     if others:
         console.print(f"host: {out.get('cores')} cores; load average (1 min) at the runs' starts "
