@@ -125,7 +125,7 @@ def _host_line(bench: dict[str, Any]) -> str:
             f"{sum(h['host_cpu_s'] for h in hosts):.0f} CPU-seconds the host spent during the runs.")
 
 
-STEP_CALLS = (("schedule", "scheduler: `build_connector_meta`"), ("start_load_kv", "workers: `start_load_kv`"),
+STEP_CALLS = (("schedule", "scheduler: `build_connector_meta`, steps with tokens"), ("start_load_kv", "workers: `start_load_kv`"),
               ("get_finished", "workers: `get_finished`"))
 
 

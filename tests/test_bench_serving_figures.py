@@ -115,10 +115,12 @@ def test_the_step_path_profile_counts_only_the_measured_rounds(tmp_path) -> None
     (tmp_path / "101.steps").write_text("start_load_kv 10.0 0.5 3\nstart_load_kv 10.5 2.5 1\n"
                                         "get_finished 11.0 1.0 0\nstart_load_kv 50.0 99.0 1\n")
     (tmp_path / "202.steps").write_text("sidecar 10.2 4.0 3.000 1 0\nsidecar 20.1 6.0 5.500 0 0\n"
-                                        "schedule 5.0 7.0\n")
+                                        "schedule 5.0 7.0 4 1 0 0\nschedule 10.3 0.01 4 1 0 0\n"
+                                        "schedule 10.4 2.1 0 0 0 0\n")
     p = step_path_profile(tmp_path, [(10.0, 12.0), (20.0, 21.0)])
     assert p["seconds"] == 3.0
     assert p["calls"]["start_load_kv"] == {"calls": 2, "p50_ms": 1.5, "p99_ms": 2.48, "max_ms": 2.5, "total_ms": 3.0}
     assert p["calls"]["get_finished"]["calls"] == 1
     assert p["calls"]["sidecar"]["cpu_ms"] == 8.5 and p["calls"]["sidecar"]["max_cpu_ms"] == 5.5
-    assert "schedule" not in p["calls"]  # outside every window
+    assert p["calls"]["schedule"]["calls"] == 1 and p["calls"]["schedule"]["max_ms"] == 0.01  # 5.0 is outside
+    assert p["calls"]["schedule_idle"]["calls"] == 1  # no token scheduled: the idle loop's paced sleep

@@ -186,13 +186,16 @@ def _bench_once(fleet: Fleet, model: Path, dataset: str, prompts: int, concurren
 def step_path_profile(directory: Path, windows: list[tuple[float, float]]) -> dict[str, Any]:
     """What kvbridge's connector did on the decode instance's step path during `windows` (the
     measured rounds of one dataset), from its `KVBRIDGE_STEP_PROFILE` files: per timed call kind
-    (scheduler `schedule`, each worker's `start_load_kv` and `get_finished`), the count and the
+    (scheduler `schedule` on steps with tokens, `schedule_idle` on the idle steps it paces with a
+    short sleep; each worker's `start_load_kv` and `get_finished`), the count and the
     p50/p99/max/total milliseconds; for the sidecars, the rounds that used CPU and their CPU
     milliseconds (their work runs beside the step, not on it)."""
     from kvbridge.integrations.vllm.step_profile import read_profiles
     spans: dict[str, list[tuple[float, list[str]]]] = {}
     for lines in read_profiles(directory).values():
         for kind, t0, ms, counts in lines:
+            if kind == "schedule" and counts[:1] == ["0"]:  # no token scheduled: the paced idle loop
+                kind = "schedule_idle"
             if any(a <= t0 <= b for a, b in windows):
                 spans.setdefault(kind, []).append((ms, counts))
     out: dict[str, Any] = {"seconds": round(sum(b - a for a, b in windows), 1), "calls": {}}
