@@ -140,13 +140,16 @@ def _step_path(bench: dict[str, Any]) -> list[str]:
            "| dataset | seconds | call | calls | p50 ms | p99 ms | max ms | all calls |", "|---|---|---|---|---|---|---|---|"]
     for ds, prof in rows:
         secs = _num(prof["seconds"])
-        for kind, label in STEP_CALLS + (("sidecar", "sidecar rounds that used CPU"),):
+        for kind, label in STEP_CALLS + (("sidecar", "sidecar rounds that used CPU (CPU ms)"),):
             c = prof["calls"].get(kind)
             if c is None:
                 continue
-            total = f"{c['cpu_ms']:,.0f} ms CPU" if kind == "sidecar" else f"{c['total_ms']:,.1f} ms"
-            out.append(f"| {ds} | {secs} | {label} | {c['calls']:,} | {c['p50_ms']:.3f} | {c['p99_ms']:.3f} | "
-                       f"{c['max_ms']:.1f} | {total} |")
+            if kind == "sidecar":  # CPU: a round's wall time includes the idle fleet's SIGSTOP
+                cells = [_num(c.get("p50_cpu_ms"), 3), _num(c.get("p99_cpu_ms"), 3), f"{c['max_cpu_ms']:.1f}",
+                         f"{c['cpu_ms']:,.0f} ms"]
+            else:
+                cells = [f"{c['p50_ms']:.3f}", f"{c['p99_ms']:.3f}", f"{c['max_ms']:.1f}", f"{c['total_ms']:,.1f} ms"]
+            out.append(f"| {ds} | {secs} | {label} | {c['calls']:,} | " + " | ".join(cells) + " |")
             ds = secs = ""
     return out
 

@@ -122,5 +122,6 @@ def test_the_step_path_profile_counts_only_the_measured_rounds(tmp_path) -> None
     assert p["calls"]["start_load_kv"] == {"calls": 2, "p50_ms": 1.5, "p99_ms": 2.48, "max_ms": 2.5, "total_ms": 3.0}
     assert p["calls"]["get_finished"]["calls"] == 1
     assert p["calls"]["sidecar"]["cpu_ms"] == 8.5 and p["calls"]["sidecar"]["max_cpu_ms"] == 5.5
+    assert p["calls"]["sidecar"]["p50_cpu_ms"] == 4.25
     assert p["calls"]["schedule"]["calls"] == 1 and p["calls"]["schedule"]["max_ms"] == 0.01  # 5.0 is outside
     assert p["calls"]["schedule_idle"]["calls"] == 1  # no token scheduled: the idle loop's paced sleep

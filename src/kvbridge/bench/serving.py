@@ -203,9 +203,10 @@ def step_path_profile(directory: Path, windows: list[tuple[float, float]]) -> di
         ms = [m for m, _ in xs]
         entry = {"calls": len(ms), "p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99), "max_ms": max(ms),
                  "total_ms": sum(ms)}
-        if kind == "sidecar":
+        if kind == "sidecar":  # its wall time includes the SIGSTOP of an idle fleet: CPU is what it took
             cpu = [float(c[0]) for _, c in xs if c]
-            entry |= {"cpu_ms": sum(cpu), "max_cpu_ms": max(cpu, default=0.0)}
+            entry |= {"cpu_ms": sum(cpu), "max_cpu_ms": max(cpu, default=0.0), "p50_cpu_ms": percentile(cpu, 50),
+                      "p99_cpu_ms": percentile(cpu, 99)}
         out["calls"][kind] = entry
     return out
 

@@ -241,8 +241,12 @@ def _step_path_table(out: dict[str, Any]) -> None:
         t.add_column(col)
     for ds, prof in rows:
         for kind, c in prof["calls"].items():
-            total = f"{c['cpu_ms']:,.0f} ms CPU" if kind == "sidecar" else f"{c['total_ms']:,.1f} ms"
-            t.add_row(ds, kind, str(c["calls"]), f"{c['p50_ms']:.3f}", f"{c['p99_ms']:.3f}", f"{c['max_ms']:.1f}", total)
+            if kind == "sidecar":  # CPU ms: a round's wall time includes the idle fleet's SIGSTOP
+                cells = [c.get("p50_cpu_ms"), c.get("p99_cpu_ms"), c["max_cpu_ms"]]
+                total = f"{c['cpu_ms']:,.0f} ms CPU"
+            else:
+                cells, total = [c["p50_ms"], c["p99_ms"], c["max_ms"]], f"{c['total_ms']:,.1f} ms"
+            t.add_row(ds, kind, str(c["calls"]), *("-" if x is None else f"{x:.3f}" for x in cells), total)
     console.print(t)
 
 
