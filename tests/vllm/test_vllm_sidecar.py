@@ -48,8 +48,8 @@ class Engine:
         return Init(engine_id, self.rank, produce, not produce, SPEC, EngineLayout(**msgspec.structs.asdict(self.layout)),
                     [CpuSegment(self.seg.path, self.seg.nbytes)],
                     [Region(0, o, n) for o, n in zip(self.offsets, nbytes)],
-                    Settings(side_channel_port=port, lease_seconds=20, transfer_timeout=20, handshake_timeout=10,
-                             secret=SECRET, **settings))
+                    Settings(**{"side_channel_port": port, "lease_seconds": 20, "transfer_timeout": 20,
+                                "handshake_timeout": 10, "secret": SECRET, **settings}))
 
 
 def wait(clients, want, timeout=60.0):
@@ -120,6 +120,34 @@ def test_an_unnamed_request_waits_for_its_claimant_not_the_only_decode_engine_co
         assert torch.equal(kv(d1, d_ids, n), kv(p, p_ids[0], n))  # decode-1 got nothing of req-2
     finally:
         for c in (prod, *cons):
+            c.close()
+
+
+def test_a_claim_that_arrives_before_the_prefill_finished_is_honoured_at_once():
+    """The router hands the decode engine a request as soon as the prefill instance answers, and
+    the prefill worker tells its sidecar a step later: the decode engine's claim often arrives
+    first. The prefill sidecar keeps it and leases the request the moment it is told, not at the
+    next periodic heartbeat (lease/6: 100 s here, so the bound below is liveness, not speed)."""
+    p = Engine(vllm_cpu_layout(1, 32, 8), 0, fill=5)
+    d = Engine(vllm_cpu_layout(1, 32, 8), 0)
+    n, p_ids, d_ids = 70, [(5, 2, 7), (1, 3, 4)], [(6, 1, 3), (0, 2, 4)]
+    long = {"lease_seconds": 600, "transfer_timeout": 600}
+    prod = SidecarClient(p.init("P", True, free_ports(1), **long))
+    cons = SidecarClient(d.init("decode-0", False, free_ports(1), **long))
+    try:
+        prod.send(Send("req-1", (p_ids[0],), n))
+        cons.send(Recv("dec-1", "req-1", "P", prod.ready.address, (d_ids[0],), n, 0))
+        wait([prod, cons], lambda ev: Received("dec-1", True) in ev and Released("req-1", "done") in ev)
+        cons.send(Recv("dec-2", "req-2", "P", prod.ready.address, (d_ids[1],), n, 0))  # claims req-2
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        prod.send(Send("req-2", (p_ids[1],), n))
+        events = wait([prod, cons], lambda ev: any(isinstance(e, Received) for e in ev), timeout=90)
+        assert Received("dec-2", True) in events, events
+        assert time.monotonic() - t0 < 50.0, "leased at a periodic heartbeat, not on the claim"
+        assert torch.equal(kv(d, d_ids[1], n), kv(p, p_ids[1], n))
+    finally:
+        for c in (prod, cons):
             c.close()
 
 
