@@ -183,3 +183,32 @@ def test_a_prefill_engine_restarted_on_the_same_address_is_handshaken():
             consumer.progress(0.05)  # the side channel to the dead incarnation is now lost
     finally:
         _close(consumer)
+
+
+def test_a_lost_first_claim_is_named_again_within_seconds_not_a_heartbeat_period():
+    """A decode rank's first claim of a request is lost (its `_claim` made a no-op here, as in a
+    fleet continued from SIGSTOP, where leases waited 17-111 s): the rank names every received
+    request its source ranks have not announced again each `CLAIM_REFRESH_S`, so the prefill ranks
+    learn the claimant within seconds, not at the periodic heartbeat (100 s here)."""
+    from kvbridge.connector.consumer import CLAIM_REFRESH_S
+    slow = ConnectorConfig(lease_seconds=600, transfer_timeout=600, abort_timeout=1, secret=SECRET,
+                           heartbeat_interval=100.0)
+    a = Cluster(PREFILL, EngineLayout(tp_size=1, block_size=16, num_blocks=64), config=slow, decode_id="decode-a")
+    try:
+        a.connect()
+        for c in a.consumers:
+            c._claim = lambda eng, rid: None  # the first claim never leaves
+        work = Workload(a, 3, seed=5)
+        rids = list(work.requests)
+        work.receive(rids)
+        a.run_for(0.2)
+        assert {p.claimant(r) for p in a.producers for r in rids} == {None}
+        a.run_for(CLAIM_REFRESH_S + 2.0)
+        assert {p.claimant(r) for p in a.producers for r in rids} == {"decode-a"}
+        assert all(c.stats["claims_refreshed"] for c in a.consumers)
+        work.add()
+        a.run_until(lambda: a.step() or all(a.done(r) for r in rids), 30)
+        assert all(a.results[(0, r)].ok for r in rids), a.results
+        assert not work.mismatches(rids)
+    finally:
+        a.close()

@@ -67,6 +67,12 @@ from kvbridge.transport.base import Handle, Transport, XferState
 
 log = logging.getLogger("kvbridge.connector.consumer")
 
+CLAIM_REFRESH_S = 1.0
+"""How often a received request still unannounced by a source rank is named to it again. Seen in
+a fleet continued from SIGSTOP (`kvbridge bench --serve` pauses the fleet it does not load): the
+first claims of a round did not count, and their leases waited 17-111 s for the periodic
+heartbeat (every lease/6)."""
+
 
 class RequestResult(msgspec.Struct, frozen=True):
     """How one request ended on one decode rank."""
@@ -129,6 +135,7 @@ class Consumer(RankEndpoint):
         self._finished: OrderedDict[str, RequestResult] = OrderedDict()
         self._out: list[RequestResult] = []
         self._next_heartbeat = self.clock() + self.config.heartbeat_every
+        self._next_claim_refresh = self.clock() + CLAIM_REFRESH_S
 
     # -- public API -------------------------------------------------------------------------------
     @property
@@ -310,6 +317,7 @@ class Consumer(RankEndpoint):
         for req in list(self._active.values()):
             self._advance(req)
         self._heartbeat()
+        self._refresh_claims()
         return self._drain()
 
     def wait(self, request_ids: Iterable[str], timeout: float, step: float = 0.01) -> dict[str, RequestResult]:
@@ -634,6 +642,25 @@ class Consumer(RankEndpoint):
                     chunk = tuple(rids[i:i + m.MAX_REQUESTS_PER_HEARTBEAT])
                     if client.send(m.Heartbeat(self.engine_id, self.rank, chunk)):
                         self.stats["heartbeats_sent"] += 1
+
+    def _refresh_claims(self) -> None:
+        """Name again, every `CLAIM_REFRESH_S`, each received request to the source ranks that have
+        not announced it yet: a prefill rank leases a request nobody named to it only to the engine
+        that claims it, and a lost first claim otherwise waits for the next periodic heartbeat."""
+        now = self.clock()
+        if now < self._next_claim_refresh:
+            return
+        self._next_claim_refresh = now + CLAIM_REFRESH_S
+        for eng in self._engines.values():
+            for s, client in eng.clients.items():
+                if s in eng.lost:
+                    continue
+                rids = [r.request_id for r in self._active.values() if r.engine == eng.engine_id
+                        and r.failure is None and s in r.sources and s not in r.announced and s not in r.done]
+                for i in range(0, len(rids), m.MAX_REQUESTS_PER_HEARTBEAT):
+                    chunk = tuple(rids[i:i + m.MAX_REQUESTS_PER_HEARTBEAT])
+                    if client.send(m.Heartbeat(self.engine_id, self.rank, chunk)):
+                        self.stats["claims_refreshed"] += 1
 
     def _expire_unclaimed(self) -> None:
         """Forget announcements nobody claimed within their lease (an `expect`ed one is kept:
