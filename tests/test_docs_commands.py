@@ -96,7 +96,12 @@ def test_recipe_runs_as_written(lines: list[str], tmp_path, monkeypatch):
         r = CliRunner().invoke(app, shlex.split(lines[0], comments=True)[1:])
         assert r.exit_code == 0, r.output
         return
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    # A user's shell, not this process's environment: an in-process Mooncake transport of an
+    # earlier test set Mooncake's process-wide TCP deadlines (MC_TCP_*_TIMEOUT_SEC) to its own
+    # few seconds, and the recipe's engines inherited them (CI: the two-process recipe's transfer
+    # failed under load, the recipe alone passed).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MC_TCP_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     script = "set -e\n" + "\n".join(lines) + "\nwait\n"
     r = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-6000:]}\n{_without_engine_logs(r.stderr)[-6000:]}"
