@@ -276,7 +276,12 @@ def _demo_config(config: ConnectorConfig | None, timeout: float, secret: bytes |
         return config
     # Every deadline is `timeout` (the CLI's "deadline for every wait"): with the library's 5 s
     # handshake and 60 s transfer deadlines a starved host (CI) failed the demo's one request.
+    # transport_notify=False, as the vLLM connector runs: completion goes over the side channel
+    # only, after the decode rank counted its read done. With the transport's copy, the prefill
+    # server could release on it, exit and close its side channel before the decode rank had
+    # polled its own read as done, which then failed as "side channel lost" (CI, twice).
     return ConnectorConfig(transfer_timeout=timeout, lease_seconds=timeout, handshake_timeout=timeout,
+                           transport_notify=False,
                            secret=secret.encode() if isinstance(secret, str) else secret,
                            secret_file=None if secret_file is None else str(secret_file), insecure=insecure)
 
