@@ -638,10 +638,7 @@ class Consumer(RankEndpoint):
                     continue
                 rids = [r.request_id for r in self._active.values()
                         if r.engine == eng.engine_id and r.failure is None and s not in r.done] + expected
-                for i in range(0, len(rids), m.MAX_REQUESTS_PER_HEARTBEAT):
-                    chunk = tuple(rids[i:i + m.MAX_REQUESTS_PER_HEARTBEAT])
-                    if client.send(m.Heartbeat(self.engine_id, self.rank, chunk)):
-                        self.stats["heartbeats_sent"] += 1
+                self.stats["heartbeats_sent"] += self._name_requests(client, rids)
 
     def _refresh_claims(self) -> None:
         """Name again, every `CLAIM_REFRESH_S`, each received request to the source ranks that have
@@ -657,10 +654,14 @@ class Consumer(RankEndpoint):
                     continue
                 rids = [r.request_id for r in self._active.values() if r.engine == eng.engine_id
                         and r.failure is None and s in r.sources and s not in r.announced and s not in r.done]
-                for i in range(0, len(rids), m.MAX_REQUESTS_PER_HEARTBEAT):
-                    chunk = tuple(rids[i:i + m.MAX_REQUESTS_PER_HEARTBEAT])
-                    if client.send(m.Heartbeat(self.engine_id, self.rank, chunk)):
-                        self.stats["claims_refreshed"] += 1
+                self.stats["claims_refreshed"] += self._name_requests(client, rids)
+
+    def _name_requests(self, client: SideChannelClient, rids: list[str]) -> int:
+        """Heartbeats naming `rids` to one source rank, in chunks; returns how many were sent."""
+        sent = 0
+        for i in range(0, len(rids), m.MAX_REQUESTS_PER_HEARTBEAT):
+            sent += client.send(m.Heartbeat(self.engine_id, self.rank, tuple(rids[i:i + m.MAX_REQUESTS_PER_HEARTBEAT])))
+        return sent
 
     def _expire_unclaimed(self) -> None:
         """Forget announcements nobody claimed within their lease (an `expect`ed one is kept:
