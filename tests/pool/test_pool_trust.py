@@ -154,6 +154,32 @@ def test_a_full_queue_refuses_instead_of_growing_and_errors_come_back():
         thread.close()
 
 
+def test_a_store_thread_steps_aside_alone_and_only_from_itself():
+    """The store thread lowers its own priority (the engine's other threads keep theirs), and a
+    thread it starts afterwards inherits it (Linux: the nice value is per thread)."""
+    me = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    thread = PoolThread("test-pool-store")
+
+    def step_aside(call):
+        thread.lower_priority(5)
+        seen = {}
+        child = threading.Thread(target=lambda: seen.update(
+            child=os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        child.start()
+        child.join()
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), seen["child"]
+
+    try:
+        with pytest.raises(RuntimeError, match="from the pool thread itself"):
+            thread.lower_priority(5)
+        call = thread.submit(step_aside)
+        assert call.wait(10) and call.error is None
+        assert call.result == (min(19, me + 5), min(19, me + 5))
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == me
+    finally:
+        thread.close()
+
+
 def test_pool_secret_files_follow_the_side_channel_rules(tmp_path):
     from kvbridge.core.secrets import read_secret_file
 

@@ -12,12 +12,14 @@ touches the device again, however late the store answers.
 
 Calls run one at a time, in order (the staging memory they share has one user at a time); the
 queue is bounded, and a call that does not fit is refused (`submit` returns None: a store is
-dropped, a lookup or load is a miss).
+dropped, a lookup or load is a miss). A thread whose work may wait (stores: a cache's writes)
+can step aside for the engine's forward with `lower_priority`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -76,6 +78,19 @@ class PoolThread:
         except queue.Full:
             return None
         return call
+
+    def lower_priority(self, nice: int) -> bool:
+        """From the thread itself: raise its nice value by `nice` (Linux schedules threads, so only
+        this thread, and threads it starts from now on, step aside; no privilege needed to lower
+        one's own priority). False where the platform has no per-thread priority."""
+        if threading.current_thread() is not self._thread:
+            raise RuntimeError("lower_priority is called from the pool thread itself")
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        except (AttributeError, OSError):
+            return False
+        return True
 
     def busy_for(self) -> float:
         """Seconds the running call has run (0 when idle): a stuck store shows here."""

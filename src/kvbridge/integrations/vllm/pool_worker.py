@@ -1,18 +1,26 @@
-"""The worker side of KVBridgePoolConnector: one engine rank's loads and stores, on a thread, with deadlines.
+"""The worker side of KVBridgePoolConnector: one engine rank's loads and stores, on threads, with deadlines.
 
-Why a thread: a store or load is several Mooncake RPCs, and a master that is stopped blocks them
-for as long as it is stopped. Every job runs on this rank's `PoolThread` and touches device
-memory only through its call's gate (`pool.background`), so the step that waits for a load waits
+Why threads: a store or load is several Mooncake RPCs, and a master that is stopped blocks them
+for as long as it is stopped. Every job runs on one of this rank's two `PoolThread`s, and
+touches device memory only through its call's gate (`pool.background`), so the step that waits for a load waits
 at most `load_timeout_ms` (then the load's blocks are reported failed and recomputed, and the
 late answer never reaches them), and a store holds its blocks at most `store_timeout_ms`. The
 store client and tier are built on the thread at first use (a dead master costs the thread,
 never the engine, its connection attempt) and kept: Mooncake's client finds a restarted master
 by itself, and a new one would hold the GIL while a stopped master does not answer. No pool error leaves this
 module: a load that cannot complete is failed blocks for vLLM, a store that cannot is dropped.
+
+Why two threads: a load is on a request's path (the step, or the request, waits for it), a store
+on nobody's. Loads have their own thread and staging, so a load never queues behind the stores
+of requests that finished before it; the store thread runs at a lower priority (`STORE_NICE`),
+so that on a host whose cores the forward keeps busy its copies and seals take the gaps between
+forwards instead of a core from the forward's threads (a store that falls behind is dropped at
+`store_timeout_ms`, a later writer stores it).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -35,6 +43,9 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.{__name__}")
 MAX_FINISHED_IDS = 1 << 16
+STORE_NICE = 10
+"""How far the store thread steps aside (nice +10: about a tenth of a forward thread's share of a
+contended core; an idle core it takes whole)."""
 TIER_COUNTS = ("objects_put", "objects_got", "bytes_put", "bytes_got", "seal_failures", "missing", "removed")
 
 
@@ -46,12 +57,14 @@ class PoolWorker:
         s = conn.settings
         self.load_timeout, self.store_timeout = s.load_timeout_ms / 1000, s.store_timeout_ms / 1000
         self._caches: dict[str, torch.Tensor] = {}
-        self._tier: PoolTier | None = None  # thread-only
-        self._client: StoreClient | None = None  # thread-only
-        self._thread = PoolThread(f"kvbridge-pool-rank{rank}", max_queue=1024)
+        self._tiers: dict[str, PoolTier] = {}  # "load" and "store", each used by its own thread only
+        self._client: StoreClient | None = None  # one per rank, shared by both threads
+        self._client_lock = threading.Lock()
+        self._load_thread = PoolThread(f"kvbridge-pool-load{rank}", max_queue=1024)
+        self._store_thread = PoolThread(f"kvbridge-pool-store{rank}", max_queue=1024)
         self.tally = StatsTally()
         self.breaker = Breaker(1.0, s.max_backoff_s, on_change=announce(logger, s.master, f"rank {rank}", self.tally))
-        self._prober = Prober(self._thread, self.breaker, self._probe_store, self.load_timeout)
+        self._prober = Prober(self._load_thread, self.breaker, self._probe_store, self.load_timeout)
         self._stores: dict[str, Call] = {}  # in flight
         self._loads: dict[str, tuple[Call, PoolJob]] = {}  # asynchronous loads in flight
         self._stored: set[str] = set()  # stores done, dropped or given up: their blocks may go
@@ -71,34 +84,37 @@ class PoolWorker:
         self._names, self._spec, self._layout = names, spec, layout
 
     # -- on the pool thread ---------------------------------------------------------------------------
-    def _ensure_tier(self) -> PoolTier:
+    def _ensure_tier(self, kind: str) -> PoolTier:
         # Built at first use: another connector (MultiConnector) may re-point the cache tensors at
         # registration; the tensors themselves are what vLLM computes into.
-        if self._tier is None:
-            cache = RankCache(self._spec, self._layout, self.rank, [self._caches[n] for n in self._names])
-            client = StoreClient(self.conn.settings.store_config(lend=self.conn.settings.segment_mib > 0))
-            try:
-                # Serial copies: numba's parallel (OpenMP) runtime in a vLLM CPU worker changed the
-                # thread count its attention kernels check ("thread_num 1 vs. 2") and killed the engine.
-                self._tier = PoolTier(cache, client, self.conn.config, parallel=False, staging=vllm_staging)
-            except BaseException:
-                client.close()
-                raise
-            self._client = client
+        tier = self._tiers.get(kind)
+        if tier is not None:
+            return tier
+        with self._client_lock:  # the client (and the threads Mooncake starts) at normal priority
+            if self._client is None:
+                self._client = StoreClient(self.conn.settings.store_config(lend=self.conn.settings.segment_mib > 0))
+            client = self._client
+        cache = RankCache(self._spec, self._layout, self.rank, [self._caches[n] for n in self._names])
+        # Serial copies: numba's parallel (OpenMP) runtime in a vLLM CPU worker changed the
+        # thread count its attention kernels check ("thread_num 1 vs. 2") and killed the engine.
+        tier = self._tiers[kind] = PoolTier(cache, client, self.conn.config, parallel=False, staging=vllm_staging)
+        if kind == "store":
+            self._store_thread.lower_priority(STORE_NICE)
+        else:
             logger.info("KVBridgePoolConnector rank %d: %s; pool at %s, %d-token blocks, writes %d and reads %d "
                         "objects per block", self.rank, self._layout.describe(), self.conn.settings.master,
-                        self.conn.config.block_tokens, len(self._tier.writes[0]), len(self._tier.reads[0]))
-        return self._tier
+                        self.conn.config.block_tokens, len(tier.writes[0]), len(tier.reads[0]))
+        return tier
 
-    def _drop_tier(self) -> None:
-        tier, client, self._tier, self._client = self._tier, self._client, None, None
-        if tier is not None:
+    def _drop_tiers(self) -> None:
+        tiers, client, self._tiers, self._client = list(self._tiers.values()), self._client, {}, None
+        for tier in tiers:
             tier.close()
         if client is not None:
             client.close()
 
     def _job(self, call: Call, kind: str, job: PoolJob) -> TierResult:
-        tier = self._ensure_tier()
+        tier = self._ensure_tier(kind)
         before, counts = tier.client.unreachable, dict(tier.stats)
         if kind == "store":
             res = tier.store(job.gpu(), job.keys, call.device_access, skip_present=True)
@@ -110,7 +126,7 @@ class PoolWorker:
         return res
 
     def _probe_store(self, call: Call) -> None:
-        if not self._ensure_tier().client.answers():
+        if not self._ensure_tier("load").client.answers():
             raise PoolUnavailable(f"Mooncake Store at {self.conn.settings.master} did not answer")
 
     # -- on the engine's step ---------------------------------------------------------------------------
@@ -120,7 +136,7 @@ class PoolWorker:
             return
         try:
             for job in meta.stores:
-                call = self._thread.submit(self._job, "store", job) if self.breaker.is_closed and self._caches else None
+                call = self._store_thread.submit(self._job, "store", job) if self.breaker.is_closed and self._caches else None
                 if call is None:  # the pool is away or the thread is behind: a cache drops, it never waits
                     self.tally.add(stores_dropped=1)
                     self._stored.add(job.request_id)
@@ -130,7 +146,7 @@ class PoolWorker:
                 if not job.keys:  # the scheduler could not plan it (said in its log): recompute
                     self._fail_load(job, "not planned")
                     continue
-                call = self._thread.submit(self._job, "load", job) if self.breaker.is_closed and self._caches else None
+                call = self._load_thread.submit(self._job, "load", job) if self.breaker.is_closed and self._caches else None
                 if call is None:
                     self._fail_load(job, "the pool is unavailable")
                 elif self.conn.settings.load_async:
@@ -229,9 +245,10 @@ class PoolWorker:
             call.abandon()
         for call, _ in self._loads.values():
             call.abandon()
-        self._thread.close(timeout=10.0)
-        if self._thread.current is None:
-            self._drop_tier()
+        for thread in (self._store_thread, self._load_thread):
+            thread.close(timeout=10.0)
+        if self._store_thread.current is None and self._load_thread.current is None:
+            self._drop_tiers()
 
 
 __all__ = ["PoolWorker"]
