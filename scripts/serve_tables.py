@@ -254,17 +254,27 @@ def pool(report: dict[str, Any]) -> list[str]:
            f"{t['store_gb_s']:.2f} GB/s ({t['store_vs_copy']:.3f} of a copy), load {t['load_gb_s']:.2f} GB/s "
            f"({t['load_vs_copy']:.3f} of a copy), copy {t['copy_gb_s']:.1f} GB/s.", "",
            f"Serving (`{sv['model']}`; `vllm bench serve {' '.join(sv['workload'])}`, {sv['prompts']} prompts, "
-           f"{sv['concurrency']} in flight, sent to A (TP 1, block 64), then to B (TP 2, block 32)):", "",
-           "| setup | A's TTFT p50 ms | B's TTFT p50 ms | B's TTFT p99 ms | B's out tok/s | failed | "
-           "B's hits: local / external |", "|---|---|---|---|---|---|---|"]
+           f"{sv['concurrency']} in flight, sent to A (TP 1, block 64), then to B (TP 2, block 32)"
+           + (f"; each instance warmed up with {sv['warmup']} prompts of its own, A's figures the medians of "
+              f"{sv['rounds']} rounds of new prompts, B given A's first round" if sv.get("rounds") else "") + "):", "",
+           "| setup | A's TTFT p50 ms | A's ITL p50 ms | A's out tok/s | A against prefix cache only: TTFT p50 / "
+           "ITL p50 / tok/s | B's TTFT p50 ms | B's TTFT p99 ms | B's out tok/s | failed | "
+           "B's hits: local / external |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sv["rows"]:
         if "error" in r:
-            out.append(f"| {r['setup']} | {r['error']} |" + " |" * 5)
+            out.append(f"| {r['setup']} | {r['error']} |" + " |" * 8)
             continue
         a, b, h = r["a"], r["b"], r["b_hit_rate"]
         hits = " / ".join("-" if h[k] is None else f"{h[k]:.0%}" for k in ("local", "external"))
-        out.append(f"| {r['setup']} | {_num(a['median_ttft_ms'])} | {_num(b['median_ttft_ms'])} | "
+        vs = r.get("a_vs_prefix_cache_only")
+        against = " / ".join(f"{vs[k]:.2f}x" for k in ("median_ttft_ms", "median_itl_ms", "output_throughput")
+                             if k in vs) if vs and r["setup"] != "prefix cache only" else "-"
+        out.append(f"| {r['setup']} | {_num(a['median_ttft_ms'])} | {_num(a.get('median_itl_ms'))} | "
+                   f"{_num(a.get('output_throughput'))} | {against} | {_num(b['median_ttft_ms'])} | "
                    f"{_num(b['p99_ttft_ms'])} | {_num(b['output_throughput'])} | {a['failed'] + b['failed']} | {hits} |")
+    if any(r.get("a_vs_prefix_cache_only") for r in sv["rows"]):
+        out += ["", "A against prefix cache only: A's figure with the setup over A's figure without the pool "
+                "(TTFT and ITL: above 1 is slower; tok/s: above 1 is fewer tokens per second)."]
     return out
 
 

@@ -102,22 +102,43 @@ def _hits(url: str) -> dict[str, float]:
 
 
 def _bench(vllm: str, url: str, model: Path, prompts: int, concurrency: int, out: Path, name: str,
-           workload: list[str]) -> dict[str, Any]:
+           workload: list[str], seed: int = 7) -> dict[str, Any]:
     cmd = [vllm, "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", "model", "--tokenizer",
            str(model), *workload, "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
-           "--seed", "7", "--ignore-eos", "--save-result", "--result-dir", str(out), "--result-filename", name,
-           "--percentile-metrics", "ttft", "--metric-percentiles", "50,99"]
+           "--seed", str(seed), "--ignore-eos", "--save-result", "--result-dir", str(out), "--result-filename", name,
+           "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if res.returncode:
         return {"error": (res.stdout + res.stderr)[-600:]}
     data = json.loads((out / name).read_text())
-    return {k: data.get(k) for k in ("median_ttft_ms", "p99_ttft_ms", "output_throughput", "completed", "failed")}
+    return {k: data.get(k) for k in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
+                                     "output_throughput", "completed", "failed")}
+
+
+A_FIGURES = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput")
+
+
+def _rounds(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """A's rounds as one row: each figure's median over the rounds, completed and failed summed."""
+    if any("error" in r for r in results):
+        return next(r for r in results if "error" in r)
+    row: dict[str, Any] = {k: statistics.median(r[k] for r in results) for k in A_FIGURES}
+    row.update(completed=sum(r["completed"] for r in results), failed=sum(r["failed"] for r in results),
+               rounds=results)
+    return row
 
 
 def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: int = 4,
                      python: str | None = None, work: Path | None = None, num_prefixes: int = 4,
-                     layers: int = 6, heads: int = 8, setups: tuple[str, ...] = SETUPS) -> dict[str, Any]:
-    """The setups in turn (see the module doc); returns B's figures per setup.
+                     layers: int = 6, heads: int = 8, setups: tuple[str, ...] = SETUPS, rounds: int = 3,
+                     warmup: int = 8) -> dict[str, Any]:
+    """The setups in turn (see the module doc); returns A's and B's figures per setup.
+
+    Each instance first serves `warmup` prompts of its own, unmeasured (a fresh instance's first
+    steps compile, seconds on a CPU host, and would land in whichever figure came first). A then
+    serves `rounds` rounds of new prompts (another seed each); its figures are the medians over
+    them, and `a_vs_prefix_cache_only` compares them with the setup without the pool: what the
+    pool's stores and lookups cost the instance that stores. B then gets A's first round.
 
     `num_prefixes == prompts` makes every prompt the first of its prefix: on B each one is a
     local miss, so the pool's effect is not averaged with local hits."""
@@ -171,10 +192,15 @@ def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: 
                 rows.append(row)
                 continue
             a, b = members
-            row["a"] = _bench(vllm, a.url, Path(model), prompts, concurrency, log_dir, "a.json", workload)
+            for m, seed in ((a, 1000), (b, 1001)):
+                if warmup:  # prompts of their own: B's warm-up shares no prefix with A's rounds
+                    _bench(vllm, m.url, Path(model), warmup, concurrency, log_dir, f"warmup-{m.name}.json",
+                           workload, seed=seed)
+            row["a"] = _rounds([_bench(vllm, a.url, Path(model), prompts, concurrency, log_dir, f"a-{i}.json",
+                                       workload, seed=7 + i) for i in range(rounds)])
             time.sleep(3)  # A stores each finished request at its next step
             before = _hits(b.url)
-            row["b"] = _bench(vllm, b.url, Path(model), prompts, concurrency, log_dir, "b.json", workload)
+            row["b"] = _bench(vllm, b.url, Path(model), prompts, concurrency, log_dir, "b.json", workload, seed=7)
             after = _hits(b.url)
             q = after["prefix_cache_queries"] - before["prefix_cache_queries"]
             local = after["prefix_cache_hits"] - before["prefix_cache_hits"]
@@ -190,8 +216,12 @@ def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: 
     for r in rows:
         if base and "b" in r and "error" not in r["b"] and r["b"].get("median_ttft_ms"):
             r["b_ttft_vs_prefix_cache_only"] = base["b"]["median_ttft_ms"] / r["b"]["median_ttft_ms"]
+        if base and "a" in r and "error" not in r["a"] and "error" not in base["a"]:
+            # > 1: the storing instance is slower than without the pool (time figures), or slower in tokens/s
+            r["a_vs_prefix_cache_only"] = {k: (base["a"][k] / r["a"][k] if k == "output_throughput"
+                                               else r["a"][k] / base["a"][k]) for k in A_FIGURES if base["a"][k]}
     return {"model": Path(model).name, "prompts": prompts, "concurrency": concurrency, "workload": workload,
-            "rows": rows, "work": str(work)}
+            "rounds": rounds, "warmup": warmup, "rows": rows, "work": str(work)}
 
 
 __all__ = ["bench_pool_serve", "bench_pool_transfer"]
