@@ -57,7 +57,6 @@ selective scan in the CPU build); their state pages are checked against vLLM's s
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -72,6 +71,7 @@ from vllm.logger import init_logger
 from kvbridge.connector.once import OnceEach
 from kvbridge.errors import ConfigError, IncompatibleEngines
 from kvbridge.integrations.vllm.cache_handles import share_tensors
+from kvbridge.integrations.vllm.idle_wake import IdleWait
 from kvbridge.integrations.vllm.registration import check_cpu_kv_layout, group_order, spec_and_layout
 from kvbridge.integrations.vllm.sidecar import (Abandon, Expect, Fatal, Init, Received, Recv, Released, Send, Settings,
                                                 SidecarClient)
@@ -90,7 +90,6 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")  # vLLM configures the "vllm" logger tree only
 
 BlockIds = tuple[tuple[int, ...], ...]
-IDLE_STEP_SLEEP_S = float(os.environ.get("KVBRIDGE_VLLM_IDLE_SLEEP_S", "0.002"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -159,6 +158,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError("KVBridgeConnector in vLLM moves K/V attention caches; MLA is not supported yet")
         self.profile = StepProfile()  # KVBRIDGE_STEP_PROFILE=DIR: time the calls on a step's path (issue 31)
         self._scheduler = _Scheduler(self) if role == KVConnectorRole.SCHEDULER else None
+        self._idle = IdleWait(self.engine_id) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _Worker(self) if role == KVConnectorRole.WORKER else None
 
     # -- scheduler side -----------------------------------------------------------------------
@@ -173,9 +173,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         with self.profile.span("schedule") as span:
             if not tokens:
                 # An idle step: the engine loops only because a transfer is pending (a request waits
-                # for its KV, or finished blocks wait for their release). Pace it, so that the loop
-                # does not take the CPU that the transfer and the peer engine need (2-core hosts).
-                time.sleep(IDLE_STEP_SLEEP_S)
+                # for its KV, or finished blocks wait for their release). Pause it until a sidecar
+                # reports a transfer's end, so that the loop does not take the CPU that the transfer
+                # and the peer engine need (`idle_wake` says what a fixed 2 ms pace cost).
+                self._idle.wait()
             meta = self._scheduler.build_connector_meta()
             span.note(tokens, len(scheduler_output.num_scheduled_tokens), len(meta.recv), len(meta.send))
         return meta
@@ -227,6 +228,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self):
         if self._worker is not None:
             self._worker.close()
+        if self._idle is not None:
+            self._idle.close()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -137,9 +137,11 @@ class Sidecar:
         from kvbridge.connector.transports import make_transport
         from kvbridge.integrations.vllm.layout import VllmTopology, as_vllm_cpu, vllm_cpu_spec
         from kvbridge.integrations.vllm.cache_handles import open_regions
+        from kvbridge.integrations.vllm.idle_wake import IdleWaker
         from kvbridge.transport.cache import RankCache
 
-        self.init, self.emit, s = init, emit, init.settings
+        self.init, self._emit, s = init, emit, init.settings
+        self._waker = IdleWaker(init.engine_id)  # ends the engine's idle pause when a transfer ends
         self.settings = s
         layout = as_vllm_cpu(init.layout)
         spec = vllm_cpu_spec(init.spec)  # the wire carries plain LayerSpecs
@@ -238,7 +240,14 @@ class Sidecar:
         return bool((self.consumer is not None and (self.consumer.active or self._pending))
                     or (self.producer is not None and self.settings.mode == "push" and self.producer.active))
 
+    def emit(self, event: Any) -> None:
+        """Hand the worker an event, and wake its engine's scheduler from an idle pause (`idle_wake`):
+        the step that reads the event runs now, not when the pause ends."""
+        self._emit(event)
+        self._waker.poke()
+
     def close(self) -> None:
+        self._waker.close()
         for side in (self.consumer, self.producer):
             if side is not None:
                 try:
