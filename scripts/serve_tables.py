@@ -111,7 +111,7 @@ def rotation(report: dict[str, Any]) -> list[str]:
     return out[:-1] if out else ["(this run of `make serve-check` measured no rotation)"]
 
 
-BENCH_KEYS = ("median_ttft_ms", "p99_ttft_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms",
+BENCH_KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms",
               "output_throughput")
 
 
@@ -162,8 +162,8 @@ def bench_tables(report: dict[str, Any]) -> list[str]:
                 f"in flight, {bench['rounds']} rounds, measured {bench['date']} ({bench.get('cores')} cores)"
                 + (f"; fleets healthy after {bench['startup_seconds']:.0f} s, then an unmeasured warm-up ("
                    + ", ".join(f"{c} {s:.0f} s" for c, s in warm.items()) + ")" if warm else "") + ".", "",
-                "| dataset | connector | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p90 ms | ITL p99 ms "
-                "| ITL max ms | out tok/s | completed | failed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| dataset | connector | TTFT mean ms | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p90 ms "
+                "| ITL p99 ms | ITL max ms | out tok/s | completed | failed |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         steps = ["", "The decode instance's steps (vLLM's iteration log, all rounds; count per bucket of step time):",
                  ""]
         buckets: list[str] | None = None
@@ -174,7 +174,7 @@ def bench_tables(report: dict[str, Any]) -> list[str]:
                 if v is None:
                     continue
                 if "refused" in v:
-                    out.append(f"| {ds} | {label} | refused: {v['refused']} |" + " |" * 8)
+                    out.append(f"| {ds} | {label} | refused: {v['refused']} |" + " |" * 9)
                     ds = ""
                     continue
                 out.append(f"| {ds} | {label} | " + " | ".join(_num(v.get(k)) for k in BENCH_KEYS)

@@ -45,9 +45,9 @@ DATASETS = {
                           "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
                           "--prefix-repetition-output-len", "16"],
 }
-ROUND_FIGURES = ("median_ttft_ms", "p99_ttft_ms", "output_throughput")
+ROUND_FIGURES = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "output_throughput")
 ITL_FIGURES = ("itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms")
-TIME_FIGURES = ("median_ttft_ms", "p99_ttft_ms", *ITL_FIGURES)
+TIME_FIGURES = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", *ITL_FIGURES)
 STEP_EDGES_MS = (10, 20, 40, 80, 160, 320, 640, 1280)
 """Upper edges of the step-time histogram's buckets; the last bucket is everything above."""
 _ITERATION = re.compile(r"Iteration\(\d+\): .*?iteration elapsed time: ([0-9.]+) ms")
@@ -186,8 +186,8 @@ def _bench_once(fleet: Fleet, model: Path, dataset: str, prompts: int, concurren
 def step_path_profile(directory: Path, windows: list[tuple[float, float]]) -> dict[str, Any]:
     """What kvbridge's connector did on the decode instance's step path during `windows` (the
     measured rounds of one dataset), from its `KVBRIDGE_STEP_PROFILE` files: per timed call kind
-    (scheduler `schedule` on steps with tokens, `schedule_idle` on the idle steps it paces with a
-    short sleep; each worker's `start_load_kv` and `get_finished`), the count and the
+    (scheduler `schedule` on steps with tokens, `schedule_idle` on the idle steps it pauses until a
+    transfer ends (`idle_wake`); each worker's `start_load_kv` and `get_finished`), the count and the
     p50/p99/max/total milliseconds; for the sidecars, the rounds that used CPU and their CPU
     milliseconds (their work runs beside the step, not on it)."""
     from kvbridge.integrations.vllm.step_profile import read_profiles

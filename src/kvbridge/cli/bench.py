@@ -255,9 +255,9 @@ def serve_table(out: dict[str, Any]) -> None:
     the decode instance's step-time histogram and what else the host ran."""
     table = Table(title=f"vllm bench serve through vllm-router: prefill {out['prefill']} -> decode {out['decode']}, "
                   f"{out['prompts']} prompts, {out['concurrency']} in flight, {out['rounds']} rounds")
-    keys = ("median_ttft_ms", "p99_ttft_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms",
+    keys = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms",
             "output_throughput")
-    for col in ("dataset", "connector", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms",
+    for col in ("dataset", "connector", "TTFT mean ms", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms",
                 "ITL max ms", "out tok/s", "completed", "failed"):
         table.add_column(col)
     steps = Table(title="decode instance: steps by time (vLLM's iteration log), all rounds")
@@ -268,7 +268,7 @@ def serve_table(out: dict[str, Any]) -> None:
             if v is None:
                 continue
             if "refused" in v:
-                table.add_row(row["dataset"], "nixl", "refused: " + str(v["refused"]), *[""] * 8)
+                table.add_row(row["dataset"], "nixl", "refused: " + str(v["refused"]), *[""] * 9)
                 continue
             cells = [f"{v[k]:.2f}" if isinstance(v.get(k), (int, float)) else "-" for k in keys]
             tail = ["", ""] if c == "ratios" else [str(v.get("completed")), str(v.get("failed"))]
