@@ -163,7 +163,7 @@ def bench_tables(report: dict[str, Any]) -> list[str]:
                 + (f"; fleets healthy after {bench['startup_seconds']:.0f} s, then an unmeasured warm-up ("
                    + ", ".join(f"{c} {s:.0f} s" for c, s in warm.items()) + ")" if warm else "") + ".", "",
                 "| dataset | connector | TTFT mean ms | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p90 ms "
-                "| ITL p99 ms | ITL max ms | out tok/s | completed | failed |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| ITL p99 ms | ITL max ms | out tok/s | completed | failed |", "|" + "---|" * 12]
         steps = ["", "The decode instance's steps (vLLM's iteration log, all rounds; count per bucket of step time):",
                  ""]
         buckets: list[str] | None = None

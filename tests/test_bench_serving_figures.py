@@ -32,13 +32,13 @@ def test_percentile_is_numpys_linear_one() -> None:
 def test_rounds_pool_their_gaps_and_a_failed_round_counts() -> None:
     host = {"seconds": 1.0, "load_avg_1m": [1.0, 1.0], "host_cpu_s": 2.0, "benchmark_cpu_s": 1.5,
             "others_cpu_s": 0.5, "cores": 2}
-    rounds = [{"mean_ttft_ms": 1.5 * t, "median_ttft_ms": t, "p99_ttft_ms": 2 * t, "output_throughput": 10.0, "completed": 32, "failed": 0,
-               "itls_ms": [10.0] * 99 + [tail], "steps_ms": [20.0, tail], "host": host}
+    rounds = [{"mean_ttft_ms": 1.5 * t, "median_ttft_ms": t, "p99_ttft_ms": 2 * t, "output_throughput": 10.0,
+               "completed": 32, "failed": 0, "itls_ms": [10.0] * 99 + [tail], "steps_ms": [20.0, tail], "host": host}
               for t, tail in ((100.0, 500.0), (300.0, 50.0))]
     rounds.append({"error": "vllm bench serve died", "steps_ms": [], "host": host})
     # vLLM's bench reports a round where every request failed with zero times: no figure of it counts
-    rounds.append({"mean_ttft_ms": 0.0, "median_ttft_ms": 0.0, "p99_ttft_ms": 0.0, "output_throughput": 0.0, "completed": 0,
-                   "failed": 32, "itls_ms": [], "steps_ms": [], "host": host})
+    rounds.append({"mean_ttft_ms": 0.0, "median_ttft_ms": 0.0, "p99_ttft_ms": 0.0, "output_throughput": 0.0,
+                   "completed": 0, "failed": 32, "itls_ms": [], "steps_ms": [], "host": host})
     row = summarize(rounds)
     assert row["median_ttft_ms"] == 200.0 and row["mean_ttft_ms"] == 300.0 and row["itl_samples"] == 200
     assert row["itl_max_ms"] == 500.0 and row["itl_p50_ms"] == 10.0

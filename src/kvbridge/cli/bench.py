@@ -257,8 +257,8 @@ def serve_table(out: dict[str, Any]) -> None:
                   f"{out['prompts']} prompts, {out['concurrency']} in flight, {out['rounds']} rounds")
     keys = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms",
             "output_throughput")
-    for col in ("dataset", "connector", "TTFT mean ms", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms",
-                "ITL max ms", "out tok/s", "completed", "failed"):
+    for col in ("dataset", "connector", "TTFT mean ms", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p90 ms",
+                "ITL p99 ms", "ITL max ms", "out tok/s", "completed", "failed"):
         table.add_column(col)
     steps = Table(title="decode instance: steps by time (vLLM's iteration log), all rounds")
     buckets = None

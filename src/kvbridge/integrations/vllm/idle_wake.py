@@ -76,9 +76,7 @@ class IdleWait:
         for _ in range(_MAX_DRAIN):  # bounded: a flood costs one pass, never a spin
             try:
                 self._sock.recv(1)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
+            except OSError:  # empty (BlockingIOError) or closed: nothing more to read now
                 break
             got = True
         return got

@@ -5,7 +5,7 @@ for as long as it is stopped. Every job runs on one of this rank's two `PoolThre
 touches device memory only through its call's gate (`pool.background`), so the step that waits for a load waits
 at most `load_timeout_ms` (then the load's blocks are reported failed and recomputed, and the
 late answer never reaches them), and a store holds its blocks at most `store_timeout_ms`. The
-store client and tier are built on the thread at first use (a dead master costs the thread,
+store client and each thread's tier are built on the threads at first use (a dead master costs the thread,
 never the engine, its connection attempt) and kept: Mooncake's client finds a restarted master
 by itself, and a new one would hold the GIL while a stopped master does not answer. No pool error leaves this
 module: a load that cannot complete is failed blocks for vLLM, a store that cannot is dropped.
@@ -136,7 +136,7 @@ class PoolWorker:
             return
         try:
             for job in meta.stores:
-                call = self._store_thread.submit(self._job, "store", job) if self.breaker.is_closed and self._caches else None
+                call = self._submit("store", job)
                 if call is None:  # the pool is away or the thread is behind: a cache drops, it never waits
                     self.tally.add(stores_dropped=1)
                     self._stored.add(job.request_id)
@@ -146,7 +146,7 @@ class PoolWorker:
                 if not job.keys:  # the scheduler could not plan it (said in its log): recompute
                     self._fail_load(job, "not planned")
                     continue
-                call = self._load_thread.submit(self._job, "load", job) if self.breaker.is_closed and self._caches else None
+                call = self._submit("load", job)
                 if call is None:
                     self._fail_load(job, "the pool is unavailable")
                 elif self.conn.settings.load_async:
@@ -159,6 +159,13 @@ class PoolWorker:
             logger.warning("KVBridgePoolConnector rank %d: %s; recomputing this step's loads", self.rank, one_line(e))
             for job in meta.loads:
                 self._fail_load(job, one_line(e))
+
+    def _submit(self, kind: str, job: PoolJob) -> Call | None:
+        """Queue `job` on its kind's thread; None while the pool is away, before registration, or
+        when that thread is behind."""
+        if not (self.breaker.is_closed and self._caches):
+            return None
+        return (self._store_thread if kind == "store" else self._load_thread).submit(self._job, kind, job)
 
     def _give_up_load(self, call: Call, job: PoolJob) -> None:
         call.abandon()  # from here on the late answer never reaches the blocks
