@@ -28,6 +28,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,6 +223,48 @@ def test_tenants_never_share_a_prefix_and_each_hits_its_own(pool):
 def test_lora_adapters_never_share_kv_with_each_other_or_the_base_model(pool):
     reference, (other, base) = _shared_prefix_loads(pool, seed=30, who={"model": "a"}, others=({"model": "b"}, {}))
     assert other.token_ids != reference.token_ids and base.token_ids != reference.token_ids  # the adapters matter
+
+
+def _tokenize(url: str, text: str) -> list[int]:
+    req = urllib.request.Request(url + "/tokenize", data=json.dumps({"model": "model", "prompt": text}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["tokens"]
+
+
+def test_a_long_decode_is_stored_as_its_blocks_fill_and_continued_elsewhere(pool):
+    """X stores a request's pool blocks while it decodes (not only when it finishes): the store
+    holds more of its blocks than its prompt fills before the reply ends. Y, of another shape,
+    then continues from prompt + reply, loading those blocks, and answers as X does. An attempt
+    during which X's breaker opened (a starved host timed out a store: stores are dropped then,
+    by design) is retried with a fresh prompt; any other attempt counts."""
+    breaker = lambda: metric_total(pool.x.url, "vllm:kvbridge_pool_breaker_opened_total")  # noqa: E731
+    for attempt in range(3):
+        text = prompt_text(60 + attempt, 70)  # one full pool block of prompt; the reply fills the rest
+        before, opened = pool.keys(), breaker()
+        reply: dict[str, Answer] = {}
+        worker = threading.Thread(target=lambda: reply.update(a=request(pool.x.url, text, 900, timeout=600)))
+        worker.start()
+        seen = before
+        while worker.is_alive():
+            seen = max(seen, pool.keys())
+            if seen >= before + 4 * OBJECTS_PER_BLOCK:
+                break
+            time.sleep(0.05)
+        worker.join()
+        answer = _ok(reply["a"])
+        if seen >= before + 4 * OBJECTS_PER_BLOCK or breaker() == opened:
+            break
+    assert seen >= before + 4 * OBJECTS_PER_BLOCK, (
+        f"while X decoded 900 tokens the store went from {before:.0f} to only {seen:.0f} objects: its blocks were not "
+        f"stored as they filled ({_pool_figures(pool.x)})")
+    prompt = _tokenize(pool.x.url, text) + answer.token_ids[:500]  # eight full pool blocks and more
+    pool.wait_keys(before + 8 * OBJECTS_PER_BLOCK, timeout=60)
+    reference = _ok(request(pool.x.url, prompt, 8))
+    hits = metric_total(pool.y.url, HITS)
+    got = _ok(request(pool.y.url, prompt, 8))
+    assert got.token_ids == reference.token_ids
+    assert metric_total(pool.y.url, HITS) - hits >= 8 * 64, f"Y loaded too little of X's decode ({_pool_figures(pool.y)})"
 
 
 def _load(pool: Pool, seconds: float, seed: int) -> list[tuple[float, Answer]]:

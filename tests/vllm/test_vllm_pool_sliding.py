@@ -7,12 +7,16 @@ finishes, stores per group the 64-token pool blocks still on its device: all fou
 group, and of the sliding group only those its window still holds (the others are vLLM's null
 block by then). Y then asks for the same prompt: its lookup needs the full group's whole prefix
 and the sliding group's last window before the hit point, loads 256 tokens of both groups into
-its own shape, and answers as X, which computed the prompt itself, did.
+its own shape, and answers as X, which computed the prompt itself, did. A second test has X
+decode 500 tokens: the sliding group's blocks are stored while its window holds them, and Y
+continues from the middle of the reply.
 """
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 
 import pytest
 
@@ -89,3 +93,32 @@ def test_sliding_and_full_groups_are_shared_across_shapes(fleet):
     hits = metric_total(y.url, HITS)
     assert request(y.url, fresh, 8).token_ids == request(x.url, fresh, 8).token_ids
     assert metric_total(y.url, HITS) == hits
+
+
+def _tokenize(url: str, text: str) -> list[int]:
+    req = urllib.request.Request(url + "/tokenize", data=json.dumps({"model": "model", "prompt": text}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["tokens"]
+
+
+def test_a_long_decode_stores_the_window_while_it_holds_each_block(fleet):
+    """X decodes 500 tokens after a 70-token prompt. At its end its window holds only the last
+    block, so a block from the middle of the reply can be in the pool only if X stored it while
+    the window still held it, during the decode. Y continues from the prompt and the reply's
+    first 300 tokens: both groups supply the first five pool blocks (the sliding group its block
+    4, tokens 256-319), Y loads them into its own shape and answers as X does."""
+    _, x, y = fleet
+    text = prompt_text(43, 70)
+    answer = request(x.url, text, 500, timeout=600)
+    assert answer.ok, answer.error
+    prompt = _tokenize(x.url, text) + answer.token_ids[:300]
+    time.sleep(3)  # X's last stores
+    reference = request(x.url, prompt, 8)
+    assert reference.ok, reference.error
+    hits = metric_total(y.url, HITS)
+    got = request(y.url, prompt, 8)
+    assert got.ok, got.error
+    assert metric_total(y.url, HITS) - hits >= 5 * 64, "Y did not load the five blocks X stored while decoding"
+    assert got.token_ids == reference.token_ids
+    assert metric_total(y.url, "vllm:kvbridge_pool_seal_failures_total") == 0

@@ -154,6 +154,10 @@ class PoolJob:
     block_ids: list[int]
     group_sizes: tuple[int, ...]
     block_indices: tuple[int, ...]
+    running: bool = False
+    """A store of a request that runs on: vLLM does not hold its blocks for the store, so it is
+    dropped if a step hands one of them out before it has read them (the request's final store
+    puts what is missing)."""
 
     def gpu(self) -> GPULoadStoreSpec:
         return GPULoadStoreSpec(self.block_ids, self.group_sizes, self.block_indices)
@@ -161,8 +165,17 @@ class PoolJob:
 
 @dataclass
 class PoolMetadata(KVConnectorMetadata):
+    """One step's jobs, and the device blocks the step hands out to be written (past each new
+    request's local prefix-cache hit, and every new block of a running one): a running request's
+    store still reading one of them is dropped before the forward writes it (its request was
+    preempted, or a window slid past it)."""
+
     loads: list[PoolJob] = field(default_factory=list)
     stores: list[PoolJob] = field(default_factory=list)
+    allocated: list[int] = field(default_factory=list)
+    drop_running: bool = False
+    """The scheduler could not tell the blocks handed out (and stores while requests run are off):
+    every running request's store still in flight is dropped."""
 
 
 def announce(logger: logging.Logger, master: str, side: str, tally: Any = None) -> Callable[[str, str], None]:

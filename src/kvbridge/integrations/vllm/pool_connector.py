@@ -28,7 +28,12 @@ It follows vLLM's scheduler hooks as its OffloadingConnector does, with the shar
   recompute`; vLLM's default `fail` fails the request);
 * store after compute: when a request finishes, its full pool blocks are stored by every rank
   (the objects each writes that the store lacks), its blocks held until the rank has copied
-  them out (`request_finished` -> True, released by `finished_sending`).
+  them out (`request_finished` -> True, released by `finished_sending`). A request that decodes
+  a pool block's worth of tokens or more is also stored as its blocks fill, each step queueing
+  the blocks earlier steps filled. Its blocks are not held for those stores: each step names
+  the blocks it hands out to be written, and before the forward (`handle_preemptions`) a rank
+  drops a running request's store still reading one (the request was preempted, or its window
+  slid past the block); the final store puts what is missing.
 
 The pool is a cache, never a dependency: errors and deadlines open a breaker (`pool.breaker`)
 that makes every lookup a miss and every store a drop until a probe finds the store again; the
@@ -40,8 +45,8 @@ window before it: `offload.lookup.request_hits`), and a store writes, per group,
 still on the device (a window's slid-out blocks are vLLM's null block and are skipped).
 Limits, each refused in one line at start: recurrent state (Mamba-style layers) and MLA through
 vLLM, multimodal models, groups of different block sizes, an engine block size that does not
-divide `block_tokens`. Stores happen when a request finishes, not while it decodes, so a
-sliding group keeps only the blocks its window still holds then.
+divide `block_tokens`. A sliding group's blocks are stored while its window still holds them
+(during a long decode, as they fill; otherwise those the window holds when the request ends).
 """
 
 from __future__ import annotations
@@ -118,6 +123,11 @@ class KVBridgePoolConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self._worker.register(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward writes blocks this step hands out: drop the stores still reading them."""
+        if isinstance(kv_connector_metadata, PoolMetadata):
+            self._worker.drop_overwritten(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata

@@ -32,8 +32,9 @@ COUNTERS = {
     "hit_tokens": "Tokens the pool reported as external prefix-cache hits.",
     "loads": "Pool loads that reached the device.",
     "load_failures": "Pool loads refused, failed or late: their blocks were recomputed.",
-    "stores": "Pool stores completed (every object this rank writes of the request's blocks).",
-    "stores_dropped": "Pool stores dropped (breaker open, queue full, or not done within store_timeout_ms).",
+    "stores": "Pool store jobs completed (a finished request's blocks, or those a running request filled).",
+    "stores_dropped": "Pool stores dropped (breaker open, queue full, not done within store_timeout_ms, or a "
+                      "running request's blocks handed out again before the store read them).",
     "timeouts": "Loads and stores a rank gave up on at their deadline.",
     "objects_put": "Objects put into the store.",
     "objects_got": "Objects read from the store.",

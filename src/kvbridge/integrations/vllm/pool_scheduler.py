@@ -65,6 +65,16 @@ class PoolScheduler:
         # A request finished before any step ran it (aborted while its KV was still arriving from a
         # prefill engine) holds blocks of nothing: storing them would poison the pool.
         self._reached: dict[str, int] = {}
+        # Stores as blocks fill: each running request (vLLM's own object, whose tokens grow as it
+        # decodes), its block ids per group as the step outputs hand them out, the pool blocks
+        # queued so far, and the requests any store was queued for (their blocks are held at the end).
+        self._live: dict[str, Request] = {}
+        self._blocks: dict[str, list[list[int]]] = {}
+        self._stored_upto: dict[str, int] = {}
+        self._store_queued: set[str] = set()
+        self._local_hit: dict[str, int] = {}  # the local prefix-cache hit vLLM last asked a lookup about
+        self._allocated: set[int] = set()  # blocks handed out this schedule to be written
+        self._running_stores = True  # off for good if the blocks handed out cannot be told
         self._meta = PoolMetadata()
 
     # -- on the pool thread -------------------------------------------------------------------------
@@ -96,6 +106,7 @@ class PoolScheduler:
 
     def _lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
+        self._local_hit[rid] = num_computed_tokens
         if not self.conn.settings.load or rid in self._loaded:
             return 0, False  # one load per request: after a refused one, vLLM recomputes (no retry loop)
         tokens = list(request.all_token_ids)
@@ -151,11 +162,22 @@ class PoolScheduler:
             call.abandon()
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Called for every request vLLM schedules from its waiting queue (new or resumed, in a
+        MultiConnector too): its blocks past the local prefix-cache hit are written from now on."""
+        self._live[request.request_id] = request
+        fresh = self._local_hit.pop(request.request_id, 0) // self.conn.block_size  # not asked: all of them
+        try:
+            for t in self._tables(blocks.get_block_ids()):
+                self._allocated.update(t[fresh:])
+        except Exception as e:  # noqa: BLE001 - without the list, no store of a running request is safe
+            self._stop_running_stores(e)
         pending = self._pending.pop(request.request_id, None)
         if not num_external_tokens or pending is None:
             return
         keys, tokens_hit = pending
         self._loaded.add(request.request_id)
+        # What it loads is in the pool already: stores as its blocks fill start after it.
+        self._stored_upto[request.request_id] = tokens_hit // self.bt
         bs = self.conn.block_size
         local = tokens_hit - num_external_tokens
         tables = [t[: tokens_hit // bs] for t in self._tables(blocks.get_block_ids())]
@@ -179,42 +201,129 @@ class PoolScheduler:
     def finished(self, request: Request, block_ids: tuple[list[int], ...]) -> bool:
         """Queue the store of the request's full pool blocks, per group those still on the device
         (each rank puts those of its objects the store lacks); True: hold its blocks until the
-        ranks have copied them out."""
+        ranks have copied them out (always when a store was queued while it ran: the ranks
+        report its blocks free once those are done, and vLLM frees only blocks it held)."""
+        held = request.request_id in self._store_queued
         try:
-            return self._finished(request, block_ids)
+            return self._finished(request, block_ids) or held
         except Exception as e:  # noqa: BLE001 - a store that cannot be queued is dropped
             logger.warning("KVBridgePoolConnector: store of %s dropped: %s", request.request_id, one_line(e))
-            return False
+            return held
+        finally:
+            self._store_queued.discard(request.request_id)
 
     def _finished(self, request: Request, block_ids: tuple[list[int], ...]) -> bool:
         rid = request.request_id
         reached = self._reached.pop(rid, 0)
+        self._stored_upto.pop(rid, None)
+        self._local_hit.pop(rid, None)
+        self._live.pop(rid, None)
+        self._blocks.pop(rid, None)
         self._loaded.discard(rid)
         self._pending.pop(rid, None)
         self._forget_lookup(rid)
         if not self.conn.settings.store or not self.breaker.is_closed:
             return False
+        # Every full block, those queued while it ran too: a store of a running request's blocks
+        # is dropped when one of them is handed out again, and the worker puts only what the
+        # store lacks (its stores run in order: those queued earlier are in by then).
         n = min(reached, int(request.num_computed_tokens), len(request.all_token_ids)) // self.bt
-        tables = self._tables(block_ids)
+        return self._queue_store(request, self._tables(block_ids), 0, n, running=False)
+
+    def _queue_store(self, request: Request, tables: list[list[int]], start: int, n: int, running: bool) -> bool:
+        """Queue the store of pool blocks `[start, n)` of every group whose device blocks are in
+        `tables` (`NULL` where a group no longer holds one); True if a job was queued. `running`:
+        the request runs on, its blocks are not held for the store (see `PoolJob.running`)."""
         n = min([n] + [len(t) // self.factor for t in tables])
-        if n <= 0:
+        if n <= start:
             return False
         keys = request_group_keys(request, list(request.all_token_ids)[: n * self.bt], self.bt, len(tables))
-        to_store = [k for g, t in enumerate(tables) for k in storable_keys(t, keys[g], self.factor, 0, n)]
+        to_store = [k for g, t in enumerate(tables) for k in storable_keys(t, keys[g], self.factor, start, n)]
         if not to_store:
             return False
         gpu = store_job(tables, keys, to_store, self.factor)
-        self._meta.stores.append(PoolJob(rid, to_store, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices))
+        rid = request.request_id
+        self._meta.stores.append(PoolJob(rid, to_store, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices,
+                                         running))
+        self._store_queued.add(rid)
         return True
 
     def scheduled(self, output: SchedulerOutput) -> None:
-        """Note how far each scheduled request's KV will be computed once this step has run."""
+        """Note each scheduled request's blocks and how far its KV will be computed once this step
+        has run; queue the stores of pool blocks earlier steps filled; tell the workers which
+        blocks this step hands out (`PoolMetadata.allocated`)."""
+        cached = output.scheduled_cached_reqs
+        try:
+            for r in output.scheduled_new_reqs:
+                self._note_blocks(r.req_id, r.block_ids, True)
+            for rid, ids in zip(cached.req_ids, cached.new_block_ids):
+                resumed = rid in cached.resumed_req_ids
+                tables = self._note_blocks(rid, ids, resumed)
+                if not resumed:  # a running request's new blocks are all fresh (resumed ones: `after_alloc`)
+                    for t in tables:
+                        self._allocated.update(t)
+        except Exception as e:  # noqa: BLE001 - see after_alloc
+            self._stop_running_stores(e)
+        self._allocated.discard(NULL)
+        self._meta.allocated, self._allocated = sorted(self._allocated), set()
+        self._meta.drop_running = not self._running_stores
+        if self._running_stores and self.conn.settings.store and self.breaker.is_closed:
+            for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
+                try:
+                    self._store_filled(rid, computed)
+                except Exception as e:  # noqa: BLE001 - a store that cannot be queued is dropped
+                    logger.warning("KVBridgePoolConnector: store of %s's filled blocks dropped: %s", rid, one_line(e))
+                    self._stored_upto.pop(rid, None)
+                    self._blocks.pop(rid, None)  # no more stores while it runs; its final one still comes
         n = output.num_scheduled_tokens
         for r in output.scheduled_new_reqs:
             self._reached[r.req_id] = max(self._reached.get(r.req_id, 0), r.num_computed_tokens + n.get(r.req_id, 0))
-        cached = output.scheduled_cached_reqs
         for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
             self._reached[rid] = max(self._reached.get(rid, 0), computed + n.get(rid, 0))
+
+    def _stop_running_stores(self, e: Exception) -> None:
+        if self._running_stores:
+            logger.warning("KVBridgePoolConnector: stores while requests run are off (requests are stored when "
+                           "they finish): %s", one_line(e))
+        self._running_stores = False
+        self._blocks.clear()
+
+    def _note_blocks(self, rid: str, ids: tuple[list[int], ...] | None, replace: bool) -> list[list[int]]:
+        """Keep a live request's block ids per group up to date; returns the ones the step added."""
+        if ids is None:
+            return []
+        tables = self._tables(ids)
+        if rid in self._live:
+            mine = self._blocks.get(rid)
+            if replace or mine is None:
+                self._blocks[rid] = [list(t) for t in tables]
+            else:
+                for have, new in zip(mine, tables):
+                    have += new
+        return tables
+
+    def _store_filled(self, rid: str, computed: int) -> None:
+        """Queue the store of the pool blocks of running request `rid` that earlier steps filled,
+        once it has decoded a pool block's worth of tokens (a long decode is stored as it goes, as
+        vLLM's OffloadingConnector does): only tokens an executed step ran on (`_reached` before
+        this step), never beyond its last sampled token."""
+        request, tables = self._live.get(rid), self._blocks.get(rid)
+        if request is None or tables is None or request.num_output_tokens < self.bt:
+            return  # a short reply is stored once, when it ends: one job, not two
+        done = min(self._reached.get(rid, 0), int(computed), len(request.all_token_ids) - 1)
+        n, start = done // self.bt, self._stored_upto.get(rid, 0)
+        if n <= start:
+            return
+        # A sliding window's blocks before its reach are vLLM's to free (and hand out again) at
+        # any schedule: device block i once (i + 1) * block_size <= computed - window + 1 (vLLM's
+        # skipped tokens; this schedule freed with `computed`, a later one's frees come with the
+        # blocks it hands out). A window's pool block is read only while its first device block is held.
+        skipped = [max(0, max(int(computed), self._reached.get(rid, 0)) - w + 1) if w else 0 for w in self.windows]
+        bs = self.conn.block_size
+        first_kept = [(k - bs) // self.bt + 1 if k >= bs else 0 for k in skipped]
+        view = [[NULL if i // self.factor < k else b for i, b in enumerate(t)] for t, k in zip(tables, first_kept)]
+        self._queue_store(request, view, start, n, running=True)
+        self._stored_upto[rid] = n
 
     def take_meta(self) -> PoolMetadata:
         meta, self._meta = self._meta, PoolMetadata()

@@ -65,7 +65,7 @@ class PoolWorker:
         self.tally = StatsTally()
         self.breaker = Breaker(1.0, s.max_backoff_s, on_change=announce(logger, s.master, f"rank {rank}", self.tally))
         self._prober = Prober(self._load_thread, self.breaker, self._probe_store, self.load_timeout)
-        self._stores: dict[str, Call] = {}  # in flight
+        self._stores: dict[str, list[tuple[Call, frozenset[int]]]] = {}  # in flight, with the blocks each reads
         self._loads: dict[str, tuple[Call, PoolJob]] = {}  # asynchronous loads in flight
         self._stored: set[str] = set()  # stores done, dropped or given up: their blocks may go
         self._finished: OrderedDict[str, None] = OrderedDict()  # recent finished ids (bounded)
@@ -130,18 +130,50 @@ class PoolWorker:
             raise PoolUnavailable(f"Mooncake Store at {self.conn.settings.master} did not answer")
 
     # -- on the engine's step ---------------------------------------------------------------------------
+    def drop_overwritten(self, meta: PoolMetadata) -> None:
+        """Before the step's forward (vLLM's `handle_preemptions`, and again at `run`): drop every
+        store of a running request (`PoolJob.running`) still reading a block this step hands out
+        or loads into. Such a request's blocks are not held for its stores; vLLM frees them when it
+        preempts the request or its window slides past them, and may give them to another request
+        at any later schedule. A finished request's store reads blocks vLLM holds: never dropped."""
+        if not self._stores:
+            return
+        written = set(meta.allocated).union(*(j.block_ids for j in meta.loads))
+        if not (written or meta.drop_running):
+            return
+        for rid, calls in list(self._stores.items()):
+            keep = []
+            for call, blocks in calls:
+                if not blocks or (blocks.isdisjoint(written) and not meta.drop_running):
+                    keep.append((call, blocks))
+                else:
+                    call.abandon()  # waits for a copy in progress; from here on it leaves the blocks alone
+                    self.tally.add(stores_dropped=1)
+            self._set_stores(rid, keep)
+
+    def _set_stores(self, rid: str, calls: list[tuple[Call, frozenset[int]]]) -> None:
+        """`rid`'s stores in flight; with none left its blocks may go (`_stored`)."""
+        if calls:
+            self._stores[rid] = calls
+            self._stored.discard(rid)
+        else:
+            self._stores.pop(rid, None)
+            self._stored.add(rid)
+
     def run(self, meta: PoolMetadata) -> None:
         """At the step's start: queue the stores, run (or queue) the loads; never raises."""
         if not (meta.loads or meta.stores):
             return
         try:
+            self.drop_overwritten(meta)
             for job in meta.stores:
                 call = self._submit("store", job)
+                calls = self._stores.get(job.request_id, [])
                 if call is None:  # the pool is away or the thread is behind: a cache drops, it never waits
                     self.tally.add(stores_dropped=1)
-                    self._stored.add(job.request_id)
                 else:
-                    self._stores[job.request_id] = call
+                    calls = [*calls, (call, frozenset(job.block_ids) if job.running else frozenset())]
+                self._set_stores(job.request_id, calls)
             for job in meta.loads:
                 if not job.keys:  # the scheduler could not plan it (said in its log): recompute
                     self._fail_load(job, "not planned")
@@ -198,24 +230,26 @@ class PoolWorker:
         self._failed_blocks.update(job.block_ids)  # vLLM recomputes from the first of them
 
     def _settle_stores(self) -> None:
-        for rid, call in list(self._stores.items()):
-            if call.done.is_set():
-                if call.error is not None:
-                    self.breaker.failure(one_line(call.error))
-                elif not call.result.ok:
-                    logger.warning("KVBridgePoolConnector rank %d: store of %s incomplete: %s", self.rank, rid,
-                                   "; ".join(call.result.reasons)[:500])
-                else:
-                    self.breaker.success()
-                    self.tally.add(stores=1)
-            elif call.age() > self.store_timeout:
-                call.abandon()  # it reads no device block from here on: they may go
-                self.tally.add(timeouts=1, stores_dropped=1)
-                self.breaker.failure(f"a store took over {self.conn.settings.store_timeout_ms} ms")
+        for rid, calls in list(self._stores.items()):
+            self._set_stores(rid, [(c, b) for c, b in calls if not self._settled(rid, c)])
+
+    def _settled(self, rid: str, call: Call) -> bool:
+        if call.done.is_set():
+            if call.error is not None:
+                self.breaker.failure(one_line(call.error))
+            elif not call.result.ok:
+                logger.warning("KVBridgePoolConnector rank %d: store of %s incomplete: %s", self.rank, rid,
+                               "; ".join(call.result.reasons)[:500])
             else:
-                continue
-            del self._stores[rid]
-            self._stored.add(rid)
+                self.breaker.success()
+                self.tally.add(stores=1)
+        elif call.age() > self.store_timeout:
+            call.abandon()  # it reads no device block from here on: they may go
+            self.tally.add(timeouts=1, stores_dropped=1)
+            self.breaker.failure(f"a store took over {self.conn.settings.store_timeout_ms} ms")
+        else:
+            return False
+        return True
 
     def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         for rid in finished_req_ids:
@@ -248,8 +282,9 @@ class PoolWorker:
 
     def close(self) -> None:
         self._prober.close()
-        for call in self._stores.values():
-            call.abandon()
+        for calls in self._stores.values():
+            for call, _ in calls:
+                call.abandon()
         for call, _ in self._loads.values():
             call.abandon()
         for thread in (self._store_thread, self._load_thread):

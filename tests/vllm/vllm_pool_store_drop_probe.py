@@ -1,0 +1,86 @@
+"""Probe, run with .venv-vllm's python: which in-flight pool stores a rank drops before a forward.
+
+Why: a running request's blocks are not held for the stores of its filled blocks (issue 29: stores
+as blocks fill, during long decodes). vLLM frees them when it preempts the request or a sliding
+window passes them, and may hand them to another request at any later schedule; the forward
+then writes them. So before every step (`handle_preemptions`, and `start_load_kv`) the rank
+drops each such store that still reads a block the step hands out or loads into, waiting for a
+copy in progress, and a finished request's store (its blocks held by vLLM) is never dropped.
+
+The `PoolWorker`, its store thread, `Call`s and their device gates are the real ones; only the
+job a store runs is replaced by one that holds the device gate for a while (a copy out of the
+device in progress), so the probe needs no store and no registered cache. Prints one JSON object
+of observations; `test_vllm_pool_store_drop.py` asserts on them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import torch
+
+from kvbridge.integrations.vllm.pool_config import PoolJob, PoolMetadata, PoolSettings
+from kvbridge.integrations.vllm.pool_worker import PoolWorker
+
+COPY_S = 0.3
+
+
+def main() -> dict:
+    settings = PoolSettings(master="127.0.0.1:1", insecure=True)
+    worker = PoolWorker(SimpleNamespace(settings=settings), rank=0, tp_size=1)
+    worker._caches = {"layer": torch.zeros(1)}  # registered: jobs are submitted
+    reads: dict[str, list[bool]] = {}
+    started: dict[str, threading.Event] = {}
+
+    def job(call, kind, pj: PoolJob):  # a store reading the device twice, the first read slow
+        started[pj.request_id].set()
+        seen = reads.setdefault(pj.request_id, [])
+        with call.device_access() as ok:
+            seen.append(ok)
+            time.sleep(COPY_S)
+        time.sleep(0.05)
+        with call.device_access() as ok:
+            seen.append(ok)
+        return SimpleNamespace(ok=True, reasons=[], seconds=0.0)
+
+    worker._job = job
+    out: dict = {}
+
+    def store(rid: str, blocks: list[int], running: bool) -> PoolJob:
+        started[rid] = threading.Event()
+        return PoolJob(rid, [b"k"], blocks, (len(blocks),), (0,), running)
+
+    # 1. A running request's store mid-copy, a finished request's store queued behind it.
+    worker.run(PoolMetadata(stores=[store("running", [5, 6], True), store("finished", [7], False)]))
+    started["running"].wait(5)
+    t0 = time.monotonic()
+    worker.drop_overwritten(PoolMetadata(allocated=[6, 7]))  # 6: handed out again; 7: a prefix hit on a held block
+    out["drop_waited_s"] = time.monotonic() - t0
+    started["finished"].wait(5)
+    time.sleep(COPY_S + 0.2)
+    out["running_reads"] = reads.get("running")
+    out["finished_reads"] = reads.get("finished")
+    res = worker.results({"running", "finished"})
+    out["finished_sending_1"] = sorted(res.finished_sending)
+    # 2. A load's blocks count as written; a store whose blocks the step leaves alone stays.
+    worker.run(PoolMetadata(stores=[store("a", [10, 11], True), store("b", [12], True)]))
+    started["a"].wait(5)
+    started["loading"] = threading.Event()
+    worker.run(PoolMetadata(loads=[PoolJob("loading", [b"k"], [11], (1,), (0,))]))
+    time.sleep(2 * COPY_S + 0.3)
+    out["a_reads"], out["b_reads"] = reads.get("a"), reads.get("b")
+    out["finished_sending_2"] = sorted(worker.results({"a", "b"}).finished_sending)
+    # 3. Not finished yet: nothing reported, however its stores ended.
+    worker.run(PoolMetadata(stores=[store("c", [20], True)]))
+    time.sleep(COPY_S + 0.3)
+    out["finished_sending_3"] = sorted(worker.results(set()).finished_sending)
+    out["finished_sending_4"] = sorted(worker.results({"c"}).finished_sending)
+    out["dropped"] = worker.tally.take().data.get("stores_dropped", 0)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))
