@@ -256,7 +256,9 @@ def pool(report: dict[str, Any]) -> list[str]:
            f"Serving (`{sv['model']}`; `vllm bench serve {' '.join(sv['workload'])}`, {sv['prompts']} prompts, "
            f"{sv['concurrency']} in flight, sent to A (TP 1, block 64), then to B (TP 2, block 32)"
            + (f"; each instance warmed up with {sv['warmup']} prompts of its own, A's figures the medians of "
-              f"{sv['rounds']} rounds of new prompts, B given A's first round" if sv.get("rounds") else "") + "):", "",
+              f"{sv['rounds']} rounds of new prompts, B given A's first round" if sv.get("rounds") else "")
+           + ("; the setups' instances running side by side, their A instances taking turns within each round"
+              if sv.get("side_by_side") else "") + "):", "",
            "| setup | A's TTFT p50 ms | A's ITL p50 ms | A's out tok/s | A against prefix cache only: TTFT p50 / "
            "ITL p50 / tok/s | B's TTFT p50 ms | B's TTFT p99 ms | B's out tok/s | failed | "
            "B's hits: local / external |", "|---|---|---|---|---|---|---|---|---|---|"]

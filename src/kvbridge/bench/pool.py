@@ -5,8 +5,8 @@
   checking included) beside a contiguous `torch` copy of the same number of bytes.
 * `bench_pool_serve`: a shared-prefix workload (`vllm bench serve`, prefix repetition) sent to
   instance A (TP 1, block 64), then the same prompts to instance B (TP 2, block 32, another
-  process), for three setups started in turn: plain vLLM prefix caching (B recomputes what A
-  computed), the shared pool (B loads it), and vLLM's own CPU offload where this vLLM build
+  process), for three setups running side by side: plain vLLM prefix caching (B recomputes what
+  A computed), the shared pool (B loads it), and vLLM's own CPU offload where this vLLM build
   runs it. Per setup: B's TTFT p50/p99, output throughput, failed requests, and B's prefix hit
   rate (local and external hits over queried tokens, from vLLM's /metrics).
 """
@@ -129,22 +129,40 @@ def _rounds(results: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
+def _start(members: list, deadline_s: float = 1800.0) -> str | None:
+    """Launch `members` together and wait until each answers; why one did not (None: all did)."""
+    from kvbridge.integrations.vllm.fleet import healthy
+
+    for m in members:
+        with open(m.log_path, "wb") as log:
+            m.proc = subprocess.Popen(m.argv, env=m.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    end = time.monotonic() + deadline_s
+    for m in members:
+        while not healthy(m.url) and m.proc.poll() is None and time.monotonic() < end:
+            time.sleep(1)
+    down = next((m for m in members if not healthy(m.url)), None)
+    return None if down is None else f"{down.name} did not start: {down.cause() or down.log_tail(1)[-300:]}"
+
+
 def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: int = 4,
                      python: str | None = None, work: Path | None = None, num_prefixes: int = 4,
                      layers: int = 6, heads: int = 8, setups: tuple[str, ...] = SETUPS, rounds: int = 3,
                      warmup: int = 8) -> dict[str, Any]:
-    """The setups in turn (see the module doc); returns A's and B's figures per setup.
+    """The setups side by side (see the module doc); returns A's and B's figures per setup.
 
-    Each instance first serves `warmup` prompts of its own, unmeasured (a fresh instance's first
-    steps compile, seconds on a CPU host, and would land in whichever figure came first). A then
-    serves `rounds` rounds of new prompts (another seed each); its figures are the medians over
-    them, and `a_vs_prefix_cache_only` compares them with the setup without the pool: what the
-    pool's stores and lookups cost the instance that stores. B then gets A's first round.
+    Every setup's instances run at once (started together; one that does not start is its
+    setup's error), so that a setup's figures and its baseline's come from the same minutes of a
+    shared host. Each instance first serves `warmup` prompts of its own, unmeasured (a fresh
+    instance's first steps compile, seconds on a CPU host). A then serves `rounds` rounds of new
+    prompts (another seed each), the setups' A instances taking turns within each round (in
+    reversed order every other round); its figures are the medians over the rounds, and
+    `a_vs_prefix_cache_only` compares them with the setup without the pool: what the pool's
+    stores and lookups cost the instance that stores. B of each setup then gets A's first round.
 
     `num_prefixes == prompts` makes every prompt the first of its prefix: on B each one is a
     local miss, so the pool's effect is not averaged with local hits."""
     workload = prefix_workload(512, num_prefixes)
-    from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, healthy, vllm_serve_member
+    from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, vllm_serve_member
     from kvbridge.integrations.vllm.fleet_processes import find_tool, stop_session, vllm_python
     from kvbridge.pool.master import MooncakeMaster
     from kvbridge.proofs.vllm.cluster import free_ports
@@ -158,63 +176,75 @@ def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: 
     secret = work / "pool.key"
     secret.write_bytes(os.urandom(32))
     secret.chmod(0o600)
-    rows = []
+    master = MooncakeMaster.start(work / "master.log") if "kvbridge pool" in setups else None
+    rows: dict[str, dict[str, Any]] = {s: {"setup": s} for s in setups}
+    members: dict[str, tuple[Any, Any]] = {}
+    used: set[int] = set()
     for setup in setups:
         log_dir = work / setup.replace(" ", "-")
         log_dir.mkdir(parents=True, exist_ok=True)
         config = FleetConfig(model=Path(model), prefill=[], decode=[], log_dir=log_dir, max_model_len=1024)
-        master = MooncakeMaster.start(log_dir / "master.log") if setup == "kvbridge pool" else None
         kv = None
-        if master is not None:
+        if setup == "kvbridge pool":
             kv = {"kv_connector": "KVBridgePoolConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
                       "master": master.address, "metadata_url": master.metadata_url, "secret_file": str(secret),
                       "block_tokens": 64, "segment_mib": 256}}
-        pa = free_ports(1)
-        members = [vllm_serve_member(config, vllm, "a", InstanceShape(tp=1, block=64), pa, log_dir, kv),
-                   vllm_serve_member(config, vllm, "b", InstanceShape(tp=2, block=32), free_ports(1, {pa}), log_dir,
-                                     kv)]
+        pa = free_ports(1, used)
+        pb = free_ports(1, used | {pa})
+        used |= {pa, pb}
+        pair = (vllm_serve_member(config, vllm, "a", InstanceShape(tp=1, block=64), pa, log_dir, kv),
+                vllm_serve_member(config, vllm, "b", InstanceShape(tp=2, block=32), pb, log_dir, kv))
         if setup == "vLLM CPU offload":
-            for m in members:
+            for m in pair:
                 m.argv += ["--kv-offloading-size", "1"]
-        row: dict[str, Any] = {"setup": setup}
-        try:
-            for m in members:
-                with open(m.log_path, "wb") as log:
-                    m.proc = subprocess.Popen(m.argv, env=m.env, stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True)
-            end = time.monotonic() + 1800
-            for m in members:
-                while not healthy(m.url) and m.proc.poll() is None and time.monotonic() < end:
-                    time.sleep(1)
-            down = [m for m in members if not healthy(m.url)]
-            if down:
-                row["error"] = f"{down[0].name} did not start: {down[0].cause() or down[0].log_tail(1)[-300:]}"
-                rows.append(row)
-                continue
-            a, b = members
-            for m, seed in ((a, 1000), (b, 1001)):
+        members[setup] = pair
+    try:
+        for setup, pair in list(members.items()):  # a setup vLLM refuses fails at once: out before the rest
+            if setup == "vLLM CPU offload":
+                why = _start(list(pair), deadline_s=600)
+                if why:
+                    rows[setup]["error"] = why
+                    for m in pair:
+                        stop_session(m.proc)
+                    del members[setup]
+        why = _start([m for s, pair in members.items() if s != "vLLM CPU offload" for m in pair])
+        if why:
+            raise RuntimeError(f"the pool benchmark's instances did not start: {why}")
+        for i, (setup, (a, b)) in enumerate(members.items()):
+            log_dir = a.log_path.parent
+            for m, seed in ((a, 1000 + 2 * i), (b, 1001 + 2 * i)):
                 if warmup:  # prompts of their own: B's warm-up shares no prefix with A's rounds
                     _bench(vllm, m.url, Path(model), warmup, concurrency, log_dir, f"warmup-{m.name}.json",
                            workload, seed=seed)
-            row["a"] = _rounds([_bench(vllm, a.url, Path(model), prompts, concurrency, log_dir, f"a-{i}.json",
-                                       workload, seed=7 + i) for i in range(rounds)])
-            time.sleep(3)  # A stores each finished request at its next step
+        results: dict[str, list[dict[str, Any]]] = {s: [] for s in members}
+        for r in range(rounds):
+            order = list(members.items())
+            for setup, (a, _) in (order if r % 2 == 0 else order[::-1]):
+                time.sleep(2)  # the previous instance's stores and idle steps settle
+                results[setup].append(_bench(vllm, a.url, Path(model), prompts, concurrency, a.log_path.parent,
+                                             f"a-{r}.json", workload, seed=7 + r))
+        time.sleep(3)  # A's last stores
+        for setup, (a, b) in members.items():
+            rows[setup]["a"] = _rounds(results[setup])
             before = _hits(b.url)
-            row["b"] = _bench(vllm, b.url, Path(model), prompts, concurrency, log_dir, "b.json", workload, seed=7)
+            rows[setup]["b"] = _bench(vllm, b.url, Path(model), prompts, concurrency, b.log_path.parent, "b.json",
+                                      workload, seed=7)
             after = _hits(b.url)
             q = after["prefix_cache_queries"] - before["prefix_cache_queries"]
             local = after["prefix_cache_hits"] - before["prefix_cache_hits"]
             ext = after["external_prefix_cache_hits"] - before["external_prefix_cache_hits"]
-            row["b_hit_rate"] = {"local": local / q if q else None, "external": ext / q if q else None}
-        finally:
-            for m in members:
+            rows[setup]["b_hit_rate"] = {"local": local / q if q else None, "external": ext / q if q else None}
+    finally:
+        for pair in members.values():
+            for m in pair:
                 stop_session(m.proc)
-            if master is not None:
-                master.stop()
-        rows.append(row)
-    base = next((r for r in rows if r["setup"] == "prefix cache only" and "b" in r and "error" not in r["b"]), None)
-    for r in rows:
+        if master is not None:
+            master.stop()
+    rows_out = [rows[s] for s in setups]
+    base = rows.get("prefix cache only")
+    base = base if base and "b" in base and "error" not in base["b"] else None
+    for r in rows_out:
         if base and "b" in r and "error" not in r["b"] and r["b"].get("median_ttft_ms"):
             r["b_ttft_vs_prefix_cache_only"] = base["b"]["median_ttft_ms"] / r["b"]["median_ttft_ms"]
         if base and "a" in r and "error" not in r["a"] and "error" not in base["a"]:
@@ -222,7 +252,7 @@ def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: 
             r["a_vs_prefix_cache_only"] = {k: (base["a"][k] / r["a"][k] if k == "output_throughput"
                                                else r["a"][k] / base["a"][k]) for k in A_FIGURES if base["a"][k]}
     return {"model": Path(model).name, "prompts": prompts, "concurrency": concurrency, "workload": workload,
-            "rounds": rounds, "warmup": warmup, "rows": rows, "work": str(work)}
+            "rounds": rounds, "warmup": warmup, "side_by_side": True, "rows": rows_out, "work": str(work)}
 
 
 __all__ = ["bench_pool_serve", "bench_pool_transfer"]
