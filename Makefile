@@ -66,7 +66,7 @@ serve-check: $(STAMP) $(VLLM_VENV)/.installed
 	$(BIN)/python scripts/serve_check.py --out serve-check.json --work serve-check-logs
 
 # The shared pool's benchmarks (docs/pool.md): store/load GB/s beside a copy, then two `vllm serve`
-# instances of different shapes on shared-prefix workloads with and without the pool. 25-35 minutes.
+# instances of different shapes on shared-prefix workloads with and without the pool. 35-45 minutes.
 pool-bench: $(STAMP) $(VLLM_VENV)/.installed
 	$(BIN)/python scripts/pool_bench.py --out pool-bench.json
 

@@ -1,8 +1,9 @@
 """`make pool-bench`: the shared pool's benchmarks (kvbridge.bench.pool), written as JSON.
 
 Store/load GB/s beside a contiguous copy, then the shared-prefix serving comparison (plain prefix
-caching, the kvbridge pool, vLLM's CPU offload) on two `vllm serve` instances of different shapes.
-About 25-35 minutes on a 2-core machine; docs/pool.md holds the figures.
+caching, the kvbridge pool, vLLM's CPU offload) on two `vllm serve` instances of different shapes,
+and the same with 256-token replies (A stores while it decodes). About 35-45 minutes on a 2-core
+machine; docs/pool.md holds the figures.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def main() -> int:
         out["serve_distinct"] = bench_pool_serve(prompts=8, concurrency=1, num_prefixes=8, layers=12, heads=16,
                                                  setups=("prefix cache only", "kvbridge pool"))
         print(json.dumps(out["serve_distinct"]["rows"]), flush=True)
+        # 256-token replies: A stores each request's blocks while it decodes, beside A without the pool.
+        out["serve_long_decode"] = bench_pool_serve(prompts=args.prompts, output_len=256,
+                                                    setups=("prefix cache only", "kvbridge pool"))
+        print(json.dumps(out["serve_long_decode"]["rows"]), flush=True)
     args.out.write_text(json.dumps(out, indent=1))
     return 0
 

@@ -264,7 +264,8 @@ def test_a_long_decode_is_stored_as_its_blocks_fill_and_continued_elsewhere(pool
     hits = metric_total(pool.y.url, HITS)
     got = _ok(request(pool.y.url, prompt, 8))
     assert got.token_ids == reference.token_ids
-    assert metric_total(pool.y.url, HITS) - hits >= 8 * 64, f"Y loaded too little of X's decode ({_pool_figures(pool.y)})"
+    assert metric_total(pool.y.url, HITS) - hits >= 8 * 64, (
+        f"Y loaded too little of X's decode ({_pool_figures(pool.y)})")
 
 
 def _load(pool: Pool, seconds: float, seed: int) -> list[tuple[float, Answer]]:

@@ -30,10 +30,10 @@ from kvbridge.testing.serving import metric_total
 SETUPS = ("prefix cache only", "kvbridge pool", "vLLM CPU offload")
 
 
-def prefix_workload(prefix_len: int = 512, num_prefixes: int = 4) -> list[str]:
+def prefix_workload(prefix_len: int = 512, num_prefixes: int = 4, output_len: int = 8) -> list[str]:
     return ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(prefix_len),
             "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", str(num_prefixes),
-            "--prefix-repetition-output-len", "8"]
+            "--prefix-repetition-output-len", str(output_len)]
 
 
 def bench_pool_transfer(tokens: int = 4096, rounds: int = 3, layers: int = 16, heads: int = 8,
@@ -147,7 +147,7 @@ def _start(members: list, deadline_s: float = 1800.0) -> str | None:
 def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: int = 4,
                      python: str | None = None, work: Path | None = None, num_prefixes: int = 4,
                      layers: int = 6, heads: int = 8, setups: tuple[str, ...] = SETUPS, rounds: int = 3,
-                     warmup: int = 8) -> dict[str, Any]:
+                     warmup: int = 8, output_len: int = 8) -> dict[str, Any]:
     """The setups side by side (see the module doc); returns A's and B's figures per setup.
 
     Every setup's instances run at once (started together; one that does not start is its
@@ -160,8 +160,9 @@ def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: 
     stores and lookups cost the instance that stores. B of each setup then gets A's first round.
 
     `num_prefixes == prompts` makes every prompt the first of its prefix: on B each one is a
-    local miss, so the pool's effect is not averaged with local hits."""
-    workload = prefix_workload(512, num_prefixes)
+    local miss, so the pool's effect is not averaged with local hits. `output_len` of 64 or more
+    makes A store its requests' blocks while they decode, too."""
+    workload = prefix_workload(512, num_prefixes, output_len)
     from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, vllm_serve_member
     from kvbridge.integrations.vllm.fleet_processes import find_tool, stop_session, vllm_python
     from kvbridge.pool.master import MooncakeMaster

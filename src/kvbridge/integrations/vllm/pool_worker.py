@@ -135,16 +135,23 @@ class PoolWorker:
         store of a running request (`PoolJob.running`) still reading a block this step hands out
         or loads into. Such a request's blocks are not held for its stores; vLLM frees them when it
         preempts the request or its window slides past them, and may give them to another request
-        at any later schedule. A finished request's store reads blocks vLLM holds: never dropped."""
+        at any later schedule. A finished request's store reads blocks vLLM holds: never dropped.
+        Never raises (a cache's error must not reach the engine); if it cannot tell, it drops them all."""
         if not self._stores:
             return
-        written = set(meta.allocated).union(*(j.block_ids for j in meta.loads))
-        if not (written or meta.drop_running):
+        try:
+            written = set(meta.allocated).union(*(j.block_ids for j in meta.loads))
+            drop_all = meta.drop_running
+        except Exception as e:  # noqa: BLE001
+            logger.warning("KVBridgePoolConnector rank %d: %s; dropping running requests' stores", self.rank,
+                           one_line(e))
+            written, drop_all = set(), True
+        if not (written or drop_all):
             return
         for rid, calls in list(self._stores.items()):
             keep = []
             for call, blocks in calls:
-                if not blocks or (blocks.isdisjoint(written) and not meta.drop_running):
+                if not blocks or (blocks.isdisjoint(written) and not drop_all):
                     keep.append((call, blocks))
                 else:
                     call.abandon()  # waits for a copy in progress; from here on it leaves the blocks alone
@@ -162,10 +169,10 @@ class PoolWorker:
 
     def run(self, meta: PoolMetadata) -> None:
         """At the step's start: queue the stores, run (or queue) the loads; never raises."""
+        self.drop_overwritten(meta)
         if not (meta.loads or meta.stores):
             return
         try:
-            self.drop_overwritten(meta)
             for job in meta.stores:
                 call = self._submit("store", job)
                 calls = self._stores.get(job.request_id, [])
