@@ -28,7 +28,6 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from kvbridge.pool.master import MooncakeMaster, master_binary
 from kvbridge.proofs.vllm.cluster import free_ports
 from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama, make_tiny_lora
 from kvbridge.testing.members import running
-from kvbridge.testing.serving import Answer, metric_total, prompt_text, request
+from kvbridge.testing.serving import Answer, metric_total, prompt_text, request, tokenize
 
 pytestmark = pytest.mark.vllm
 START_S = 900.0
@@ -225,13 +224,6 @@ def test_lora_adapters_never_share_kv_with_each_other_or_the_base_model(pool):
     assert other.token_ids != reference.token_ids and base.token_ids != reference.token_ids  # the adapters matter
 
 
-def _tokenize(url: str, text: str) -> list[int]:
-    req = urllib.request.Request(url + "/tokenize", data=json.dumps({"model": "model", "prompt": text}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())["tokens"]
-
-
 def test_a_long_decode_is_stored_as_its_blocks_fill_and_continued_elsewhere(pool):
     """X stores a request's pool blocks while it decodes (not only when it finishes): the store
     holds more of its blocks than its prompt fills before the reply ends. Y, of another shape,
@@ -258,7 +250,7 @@ def test_a_long_decode_is_stored_as_its_blocks_fill_and_continued_elsewhere(pool
     assert seen >= before + 4 * OBJECTS_PER_BLOCK, (
         f"while X decoded 900 tokens the store went from {before:.0f} to only {seen:.0f} objects: its blocks were not "
         f"stored as they filled ({_pool_figures(pool.x)})")
-    prompt = _tokenize(pool.x.url, text) + answer.token_ids[:500]  # eight full pool blocks and more
+    prompt = tokenize(pool.x.url, text) + answer.token_ids[:500]  # eight full pool blocks and more
     pool.wait_keys(before + 8 * OBJECTS_PER_BLOCK, timeout=60)
     reference = _ok(request(pool.x.url, prompt, 8))
     hits = metric_total(pool.y.url, HITS)

@@ -14,9 +14,7 @@ continues from the middle of the reply.
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 
 import pytest
 
@@ -25,7 +23,7 @@ from kvbridge.pool.master import MooncakeMaster
 from kvbridge.proofs.vllm.cluster import free_ports
 from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
 from kvbridge.testing.members import running
-from kvbridge.testing.serving import metric_total, prompt_text, request
+from kvbridge.testing.serving import metric_total, prompt_text, request, tokenize
 
 pytestmark = pytest.mark.vllm
 START_S = 900.0
@@ -95,13 +93,6 @@ def test_sliding_and_full_groups_are_shared_across_shapes(fleet):
     assert metric_total(y.url, HITS) == hits
 
 
-def _tokenize(url: str, text: str) -> list[int]:
-    req = urllib.request.Request(url + "/tokenize", data=json.dumps({"model": "model", "prompt": text}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())["tokens"]
-
-
 def test_a_long_decode_stores_the_window_while_it_holds_each_block(fleet):
     """X decodes 500 tokens after a 70-token prompt. At its end its window holds only the last
     block, so a block from the middle of the reply can be in the pool only if X stored it while
@@ -112,7 +103,7 @@ def test_a_long_decode_stores_the_window_while_it_holds_each_block(fleet):
     text = prompt_text(43, 70)
     answer = request(x.url, text, 500, timeout=600)
     assert answer.ok, answer.error
-    prompt = _tokenize(x.url, text) + answer.token_ids[:300]
+    prompt = tokenize(x.url, text) + answer.token_ids[:300]
     time.sleep(3)  # X's last stores
     reference = request(x.url, prompt, 8)
     assert reference.ok, reference.error

@@ -76,6 +76,15 @@ def request(base: str, prompt: str, max_tokens: int, *, chat: bool = False, stre
     return answer
 
 
+def tokenize(base: str, text: str, timeout: float = 120.0) -> list[int]:
+    """The token ids instance `base` gives `text` (vLLM's /tokenize): a prompt sent as these ids
+    is the same prompt, which a reply's text sent back is not always (invalid UTF-8)."""
+    req = urllib.request.Request(base + "/tokenize", data=json.dumps({"model": "model", "prompt": text}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())["tokens"]
+
+
 def _take(answer: Answer, obj: dict[str, Any], chat: bool) -> None:
     if "error" in obj:
         answer.error = json.dumps(obj["error"])[:300]
@@ -187,4 +196,4 @@ def first_json_line(proc: subprocess.Popen, timeout: float, what: str = "kvbridg
     raise AssertionError(f"{what} gave no summary (rc {proc.poll()}): {proc.stderr.read()[-3000:]!r}")
 
 
-__all__ = ["Answer", "Case", "edge_cases", "first_json_line", "prompt_text", "request", "transfer_events"]
+__all__ = ["Answer", "Case", "edge_cases", "first_json_line", "prompt_text", "request", "tokenize", "transfer_events"]
