@@ -25,6 +25,15 @@ def test_store_skips_null_blocks_and_sets_block_indices():
     assert [s.cpu_sub_blocks(4).tolist() for s in slices] == [[20, 21, 22, 23, 24, 25, 26, 27], [30, 31]]
 
 
+def test_whole_blocks_blanks_every_offloaded_block_a_window_left_in_part():
+    from kvbridge.offload.scheduling import whole_blocks
+    assert whole_blocks(SLIDE, 4) == [N] * 8  # s1 kept its last two device blocks only
+    assert whole_blocks([N, N, N, N, 24, 25, 26, 27, 28], 4) == [N, N, N, N, 24, 25, 26, 27, 28]
+    assert whole_blocks(FULL, 4) == FULL and whole_blocks(SLIDE, 1) == SLIDE
+    assert storable_keys(whole_blocks(SLIDE, 4), KEYS[1], 4, 0, 2) == []
+    assert storable_keys(whole_blocks([N, N, N, N, 24, 25, 26, 27], 4), KEYS[1], 4, 0, 2) == ["s1"]
+
+
 def test_store_of_a_later_key_only():
     gpu = store_job([FULL, SLIDE], KEYS, ["f1"], 4)
     assert (gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices) == ([14, 15, 16, 17], (4, 0), (4, 0))

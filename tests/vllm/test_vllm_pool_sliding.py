@@ -7,8 +7,9 @@ finishes, stores per group the 64-token pool blocks still on its device: all fou
 group, and of the sliding group only those its window still holds (the others are vLLM's null
 block by then). Y then asks for the same prompt: its lookup needs the full group's whole prefix
 and the sliding group's last window before the hit point, loads 256 tokens of both groups into
-its own shape, and answers as X, which computed the prompt itself, did. A second test has X
-decode 500 tokens: the sliding group's blocks are stored while its window holds them, and Y
+its own shape, and answers as X, which computed the prompt itself, did. A writer stores a
+sliding pool block only while its window holds all of it (Y, of 32-token blocks, leaves one half
+gone at its end), and a long decode on X stores the sliding group's blocks as they fill, so Y
 continues from the middle of the reply.
 """
 
@@ -91,6 +92,29 @@ def test_sliding_and_full_groups_are_shared_across_shapes(fleet):
     hits = metric_total(y.url, HITS)
     assert request(y.url, fresh, 8).token_ids == request(x.url, fresh, 8).token_ids
     assert metric_total(y.url, HITS) == hits
+
+
+def test_a_pool_block_the_window_left_in_part_is_never_stored(fleet):
+    """Y's engine blocks are 32 tokens, half a pool block. Y answers a 300-token prompt with 8
+    tokens, so at its end (307 tokens computed) its window has freed tokens 192-223, the first
+    half of pool block 3 (192-255), and kept the second. Stored, block 3 would hold nothing where
+    the freed half was, and a reader whose hit ends at 256 needs tokens 193-255 of it. So Y stores
+    the full group's four blocks and no sliding block, and X, asking for the same prompt, gets no
+    hit from it and answers as Y computed."""
+    master, x, y = fleet
+    keys = lambda: metric_total(f"http://{master.host}:{master.metrics_port}", "master_key_count")  # noqa: E731
+    text = prompt_text(44, 300)
+    before = keys()
+    reference = request(y.url, text, 8)
+    assert reference.ok, reference.error
+    settle = time.monotonic() + 60
+    while keys() < before + 4 * HEADS and time.monotonic() < settle:
+        time.sleep(0.5)
+    time.sleep(2)
+    assert keys() == before + 4 * HEADS, "Y stored a sliding pool block its window had left in part"
+    got = request(x.url, text, 8)
+    assert got.ok, got.error
+    assert got.token_ids == reference.token_ids
 
 
 def test_a_long_decode_stores_the_window_while_it_holds_each_block(fleet):

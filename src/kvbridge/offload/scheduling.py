@@ -26,6 +26,20 @@ def storable_keys(table: Sequence[int], keys: Sequence[Key], factor: int, start:
             if (i + 1) * factor <= len(table) and table[(i + 1) * factor - 1] != NULL]
 
 
+def whole_blocks(table: Sequence[int], factor: int) -> list[int]:
+    """`table` with every offloaded block that is not wholly on the device blanked (`NULL`).
+
+    Why: a sliding window's table is blanked from the left as the window moves, so at a late
+    store the first device blocks of an offloaded block may be gone while its last is there.
+    Stored, such a block would hold nothing where they were, and a reader whose hit ends with it
+    needs those tokens when the writer had computed past the block's end. Whole blocks only."""
+    out = list(table)
+    for i in range(0, len(out), factor):
+        if NULL in out[i:i + factor]:
+            out[i:i + factor] = [NULL] * len(out[i:i + factor])
+    return out
+
+
 def store_job(tables: Sequence[Sequence[int]], keys: Sequence[Sequence[Key]], to_store: Sequence[Key],
               factor: int) -> GPULoadStoreSpec:
     """Device side of storing `to_store` (the manager's answer, in group order) into its CPU slots."""
@@ -85,4 +99,4 @@ def load_job(tables: Sequence[Sequence[int]], keys: Sequence[Sequence[Key]], num
     return want, GPULoadStoreSpec(ids, sizes, indices)
 
 
-__all__ = ["NULL", "load_job", "storable_keys", "store_job"]
+__all__ = ["NULL", "load_job", "storable_keys", "store_job", "whole_blocks"]

@@ -21,7 +21,7 @@ from kvbridge.integrations.vllm.pool_identity import request_group_keys
 from kvbridge.integrations.vllm.pool_metrics import StatsTally
 from kvbridge.integrations.vllm.registration import group_order
 from kvbridge.offload.lookup import request_hits
-from kvbridge.offload.scheduling import NULL, load_job, storable_keys, store_job
+from kvbridge.offload.scheduling import NULL, load_job, storable_keys, store_job, whole_blocks
 from kvbridge.pool.background import Call, PoolThread, Prober
 from kvbridge.pool.breaker import Breaker
 from kvbridge.pool.store import PoolUnavailable, StoreClient
@@ -228,7 +228,9 @@ class PoolScheduler:
         # is dropped when one of them is handed out again, and the worker puts only what the
         # store lacks (its stores run in order: those queued earlier are in by then).
         n = min(reached, int(request.num_computed_tokens), len(request.all_token_ids)) // self.bt
-        return self._queue_store(request, self._tables(block_ids), 0, n, running=False)
+        # A window's pool blocks only where it still holds all of their device blocks (`whole_blocks`).
+        tables = [whole_blocks(t, self.factor) if w else t for t, w in zip(self._tables(block_ids), self.windows)]
+        return self._queue_store(request, tables, 0, n, running=False)
 
     def _queue_store(self, request: Request, tables: list[list[int]], start: int, n: int, running: bool) -> bool:
         """Queue the store of pool blocks `[start, n)` of every group whose device blocks are in
@@ -321,7 +323,8 @@ class PoolScheduler:
         skipped = [max(0, max(int(computed), self._reached.get(rid, 0)) - w + 1) if w else 0 for w in self.windows]
         bs = self.conn.block_size
         first_kept = [(k - bs) // self.bt + 1 if k >= bs else 0 for k in skipped]
-        view = [[NULL if i // self.factor < k else b for i, b in enumerate(t)] for t, k in zip(tables, first_kept)]
+        view = [whole_blocks([NULL if i // self.factor < k else b for i, b in enumerate(t)], self.factor) if w else t
+                for t, k, w in zip(tables, first_kept, self.windows)]
         self._queue_store(request, view, start, n, running=True)
         self._stored_upto[rid] = n
 
