@@ -94,6 +94,20 @@ def test_sliding_and_full_groups_are_shared_across_shapes(fleet):
     assert metric_total(y.url, HITS) == hits
 
 
+def _settled(count, quiet_s: float = 3.0, timeout_s: float = 120.0) -> float:
+    """`count()` once it has not changed for `quiet_s` (stores land on the ranks' threads after
+    the answers that caused them)."""
+    end = time.monotonic() + timeout_s
+    last, since = count(), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < end, "the store's key count never settled"
+        time.sleep(0.5)
+        now = count()
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 def test_a_pool_block_the_window_left_in_part_is_never_stored(fleet):
     """Y's engine blocks are 32 tokens, half a pool block. Y answers a 300-token prompt with 8
     tokens, so at its end (307 tokens computed) its window has freed tokens 192-223, the first
@@ -104,7 +118,7 @@ def test_a_pool_block_the_window_left_in_part_is_never_stored(fleet):
     master, x, y = fleet
     keys = lambda: metric_total(f"http://{master.host}:{master.metrics_port}", "master_key_count")  # noqa: E731
     text = prompt_text(44, 300)
-    before = keys()
+    before = _settled(keys)  # the stores of the test before (X's and Y's answers) have landed
     reference = request(y.url, text, 8)
     assert reference.ok, reference.error
     settle = time.monotonic() + 60

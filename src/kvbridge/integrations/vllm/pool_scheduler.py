@@ -295,11 +295,11 @@ class PoolScheduler:
         if ids is None:
             return []
         tables = self._tables(ids)
-        if rid in self._live:
+        if rid in self._live and self._running_stores:
             mine = self._blocks.get(rid)
-            if replace or mine is None:
+            if replace:
                 self._blocks[rid] = [list(t) for t in tables]
-            else:
+            elif mine is not None:  # none: its table was dropped (or never whole), its new blocks alone are not one
                 for have, new in zip(mine, tables):
                     have += new
         return tables
@@ -319,12 +319,10 @@ class PoolScheduler:
         # A sliding window's blocks before its reach are vLLM's to free (and hand out again) at
         # any schedule: device block i once (i + 1) * block_size <= computed - window + 1 (vLLM's
         # skipped tokens; this schedule freed with `computed`, a later one's frees come with the
-        # blocks it hands out). A window's pool block is read only while its first device block is held.
-        skipped = [max(0, max(int(computed), self._reached.get(rid, 0)) - w + 1) if w else 0 for w in self.windows]
-        bs = self.conn.block_size
-        first_kept = [(k - bs) // self.bt + 1 if k >= bs else 0 for k in skipped]
-        view = [whole_blocks([NULL if i // self.factor < k else b for i, b in enumerate(t)], self.factor) if w else t
-                for t, k, w in zip(tables, first_kept, self.windows)]
+        # blocks it hands out). A window's pool block is read only while all its device blocks are held.
+        edge, bs = max(int(computed), self._reached.get(rid, 0)), self.conn.block_size
+        view = [whole_blocks([NULL if (i + 1) * bs <= edge - w + 1 else b for i, b in enumerate(t)], self.factor)
+                if w else t for t, w in zip(tables, self.windows)]
         self._queue_store(request, view, start, n, running=True)
         self._stored_upto[rid] = n
 
