@@ -252,7 +252,9 @@ def pool(report: dict[str, Any]) -> list[str]:
            f"Transfer: {t['tokens']:,} tokens of `{t['spec']}` ({t['bytes'] / 2**20:.0f} MiB), stored by "
            f"{t['store_engine']}, loaded by {t['load_engine']}, median of {t['rounds']}: store "
            f"{t['store_gb_s']:.2f} GB/s ({t['store_vs_copy']:.3f} of a copy), load {t['load_gb_s']:.2f} GB/s "
-           f"({t['load_vs_copy']:.3f} of a copy), copy {t['copy_gb_s']:.1f} GB/s.", "",
+           f"({t['load_vs_copy']:.3f} of a copy)"
+           + (f", reload by the writer {t['reload_gb_s']:.2f} GB/s ({t['reload_vs_copy']:.3f} of a copy)"
+              if "reload_gb_s" in t else "") + f", copy {t['copy_gb_s']:.1f} GB/s.", "",
            f"Serving (`{sv['model']}`; `vllm bench serve {' '.join(sv['workload'])}`, {sv['prompts']} prompts, "
            f"{sv['concurrency']} in flight, sent to A (TP 1, block 64), then to B (TP 2, block 32)"
            + (f"; each instance warmed up with {sv['warmup']} prompts of its own, A's figures the medians of "

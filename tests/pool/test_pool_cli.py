@@ -16,7 +16,7 @@ def test_bench_pool_reports_gb_s_beside_a_copy():
     assert res.exit_code == 0, res.output
     out = json.loads(res.output[res.output.index("{"):])
     assert out["bytes"] > 0 and out["tokens"] == 256
-    for k in ("store_gb_s", "load_gb_s", "copy_gb_s", "store_vs_copy", "load_vs_copy"):
+    for k in ("store_gb_s", "load_gb_s", "reload_gb_s", "copy_gb_s", "store_vs_copy", "load_vs_copy", "reload_vs_copy"):
         assert out[k] > 0
 
 

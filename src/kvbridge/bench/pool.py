@@ -1,8 +1,10 @@
 """Shared-pool benchmarks (issue 23 point 5), measured side by side in one run.
 
 * `bench_pool_transfer`: one engine stores N pool blocks into a Mooncake Store, an engine of
-  another shape loads them; store and load GB/s (payload bytes over wall time, sealing and
-  checking included) beside a contiguous `torch` copy of the same number of bytes.
+  another shape loads them through another client (another instance's path: Mooncake's
+  transport) and through the writer's own (an instance reloading what it stored: in-memory when
+  the objects are in its own segment); store and load GB/s (payload bytes over wall time,
+  sealing and checking included) beside a contiguous `torch` copy of the same number of bytes.
 * `bench_pool_serve`: a shared-prefix workload (`vllm bench serve`, prefix repetition) sent to
   instance A (TP 1, block 64), then the same prompts to instance B (TP 2, block 32, another
   process), for three setups running side by side: plain vLLM prefix caching (B recomputes what
@@ -46,7 +48,7 @@ def bench_pool_transfer(tokens: int = 4096, rounds: int = 3, layers: int = 16, h
     from kvbridge.offload.keys import make_offload_key
     from kvbridge.offload.spec import GPULoadStoreSpec
     from kvbridge.pool.master import MooncakeMaster
-    from kvbridge.pool.store import StoreClient, StoreConfig
+    from kvbridge.pool.store import MIN_SEGMENT_BYTES, StoreClient, StoreConfig
     from kvbridge.pool.tier import PoolConfig, PoolTier
     from kvbridge.proofs.verify import random_bytes
     from kvbridge.transport.cache import RankCache
@@ -62,10 +64,12 @@ def bench_pool_transfer(tokens: int = 4096, rounds: int = 3, layers: int = 16, h
     work = Path(tempfile.mkdtemp(prefix="kvbridge-bench-pool-"))
     master = MooncakeMaster.start(work / "master.log")
     client = StoreClient(StoreConfig(master.address, master.metadata_url, segment_bytes=max(64 << 20, 2 * payload)))
-    out: dict[str, list[float]] = {"store_s": [], "load_s": [], "copy_s": []}
+    other = StoreClient(StoreConfig(master.address, master.metadata_url, segment_bytes=MIN_SEGMENT_BYTES))  # as a rank
+    out: dict[str, list[float]] = {"store_s": [], "load_s": [], "reload_s": [], "copy_s": []}
     try:
         cfg = PoolConfig(model_id="bench", block_tokens=block_tokens, staging_blocks=min(n, 32), secret=generate_secret())
-        writers, readers = [PoolTier(c, client, cfg) for c in src], [PoolTier(c, client, cfg) for c in dst]
+        writers = [PoolTier(c, client, cfg) for c in src]
+        readers, rereaders = [PoolTier(c, other, cfg) for c in dst], [PoolTier(c, client, cfg) for c in dst]
         a, b = torch.empty(payload, dtype=torch.uint8), torch.empty(payload, dtype=torch.uint8)
         a.random_(0, 255)
         for r in range(rounds):
@@ -75,6 +79,8 @@ def bench_pool_transfer(tokens: int = 4096, rounds: int = 3, layers: int = 16, h
             t1 = time.perf_counter()
             loaded = [t.load(keys, GPULoadStoreSpec(list(range(1, 1 + fd * n)), [fd * n], [0])) for t in readers]
             t2 = time.perf_counter()
+            loaded += [t.load(keys, GPULoadStoreSpec(list(range(1, 1 + fd * n)), [fd * n], [0])) for t in rereaders]
+            t2r = time.perf_counter()
             why = [w for res in stored + loaded for w in res.reasons]
             b.copy_(a)
             t3 = time.perf_counter()
@@ -83,17 +89,20 @@ def bench_pool_transfer(tokens: int = 4096, rounds: int = 3, layers: int = 16, h
             client.remove([name for k in keys for name in writers[0].layout.keys(k)])  # room for the next round
             out["store_s"].append(t1 - t0)
             out["load_s"].append(t2 - t1)
-            out["copy_s"].append(t3 - t2)
-        for t in writers + readers:
+            out["reload_s"].append(t2r - t2)
+            out["copy_s"].append(t3 - t2r)
+        for t in writers + readers + rereaders:
             t.close()
     finally:
+        other.close()
         client.close()
         master.stop()
     med = {k: statistics.median(v) for k, v in out.items()}
     gbs = {k.replace("_s", "_gb_s"): payload / v / 1e9 for k, v in med.items()}
     return {"spec": spec.describe(), "store_engine": src_l.describe(), "load_engine": dst_l.describe(),
             "tokens": n * block_tokens, "bytes": payload, "rounds": rounds, **gbs,
-            "store_vs_copy": med["copy_s"] / med["store_s"], "load_vs_copy": med["copy_s"] / med["load_s"]}
+            "store_vs_copy": med["copy_s"] / med["store_s"], "load_vs_copy": med["copy_s"] / med["load_s"],
+            "reload_vs_copy": med["copy_s"] / med["reload_s"]}
 
 
 def _hits(url: str) -> dict[str, float]:

@@ -226,7 +226,10 @@ def pool_table(out: dict[str, Any]) -> None:
     for col in ("", "GB/s", "vs copy"):
         table.add_column(col, justify="right" if col else "left")
     table.add_row("store (device -> staging -> seal -> put)", f"{out['store_gb_s']:.2f}", f"{out['store_vs_copy']:.3f}")
-    table.add_row("load (get -> check -> staging -> device)", f"{out['load_gb_s']:.2f}", f"{out['load_vs_copy']:.3f}")
+    table.add_row("load by another instance (get -> check -> staging -> device)", f"{out['load_gb_s']:.2f}",
+                  f"{out['load_vs_copy']:.3f}")
+    if "reload_gb_s" in out:
+        table.add_row("reload by the writer (its own segment)", f"{out['reload_gb_s']:.2f}", f"{out['reload_vs_copy']:.3f}")
     table.add_row("contiguous copy of the same bytes", f"{out['copy_gb_s']:.2f}", "1")
     console.print(table)
 

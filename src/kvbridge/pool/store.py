@@ -12,6 +12,7 @@ a load that cannot read recomputes, a store that cannot write is skipped.
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Sequence
 
 import msgspec
@@ -53,6 +54,11 @@ class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `metadata_url` is `P2PHANDSHAKE` (default) or the http URL of a metadata server.
     `segment_bytes` is host memory this client lends to the pool (0: it only reads and writes
     others' memory); `local_buffer_bytes` is Mooncake's own staging for non-registered copies.
+    `local_memcpy` lets Mooncake copy in memory when an object's replica is in this client's own
+    segment instead of going through its transport (`MC_STORE_MEMCPY`, process-wide, read when a
+    client is set up); `prefer_own_segment` asks the master to place this client's puts in its own
+    segment while it has room (else anywhere, as without it). Together they make a rank's stores a
+    memcpy: 1.6-3x faster puts measured here (docs/pool.md), and its own reloads 4x faster gets.
     """
 
     master: str
@@ -62,6 +68,8 @@ class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rdma_devices: str = ""
     segment_bytes: int = 64 << 20
     local_buffer_bytes: int = 16 << 20
+    local_memcpy: bool = True
+    prefer_own_segment: bool = True
 
     def __post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):
@@ -96,6 +104,9 @@ class StoreClient:
         self.config = config
         if not reachable(config.master):  # Mooncake would retry for 90 s before saying so
             raise PoolUnavailable(f"Mooncake Store master {config.master} does not accept connections")
+        from mooncake.store import ReplicateConfig
+
+        os.environ["MC_STORE_MEMCPY"] = "1" if config.local_memcpy else "0"
         self._store = MooncakeDistributedStore()
         rc = self._store.setup({"local_hostname": config.local_hostname, "metadata_server": config.metadata_url,
                                 "global_segment_size": config.segment_bytes,
@@ -104,6 +115,9 @@ class StoreClient:
         if rc != 0:
             self._store.close()
             raise PoolUnavailable(f"Mooncake Store at {config.master} refused this client (setup code {rc})")
+        self._put_config = ReplicateConfig()
+        if config.prefer_own_segment and config.segment_bytes:
+            self._put_config.preferred_segment = self._store.get_hostname()
         self._registered: list[tuple[int, int]] = []
         self.closed = False
         self.unreachable = 0
@@ -137,7 +151,8 @@ class StoreClient:
 
     def put(self, keys: Sequence[str], pieces: Sequence[Pieces]) -> list[int]:
         """Put each object from its runs; Mooncake's code per object (0: stored or already there)."""
-        return self._batched(self._store.batch_put_from_multi_buffers, keys, pieces)
+        return self._batched(lambda k, a, n: self._store.batch_put_from_multi_buffers(k, a, n, self._put_config),
+                             keys, pieces)
 
     def get(self, keys: Sequence[str], pieces: Sequence[Pieces]) -> list[int]:
         """Read each object into its runs; the object's size per object on success, < 0 on failure."""

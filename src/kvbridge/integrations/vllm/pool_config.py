@@ -66,6 +66,8 @@ class PoolSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     protocol: str = "tcp"
     rdma_devices: str = ""
     local_hostname: str = "127.0.0.1"
+    local_memcpy: bool = True
+    prefer_own_segment: bool = True
     load: bool = True
     store: bool = True
     load_async: bool = False
@@ -100,7 +102,8 @@ class PoolSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def store_config(self, lend: bool) -> StoreConfig:
         return StoreConfig(self.master, self.metadata_url or P2P_METADATA, self.local_hostname, self.protocol,
-                           rdma_devices=self.rdma_devices, segment_bytes=(self.segment_mib << 20) if lend else 0)
+                           rdma_devices=self.rdma_devices, segment_bytes=(self.segment_mib << 20) if lend else 0,
+                           local_memcpy=self.local_memcpy, prefer_own_segment=self.prefer_own_segment)
 
     def pool_config(self, model_id: str) -> PoolConfig:
         try:
