@@ -39,8 +39,11 @@ def prefix_workload(prefix_len: int = 512, num_prefixes: int = 4, output_len: in
 
 
 def bench_pool_transfer(tokens: int = 4096, rounds: int = 3, layers: int = 16, heads: int = 8,
-                        head_dim: int = 128, block_tokens: int = 64) -> dict[str, Any]:
-    """Store from TP 2 / block 16, load into TP 1 / block 64 (HND), through a real master."""
+                        head_dim: int = 128, block_tokens: int = 64, local_memcpy: bool = True) -> dict[str, Any]:
+    """Store from TP 2 / block 16, load into TP 1 / block 64 (HND), through a real master.
+
+    `local_memcpy=False` measures Mooncake's transport where it would copy in memory (the
+    writer's puts into its own segment, its reloads)."""
     import hashlib
 
     from kvbridge.core.layout import EngineLayout
@@ -63,8 +66,10 @@ def bench_pool_transfer(tokens: int = 4096, rounds: int = 3, layers: int = 16, h
     payload = sum(dst[0].addr.region_nbytes) // dst_l.num_blocks * n * fd  # one copy of n blocks, every head once
     work = Path(tempfile.mkdtemp(prefix="kvbridge-bench-pool-"))
     master = MooncakeMaster.start(work / "master.log")
-    client = StoreClient(StoreConfig(master.address, master.metadata_url, segment_bytes=max(64 << 20, 2 * payload)))
-    other = StoreClient(StoreConfig(master.address, master.metadata_url, segment_bytes=MIN_SEGMENT_BYTES))  # as a rank
+    client = StoreClient(StoreConfig(master.address, master.metadata_url, segment_bytes=max(64 << 20, 2 * payload),
+                                     local_memcpy=local_memcpy))
+    other = StoreClient(StoreConfig(master.address, master.metadata_url, segment_bytes=MIN_SEGMENT_BYTES,  # as a rank
+                                    local_memcpy=local_memcpy))
     out: dict[str, list[float]] = {"store_s": [], "load_s": [], "reload_s": [], "copy_s": []}
     try:
         cfg = PoolConfig(model_id="bench", block_tokens=block_tokens, staging_blocks=min(n, 32), secret=generate_secret())
