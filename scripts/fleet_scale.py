@@ -26,6 +26,9 @@ def main() -> int:
     ap.add_argument("--skip", action="append", default=[], choices=["decode", "prefill", "pool"])
     ap.add_argument("--pool-seconds", type=float, default=3.0)
     args = ap.parse_args()
+    from kvbridge.bench import exit_on_sigterm
+
+    exit_on_sigterm()  # a killed run still stops what it started
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the crowd processes inherit it
     from kvbridge.bench.fleet_scale import STEPS, decode_scan, prefill_scan, zmq_caps

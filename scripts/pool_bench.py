@@ -23,6 +23,9 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--skip-serve", action="store_true", help="only the transfer benchmark")
     args = ap.parse_args()
+    from kvbridge.bench import exit_on_sigterm
+
+    exit_on_sigterm()  # a killed run still stops what it started
     from kvbridge.bench.pool import bench_pool_serve, bench_pool_transfer
 
     out = {"transfer": bench_pool_transfer()}

@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-bench", action="store_true", help="no serving benchmark")
     parser.add_argument("--skip-pool", action="store_true", help="no pool benchmark")
     args = parser.parse_args(argv)
+    from kvbridge.bench import exit_on_sigterm
+
+    exit_on_sigterm()  # a killed run still stops what it started
     console = Console(width=160)
     report: dict = {}
     bad = False

@@ -119,7 +119,10 @@ def bench(
             raise ConfigError("--serve runs its own fleets: drop --transport, --offload, --staged and --engine")
         blocks = [b if ctx.get_parameter_source(n).name == "COMMANDLINE" else 32
                   for n, b in (("prefill_block_size", prefill_block_size), ("decode_block_size", decode_block_size))]
+        from kvbridge.bench import exit_on_sigterm
         from kvbridge.bench.serving import bench_serve
+
+        exit_on_sigterm()  # a killed run still stops the fleets it started
         with console.status("starting both fleets, then vllm bench serve in turns", spinner="dots") \
                 if not as_json else _nothing():
             rounds = repeats if ctx.get_parameter_source("repeats").name == "COMMANDLINE" else 3
