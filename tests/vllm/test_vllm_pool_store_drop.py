@@ -20,12 +20,12 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def seen(run_probe) -> dict:
-    return run_probe("vllm_pool_store_drop_probe.py", timeout_s=300)
+    return run_probe("vllm_pool_store_drop_probe.py")
 
 
 def test_a_running_requests_store_is_dropped_after_the_copy_in_progress(seen):
     assert seen["running_reads"] == [True, False]
-    assert seen["drop_waited_s"] >= 0.25  # the copy in progress (0.3 s) ended first
+    assert seen["drop_waited_s"] >= 0.25  # the copy in progress (held 0.3 s past the drop) ended first
 
 
 def test_a_finished_requests_store_is_never_dropped(seen):

@@ -8,8 +8,8 @@ drops each such store that still reads a block the step hands out or loads into,
 copy in progress, and a finished request's store (its blocks held by vLLM) is never dropped.
 
 The `PoolWorker`, its store thread, `Call`s and their device gates are the real ones; only the
-job a store runs is replaced by one that holds the device gate for a while (a copy out of the
-device in progress), so the probe needs no store and no registered cache. Prints one JSON object
+job a store runs is replaced by one that holds the device gate until the probe releases it (a
+copy out of the device in progress), so the probe needs no store and no registered cache. Prints one JSON object
 of observations; `test_vllm_pool_store_drop.py` asserts on them.
 """
 
@@ -26,56 +26,83 @@ from kvbridge.integrations.vllm.pool_config import PoolJob, PoolMetadata, PoolSe
 from kvbridge.integrations.vllm.pool_worker import PoolWorker
 
 COPY_S = 0.3
+WAIT_S = 300.0
+"""How long the probe waits for a thread to get somewhere: events, never fixed sleeps, so that a
+starved host slows the probe down without changing what it sees."""
 
 
 def main() -> dict:
-    settings = PoolSettings(master="127.0.0.1:1", insecure=True)
+    settings = PoolSettings(master="127.0.0.1:1", insecure=True, store_timeout_ms=3_600_000,
+                            load_timeout_ms=3_600_000)  # no store or load times out while the host is starved
     worker = PoolWorker(SimpleNamespace(settings=settings), rank=0, tp_size=1)
     worker._caches = {"layer": torch.zeros(1)}  # registered: jobs are submitted
     reads: dict[str, list[bool]] = {}
     started: dict[str, threading.Event] = {}
+    release: dict[str, threading.Event] = {}  # ends the job's first copy out of the device
+    proceed: dict[str, threading.Event] = {}  # lets it start the next (a lock is not fair: without it the
+    # store thread may take the gate again before the drop waiting for it does)
+    ended: dict[str, threading.Event] = {}
 
-    def job(call, kind, pj: PoolJob):  # a store reading the device twice, the first read slow
-        started[pj.request_id].set()
-        seen = reads.setdefault(pj.request_id, [])
+    def job(call, kind, pj: PoolJob):  # a store reading the device twice, the first read held open
+        rid = pj.request_id
+        started[rid].set()
+        seen = reads.setdefault(rid, [])
         with call.device_access() as ok:
             seen.append(ok)
-            time.sleep(COPY_S)
-        time.sleep(0.05)
+            release[rid].wait(WAIT_S)
+        proceed[rid].wait(WAIT_S)
         with call.device_access() as ok:
             seen.append(ok)
+        ended[rid].set()
         return SimpleNamespace(ok=True, reasons=[], seconds=0.0)
 
     worker._job = job
     out: dict = {}
 
-    def store(rid: str, blocks: list[int], running: bool) -> PoolJob:
-        started[rid] = threading.Event()
+    def expect(rid: str, held: bool = False) -> None:
+        started[rid], release[rid], proceed[rid], ended[rid] = (threading.Event() for _ in range(4))
+        if not held:
+            release[rid].set()
+            proceed[rid].set()
+
+    def store(rid: str, blocks: list[int], running: bool, held: bool = False) -> PoolJob:
+        expect(rid, held)
         return PoolJob(rid, [b"k"], blocks, (len(blocks),), (0,), running)
 
+    def settle(*rids: str) -> None:
+        """Until the jobs of `rids` returned and the worker saw their calls done."""
+        for rid in rids:
+            ended[rid].wait(WAIT_S)
+        end = time.monotonic() + WAIT_S
+        while time.monotonic() < end and not all(c.done.is_set() for r in rids for c, _ in worker._stores.get(r, [])):
+            time.sleep(0.01)
+
     # 1. A running request's store mid-copy, a finished request's store queued behind it.
-    worker.run(PoolMetadata(stores=[store("running", [5, 6], True), store("finished", [7], False)]))
-    started["running"].wait(5)
+    worker.run(PoolMetadata(stores=[store("running", [5, 6], True, held=True), store("finished", [7], False)]))
+    started["running"].wait(WAIT_S)
+    threading.Timer(COPY_S, release["running"].set).start()  # the copy in progress ends COPY_S from now
     t0 = time.monotonic()
     worker.drop_overwritten(PoolMetadata(allocated=[6, 7]))  # 6: handed out again; 7: a prefix hit on a held block
     out["drop_waited_s"] = time.monotonic() - t0
-    started["finished"].wait(5)
-    time.sleep(COPY_S + 0.2)
+    proceed["running"].set()
+    settle("running", "finished")
     out["running_reads"] = reads.get("running")
     out["finished_reads"] = reads.get("finished")
     res = worker.results({"running", "finished"})
     out["finished_sending_1"] = sorted(res.finished_sending)
     # 2. A load's blocks count as written; a store whose blocks the step leaves alone stays.
-    worker.run(PoolMetadata(stores=[store("a", [10, 11], True), store("b", [12], True)]))
-    started["a"].wait(5)
-    started["loading"] = threading.Event()
+    worker.run(PoolMetadata(stores=[store("a", [10, 11], True, held=True), store("b", [12], True)]))
+    started["a"].wait(WAIT_S)
+    expect("loading")
+    threading.Timer(COPY_S, release["a"].set).start()
     worker.run(PoolMetadata(loads=[PoolJob("loading", [b"k"], [11], (1,), (0,))]))
-    time.sleep(2 * COPY_S + 0.3)
+    proceed["a"].set()
+    settle("a", "b", "loading")
     out["a_reads"], out["b_reads"] = reads.get("a"), reads.get("b")
     out["finished_sending_2"] = sorted(worker.results({"a", "b"}).finished_sending)
     # 3. Not finished yet: nothing reported, however its stores ended.
     worker.run(PoolMetadata(stores=[store("c", [20], True)]))
-    time.sleep(COPY_S + 0.3)
+    settle("c")
     out["finished_sending_3"] = sorted(worker.results(set()).finished_sending)
     out["finished_sending_4"] = sorted(worker.results({"c"}).finished_sending)
     out["dropped"] = worker.tally.take().data.get("stores_dropped", 0)
