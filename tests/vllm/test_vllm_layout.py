@@ -132,8 +132,7 @@ def test_peer_layout_round_trip_and_refusals():
     with pytest.raises(IncompatibleEngines, match="HND, blocks_first, per_layer"):
         VllmCpuLayout(tp_size=1, kv_order="NHD", kv_placement="blocks_first")
     mla = ModelSpec.uniform(2, 1, 64, "float32", kinds=("mla",))
-    with pytest.raises(IncompatibleEngines, match="attention and recurrent"):
-        vllm_cpu_spec(mla)
+    assert vllm_cpu_spec(mla).layers == mla.layers  # an MLA latent is addressed as it is (see below)
     with pytest.raises(IncompatibleEngines, match="describe the model with vllm_cpu_spec"):
         layout.addressing(PLAIN, 0)
 
@@ -223,3 +222,39 @@ def test_hybrid_plans_land_state_and_kv_where_vllm_reads_them(p_tp, d_tp):
             assert torch.equal(got[r][li], want[r][li]), (r, li)  # every byte, and nothing else written
     state_bytes = 4 * ((KERNEL - 1) * (M_HEADS * M_DIM + 2 * GROUPS * STATE) + M_HEADS * M_DIM * STATE)
     assert plan.nbytes == 2 * state_bytes + 2 * 2 * n * H_KV * H_DIM * 4
+
+
+MLA_DIM = 96  # a latent row: kv_lora_rank values, then the rope part
+
+
+@pytest.mark.parametrize("p,d", [((1, 64), (2, 32)), ((2, 32), (1, 16)), ((1, 16), (4, 64))])
+def test_mla_latents_land_where_the_backend_reads(p, d):
+    """vLLM CPU's MLA backends keep `[blocks, block, latent]` per layer (CPU_MLA views it as rows
+    of the latent; AMX_MLA's cache-write was probed to place them the same way, and the pool
+    connector runs the layer's own cache-write at start): every rank holds every token's latent.
+    A plan from one TP and block size into another lands each row at its token's slot on every
+    destination rank, and nothing else is written."""
+    spec = vllm_cpu_spec(ModelSpec.uniform(LAYERS, 1, MLA_DIM, "float32", kinds=("mla",)))
+    src, dst = vllm_cpu_layout(p[0], p[1], 12), vllm_cpu_layout(d[0], d[1], 12)
+    n = 150
+    src_ids = list(range(11, 11 - -(-n // src.block_size), -1))
+    dst_ids = list(range(-(-n // dst.block_size)))[::-1]
+    values = torch.randn(LAYERS, n, MLA_DIM)
+
+    def engine(layout):
+        return [[torch.zeros(layout.num_kernel_blocks, layout.kernel_size, MLA_DIM) for _ in range(LAYERS)]
+                for _ in range(layout.tp_size)]
+
+    src_engine = engine(src)
+    kb, off = slots(src, src_ids, np.arange(n))
+    for tensors in src_engine:
+        for li, t in enumerate(tensors):
+            t[kb, off] = values[li]
+    plan = plan_request(spec, src, dst, Request.single_group(src_ids, dst_ids, n))
+    got = execute_between(spec, src, dst, plan, src_engine, engine(dst))
+    kb, off = slots(dst, dst_ids, np.arange(n))
+    for tensors in got:
+        for li, t in enumerate(tensors):
+            assert torch.equal(t[kb, off], values[li])
+            t[kb, off] = 0
+            assert not t.any()  # nothing outside the request's slots

@@ -45,8 +45,9 @@ every layer on one unified, padded page, and each tensor vLLM registers is check
 The prefill side holds back the last prompt token of a hybrid request (as vLLM's NixlConnector
 does), so the decode side receives the state after N-1 tokens and computes the last one once.
 
-Limits (each refused with a message, none silently wrong): no MLA (vLLM CPU runs MLA only at
-head sizes that no tiny test model has, so it is not described or tested), a hybrid grouping
+Limits (each refused with a message, none silently wrong): no MLA (vLLM CPU's MLA cache is
+described, `registration._mla_spec_and_layout`, and served by the pool connector, but no MLA
+prefill/decode pair has been tested through vLLM), a hybrid grouping
 other than one vLLM group per layer kind (start vLLM with `--disable-hybrid-kv-cache-manager`), no
 prefix caching of recurrent state (`mamba_cache_mode` other than "none"), one decode engine per
 prefill request (the proxy can name it with `"remote_decode_engine_id"` in the prefill params

@@ -18,6 +18,10 @@ inside the head, so two pieces describe it exactly:
 * `VllmCpuLayout`: an `EngineLayout` whose `addressing` puts each component's rows per head:
   component c of head h at `h * head_chunk + sum(N * row of earlier components)`.
 
+MLA layers (vLLM CPU's `CPU_MLA` and `AMX_MLA` backends) keep `[kernel blocks, tokens, latent]`:
+a token's latent (kv_lora_rank values, then the rope part) is one row, every rank holding all of
+it, so a plain `LayerSpec` of kind "mla" addresses it as it is.
+
 Planner, executors and transports use nothing else. Where both sides have the same kernel
 block size, consecutive runs coalesce into whole blocks; otherwise K moves in runs of one
 dimension's tokens (N x itemsize bytes).
@@ -58,13 +62,13 @@ def _cpu_components(heads: int, key_dim: int, value_dim: int) -> tuple[Component
 
 def vllm_cpu_spec(spec: ModelSpec) -> ModelSpec:
     """`spec` with every full/sliding attention layer as a `VllmCpuLayerSpec` (same geometry,
-    same fingerprint: the subclass only changes how components are addressed). Recurrent and
+    same fingerprint: the subclass only changes how components are addressed). MLA, recurrent and
     stateless layers stay as they are (see `vllm_conv_rows` for the conv state's row order)."""
     layers = []
     for i, layer in enumerate(spec.layers):
-        if layer.kind not in ("full", "sliding", "recurrent", "stateless"):
-            raise IncompatibleEngines(f"layer {i} is {layer.kind!r}: the vLLM CPU connector moves K/V attention "
-                                      f"and recurrent (Mamba-style) layers only")
+        if layer.kind not in ("full", "sliding", "mla", "recurrent", "stateless"):
+            raise IncompatibleEngines(f"layer {i} is {layer.kind!r}: the vLLM CPU connector moves K/V attention, "
+                                      f"MLA latents and recurrent (Mamba-style) layers only")
         if layer.kind in ("full", "sliding") and not isinstance(layer, VllmCpuLayerSpec):
             layer = VllmCpuLayerSpec(**msgspec.structs.asdict(layer))
         layers.append(layer)
@@ -174,7 +178,7 @@ def _cpu_addressing(spec: ModelSpec, layout: VllmCpuLayout, rank: int) -> Addres
         ncomp[li] = len(comps)
         if layer.is_stateless:
             continue
-        if not isinstance(layer, VllmCpuLayerSpec) and not layer.is_recurrent:
+        if not isinstance(layer, VllmCpuLayerSpec) and not layer.is_recurrent and layer.kind != "mla":
             raise IncompatibleEngines(
                 f"layer {li} ({layer.kind}) is not a VllmCpuLayerSpec: describe the model with vllm_cpu_spec()")
         g = spec.layer_group[li]
@@ -183,6 +187,15 @@ def _cpu_addressing(spec: ModelSpec, layout: VllmCpuLayout, rank: int) -> Addres
             region_nbytes.append(put_state_page(arrays, spec, li, layout, rank, page, len(region_nbytes)))
             continue
         kbs, nkb = layout.group_kernel_size(g), layout.group_num_kernel_blocks(g)
+        if layer.kind == "mla":  # [kernel block, token, latent]: one row per token, every rank all of it
+            if len(rows) != 1 or layer.tokens_per_row != 1:
+                raise IncompatibleEngines(f"layer {li}: vLLM CPU keeps one latent row per token; this MLA layer has "
+                                          f"{len(rows)} component(s) and {layer.tokens_per_row} token(s) per row")
+            bstride = page or kbs * rows[0]
+            _put(arrays, li, 0, region=len(region_nbytes), base=0, block_stride=bstride, token_stride=rows[0],
+                 head_stride=kbs * rows[0], row_bytes=rows[0], heads=1, first_head=0)
+            region_nbytes.append((nkb - 1) * bstride + kbs * rows[0])
+            continue
         h0, h1 = head_range(comps[0].heads, layout.tp_size, rank)
         head_chunk = kbs * sum(rows)  # one head of one kernel block: K^T, then V rows
         bstride = page or (h1 - h0) * head_chunk

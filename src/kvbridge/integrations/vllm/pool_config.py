@@ -118,29 +118,31 @@ def pool_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelS
     """The spec every rank registers, from the configs alone (the scheduler has no tensors).
 
     One group of full attention is read off vLLM's own group; several groups (vLLM's hybrid
-    allocator: full and sliding-window attention) come from the model's config through
-    transformers, as the worker's registration derives them, so both sides agree on the groups
-    and windows. Recurrent state (Mamba-style, kept per prefix only in vLLM's `align` mode) and
-    MLA are refused in one line."""
+    allocator: full and sliding-window attention) and MLA latents come from the model's config
+    through transformers, as the worker's registration derives them, so both sides agree on the
+    groups, windows and latent. Recurrent state (Mamba-style, kept per prefix only in vLLM's
+    `align` mode) is refused in one line."""
     mc = vllm_config.model_config
     groups = kv_cache_config.kv_cache_groups
     if getattr(kv_cache_config, "has_mamba_layers", False):
         raise IncompatibleEngines("KVBridgePoolConnector does not serve models with recurrent state (Mamba, gated delta "
                                   "net, short conv) through vLLM yet")
-    if mc.use_mla:
-        raise IncompatibleEngines("KVBridgePoolConnector does not serve MLA models through vLLM yet")
     kv = groups[0].kv_cache_spec
-    if len(groups) == 1 and not getattr(kv, "sliding_window", None):
+    if len(groups) == 1 and not getattr(kv, "sliding_window", None) and not mc.use_mla:
         heads, head = mc.get_total_num_kv_heads(), int(kv.head_size)
         layers = tuple(LayerSpec("full", heads, head, head) for _ in groups[0].layer_names)
         return vllm_cpu_spec(ModelSpec(layers, normalize_dtype(str(kv.dtype)), str(mc.model)))
     from kvbridge.models.config import spec_from_hf_config
 
     spec = spec_from_hf_config(mc.hf_config.to_dict(), dtype=normalize_dtype(str(kv.dtype)), view="engine", warn=False)
-    kinds = sorted({layer.kind for layer in spec.layers if not layer.is_stateless} - {"full", "sliding"})
-    if kinds:
-        raise IncompatibleEngines(f"KVBridgePoolConnector serves full and sliding-window attention through vLLM; this "
-                                  f"model also has {', '.join(kinds)} layers")
+    kinds = {layer.kind for layer in spec.layers if not layer.is_stateless}
+    odd = sorted(kinds - ({"mla"} if mc.use_mla else {"full", "sliding"}))
+    if mc.use_mla and any(layer.window is not None or layer.tokens_per_row != 1 for layer in spec.layers):
+        odd.append("sliding or compressed MLA")
+    if odd:
+        what = "plain MLA layers" if mc.use_mla else "full and sliding-window attention"
+        raise IncompatibleEngines(f"KVBridgePoolConnector serves {what} through vLLM; this model also has "
+                                  f"{', '.join(odd)} layers")
     if len(spec.groups) != len(groups):
         raise IncompatibleEngines(f"vLLM keeps this model's layers in {len(groups)} KV-cache group(s), kvbridge in "
                                   f"{len(spec.groups)} (one per attention kind); the pool serves it only with vLLM's "

@@ -42,9 +42,11 @@ first failure and the recovery are logged once each.
 Every KV-cache group of attention is served, full and sliding-window alike: a lookup counts
 the tokens every group can supply (the full groups' whole prefix, the sliding groups' last
 window before it: `offload.lookup.request_hits`), and a store writes, per group, the blocks
-still on the device (a window's slid-out blocks are vLLM's null block and are skipped).
-Limits, each refused in one line at start: recurrent state (Mamba-style layers) and MLA through
-vLLM, multimodal models, groups of different block sizes, an engine block size that does not
+still on the device (a window's slid-out blocks are vLLM's null block and are skipped). MLA
+latents too (DeepSeek-style; vLLM CPU's `[blocks, block, latent]` cache, its cache-write checked
+at start): rank 0 writes each latent object, every rank reads it.
+Limits, each refused in one line at start: recurrent state (Mamba-style layers), sliding or
+compressed MLA, multimodal models, groups of different block sizes, an engine block size that does not
 divide `block_tokens`. A sliding group's blocks are stored while its window still holds them
 (during a long decode, as they fill; otherwise those the window holds when the request ends).
 """

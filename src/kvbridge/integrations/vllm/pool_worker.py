@@ -31,7 +31,7 @@ from vllm.logger import init_logger
 from kvbridge.errors import IncompatibleEngines
 from kvbridge.integrations.vllm.pool_config import PoolJob, PoolMetadata, announce, one_line, vllm_staging
 from kvbridge.integrations.vllm.pool_metrics import StatsTally
-from kvbridge.integrations.vllm.registration import spec_and_layout
+from kvbridge.integrations.vllm.registration import check_cpu_mla_layout, spec_and_layout
 from kvbridge.pool.background import Call, PoolThread, Prober
 from kvbridge.pool.breaker import Breaker
 from kvbridge.pool.store import PoolUnavailable, StoreClient
@@ -78,6 +78,8 @@ class PoolWorker:
         if spec.fingerprint() != self.conn.spec.fingerprint() or spec.num_layers != self.conn.spec.num_layers:
             raise IncompatibleEngines(f"KVBridgePoolConnector: the registered cache ({spec.describe()}) differs from "
                                       f"the one the scheduler derived from the configs ({self.conn.spec.describe()})")
+        if spec.is_mla:
+            check_cpu_mla_layout(self.conn._vllm_config, names[0], kv_caches[names[0]])
         self._caches = kv_caches
         # The VllmCpuLayout itself: its addressing places K transposed per head (a plain
         # EngineLayout of the same fields describes other bytes, and same-shape round trips hid it).

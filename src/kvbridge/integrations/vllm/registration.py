@@ -5,7 +5,9 @@ checked against it, so that a vLLM whose cache differs is refused instead of mis
 block, 2 * head_dim]` per layer, checked by shape and against vLLM's own CPU cache-write kernel,
 `check_cpu_kv_layout`); several groups or Mamba-style state (vLLM's hybrid allocator): the
 geometry from the model's config through transformers, the conv state in vLLM's row order, one
-unified padded page per block id, every registered tensor's shape and block stride checked.
+unified padded page per block id, every registered tensor's shape and block stride checked; MLA
+(vLLM CPU's `[blocks, block, latent]` per layer): the geometry from the config, each tensor's shape
+checked, and the layer's own cache-write run on a scratch block (`check_cpu_mla_layout`).
 `group_order`: vLLM's groups in kvbridge's order (by first layer) with their block sizes.
 """
 
@@ -43,6 +45,8 @@ def spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_
     from vllm.model_executor.models.utils import extract_layer_index
 
     mc = vllm_config.model_config
+    if mc.use_mla:
+        return _mla_spec_and_layout(vllm_config, kv_cache_config, kv_caches, tp_size)
     layout_name = str(getattr(vllm_config.cache_config.get_resolved_kv_cache_layout(), "name", ""))
     if layout_name and layout_name != "LBHNC":
         raise IncompatibleEngines(f"KVBridgeConnector describes vLLM CPU's LBHNC cache; this engine uses {layout_name}")
@@ -73,6 +77,77 @@ def spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_
         raise IncompatibleEngines(f"cache has {local_heads} KV heads per rank; {total_heads} over TP {tp_size} "
                                   f"gives {max(1, total_heads // tp_size)}")
     return spec, vllm_cpu_layout(tp_size, block_size, num_blocks, kbs), names
+
+
+def _mla_spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_caches: dict[str, torch.Tensor],
+                         tp_size: int) -> tuple[ModelSpec, VllmCpuLayout, list[str]]:
+    """MLA layers in one KV-cache group: the latent geometry from the model's config through
+    transformers (kv_lora_rank + rope dims), each registered tensor `[kernel blocks, kernel block
+    tokens, latent]` of the whole latent on every rank, and the layers' own cache-write checked
+    (`check_cpu_mla_layout`). Sliding or compressed MLA (DeepSeek-V4) is refused."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    from kvbridge.models.config import spec_from_hf_config
+
+    mc = vllm_config.model_config
+    if len(kv_cache_config.kv_cache_groups) != 1 or kv_cache_config.has_mamba_layers:
+        raise IncompatibleEngines(f"an MLA model in {len(kv_cache_config.kv_cache_groups)} KV-cache groups; the vLLM "
+                                  f"CPU connectors describe MLA in one group of full attention only")
+    names = sorted(kv_caches, key=extract_layer_index)
+    first = kv_caches[names[0]]
+    spec = spec_from_hf_config(mc.hf_config.to_dict(), dtype=normalize_dtype(str(first.dtype)), view="engine",
+                               warn=False)
+    held = [i for i, layer in enumerate(spec.layers) if not layer.is_stateless]
+    if [extract_layer_index(n) for n in names] != held:
+        raise IncompatibleEngines(f"vLLM caches layers {[extract_layer_index(n) for n in names]}; the model's config "
+                                  f"gives a latent to {held}")
+    odd = sorted({f"{layer.kind} (window {layer.window}, {layer.tokens_per_row} tokens per row)"
+                  for i, layer in enumerate(spec.layers) if i in held
+                  and (layer.kind != "mla" or layer.window is not None or layer.tokens_per_row != 1)})
+    if odd:
+        raise IncompatibleEngines(f"an MLA model whose layers are also {', '.join(odd)}; the vLLM CPU connectors "
+                                  f"describe plain MLA layers only")
+    spec = vllm_cpu_spec(ModelSpec(spec.layers, spec.dtype, str(mc.model)))
+    latent = spec.layers[held[0]].key_dim
+    num_blocks, block_size = int(kv_cache_config.num_blocks), int(vllm_config.cache_config.block_size)
+    for name in names:
+        t = kv_caches[name]
+        rows = t.squeeze(1) if t.dim() == 4 and t.shape[1] == 1 else t  # vLLM 0.32 registers [blocks, 1, block, latent]
+        if (rows.dim() != 3 or t.shape != first.shape or t.dtype != first.dtype or rows.shape[2] != latent
+                or rows.shape[0] * rows.shape[1] != num_blocks * block_size or not t.is_contiguous()):
+            raise IncompatibleEngines(
+                f"layer {name}: expected vLLM CPU's MLA cache [blocks, (1,) block tokens, {latent}] of {num_blocks} "
+                f"blocks of {block_size} tokens like the first layer {tuple(first.shape)} {first.dtype}, got "
+                f"{tuple(t.shape)} {t.dtype}")
+    return spec, vllm_cpu_layout(tp_size, block_size, num_blocks, int(first.shape[-2])), names
+
+
+def check_cpu_mla_layout(vllm_config: VllmConfig, layer_name: str, cache: torch.Tensor) -> str:
+    """Run the MLA layer's own cache-write (its backend's `do_kv_cache_update`) on a scratch
+    cache and check that a token's latent (kv_lora_rank values, then the rope part) lands as one
+    row at its slot and nothing else is written; returns the backend's class name. Refuses (naming
+    it) a backend that places the bytes otherwise."""
+    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
+    impl = getattr(layer, "impl", None)
+    rank, rope = getattr(impl, "kv_lora_rank", None), getattr(impl, "qk_rope_head_dim", None)
+    if impl is None or not isinstance(rank, int) or not isinstance(rope, int):
+        raise IncompatibleEngines(f"layer {layer_name}: no MLA attention implementation with kv_lora_rank and "
+                                  f"qk_rope_head_dim to check vLLM's cache-write against")
+    name, dtype, kbs, n = type(impl).__name__, cache.dtype, int(cache.shape[-2]), 5
+    if int(cache.shape[-1]) != rank + rope:
+        raise IncompatibleEngines(f"layer {layer_name}: a latent row of {int(cache.shape[-1])} values, but "
+                                  f"kv_lora_rank {rank} + rope {rope}")
+    scratch = torch.zeros(3, kbs, rank + rope, dtype=dtype)  # the registered [blocks, 1, block, latent]'s bytes
+    kv_c = (torch.arange(n * rank, dtype=torch.float32) % 251 + 1).to(dtype).view(n, rank)
+    k_pe = -(torch.arange(n * rope, dtype=torch.float32) % 241 + 1).to(dtype).view(n, 1, rope)
+    slots = torch.tensor([1, kbs - 1, kbs + 3, 2 * kbs, 3 * kbs - 1], dtype=torch.int64)
+    impl.do_kv_cache_update(kv_c, k_pe, scratch, slots, "auto", torch.ones(1, dtype=torch.float32))
+    want = torch.zeros(3 * kbs, rank + rope, dtype=dtype)
+    want[slots] = torch.cat([kv_c, k_pe[:, 0]], dim=1)
+    if not torch.equal(scratch.reshape(-1, rank + rope), want):
+        raise IncompatibleEngines(f"vLLM's MLA backend {name} does not write a token's latent as one row at its slot "
+                                  f"(kv_lora_rank values, then rope); kvbridge describes [blocks, block, latent]")
+    return name
 
 
 def _hybrid_spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
@@ -174,4 +249,4 @@ def check_cpu_kv_layout(dtype: torch.dtype, block_size: int, head_size: int, kv_
     return isa
 
 
-__all__ = ["check_cpu_kv_layout", "group_order", "spec_and_layout"]
+__all__ = ["check_cpu_kv_layout", "check_cpu_mla_layout", "group_order", "spec_and_layout"]

@@ -106,6 +106,26 @@ def make_tiny_hybrid(path: str | Path, *, kind: str = "nemotron_h", seed: int = 
     return path
 
 
+def make_tiny_mla(path: str | Path, *, seed: int = 0, num_layers: int = 2) -> Path:
+    """A tiny random DeepSeek-V2 (MLA, dense MLPs) that vLLM CPU runs: its MLA backends take only
+    DeepSeek's latent of 576 (kv_lora_rank 512 + rope 64), so those two are real size; 4 query
+    heads of 32 + 64 dims, hidden 128. vLLM CPU's AMX backend takes bfloat16 weights only: serve it
+    with `--dtype bfloat16`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.DeepseekV2Config(
+        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+        qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=num_layers, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, max_position_embeddings=1024, initializer_range=0.2, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None)
+    path = Path(path)
+    transformers.DeepseekV2ForCausalLM(config).save_pretrained(path)
+    return path
+
+
 def make_tiny_lora(model_dir: str | Path, out_dir: str | Path, *, seed: int, rank: int = 8,
                    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> Path:
     """A random PEFT LoRA adapter for the tiny llama at `model_dir`, strong enough to change greedy tokens."""
