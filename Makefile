@@ -70,6 +70,14 @@ serve-check: $(STAMP) $(VLLM_VENV)/.installed
 pool-bench: $(STAMP) $(VLLM_VENV)/.installed
 	$(BIN)/python scripts/pool_bench.py --out pool-bench.json
 
+# The long fleet tests (tests/vllm, marked `fleet`): a supervised fleet losing members, the router
+# dropping a dead member, a fleet across two hosts, two fleets side by side. Each is minutes of vLLM
+# starts and restarts (about 13 minutes together on a 2-core machine), so `make test` skips them
+# and runs tests/vllm/test_vllm_serve.py as its fleet sample. KVBRIDGE_SUPERVISE_ALL=1 kills every kind.
+.PHONY: fleet-tests
+fleet-tests: $(STAMP) $(VLLM_VENV)/.installed
+	KVBRIDGE_VLLM_TESTS=1 KVBRIDGE_FLEET_TESTS=1 $(BIN)/python -m pytest -q -m fleet tests/vllm
+
 # A fleet's per-rank cost as it grows (connections, descriptors, ZMQ sockets, memory, handshakes;
 # 2..64 engines of TP 8 a side, simulated in a few processes) and the pool's lookups per second
 # against one mooncake_master (docs/serving.md, "Scale"). About 7 minutes on a 2-core machine.

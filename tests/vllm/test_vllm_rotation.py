@@ -19,7 +19,7 @@ from kvbridge.proofs.vllm.cluster import free_ports
 from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
 from kvbridge.testing.rotation import errors_by_second, starved_member
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.fleet]  # `make fleet-tests`: minutes of vLLM (re)starts
 
 
 def test_a_killed_member_leaves_rotation_in_seconds_and_a_starved_one_stays(vllm_env, tmp_path):

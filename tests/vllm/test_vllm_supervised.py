@@ -30,7 +30,7 @@ from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
 from kvbridge.testing.serving import prompt_text, request
 from kvbridge.testing.supervision import KINDS, ServeProcess, _running, kill_and_recover, supervised_fleet_argv
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.fleet]  # `make fleet-tests`: minutes of vLLM (re)starts
 # Each instance restart is a vLLM start (about a minute on an idle 2-core machine): the default run
 # kills one instance and the master, a bounded sample for CI; KVBRIDGE_SUPERVISE_ALL=1 kills each
 # kind (prefill, decode, master), as the check does.

@@ -15,7 +15,7 @@ from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
 from kvbridge.testing.serving import prompt_text, request
 from kvbridge.transport.ports import PortReservations
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.fleet]  # `make fleet-tests`: minutes of vLLM (re)starts
 
 
 def test_two_fleets_start_side_by_side_and_stop_apart(vllm_env, tmp_path):

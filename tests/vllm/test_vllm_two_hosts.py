@@ -30,7 +30,7 @@ from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
 from kvbridge.testing.serving import first_json_line, prompt_text, request, transfer_events
 from kvbridge.transport.ports import PortReservations
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.fleet]  # `make fleet-tests`: minutes of vLLM (re)starts
 START_S = 1200.0
 CLIENT = Path(__file__).with_name("netns_client.py")
 
