@@ -30,6 +30,9 @@ from kvbridge.core.secrets import generate_secret
 from kvbridge.testing.serving import metric_total
 
 SETUPS = ("prefix cache only", "kvbridge pool", "vLLM CPU offload")
+POOL_SETUPS: dict[str, dict[str, Any]] = {"kvbridge pool": {}, "kvbridge pool, async loads": {"load_async": True}}
+"""Setups that run the pool connector, with what each sets beyond the defaults (the second is for
+comparing vLLM's asynchronous load path; both share one master, so its A finds A's objects stored)."""
 
 
 def prefix_workload(prefix_len: int = 512, num_prefixes: int = 4, output_len: int = 8) -> list[str]:
@@ -191,7 +194,7 @@ def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: 
     secret = work / "pool.key"
     secret.write_bytes(os.urandom(32))
     secret.chmod(0o600)
-    master = MooncakeMaster.start(work / "master.log") if "kvbridge pool" in setups else None
+    master = MooncakeMaster.start(work / "master.log") if set(setups) & set(POOL_SETUPS) else None
     rows: dict[str, dict[str, Any]] = {s: {"setup": s} for s in setups}
     members: dict[str, tuple[Any, Any]] = {}
     used: set[int] = set()
@@ -200,11 +203,11 @@ def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: 
         log_dir.mkdir(parents=True, exist_ok=True)
         config = FleetConfig(model=Path(model), prefill=[], decode=[], log_dir=log_dir, max_model_len=1024)
         kv = None
-        if setup == "kvbridge pool":
+        if setup in POOL_SETUPS:
             kv = {"kv_connector": "KVBridgePoolConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
                       "master": master.address, "metadata_url": master.metadata_url, "secret_file": str(secret),
-                      "block_tokens": 64, "segment_mib": 256}}
+                      "block_tokens": 64, "segment_mib": 256, **POOL_SETUPS[setup]}}
         pa = free_ports(1, used)
         pb = free_ports(1, used | {pa})
         used |= {pa, pb}
