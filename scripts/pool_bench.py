@@ -2,7 +2,7 @@
 
 Store/load GB/s beside a contiguous copy, then the shared-prefix serving comparison (plain prefix
 caching, the kvbridge pool, vLLM's CPU offload) on two `vllm serve` instances of different shapes,
-and the same with 256-token replies (A stores while it decodes). About 35-45 minutes on a 2-core
+then every prompt a new prefix, random prompts, and 256-token replies (A stores while it decodes). About 35-45 minutes on a 2-core
 machine; docs/pool.md holds the figures.
 """
 
@@ -38,6 +38,10 @@ def main() -> int:
         out["serve_distinct"] = bench_pool_serve(prompts=8, concurrency=1, num_prefixes=8, layers=12, heads=16,
                                                  setups=("prefix cache only", "kvbridge pool"))
         print(json.dumps(out["serve_distinct"]["rows"]), flush=True)
+        # Random prompts (vllm bench serve's random dataset): no shared prefix at all.
+        out["serve_random"] = bench_pool_serve(prompts=args.prompts, dataset="random",
+                                               setups=("prefix cache only", "kvbridge pool"))
+        print(json.dumps(out["serve_random"]["rows"]), flush=True)
         # 256-token replies: A stores each request's blocks while it decodes, beside A without the pool.
         out["serve_long_decode"] = bench_pool_serve(prompts=args.prompts, output_len=256,
                                                     setups=("prefix cache only", "kvbridge pool"))

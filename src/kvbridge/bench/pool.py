@@ -35,6 +35,13 @@ POOL_SETUPS: dict[str, dict[str, Any]] = {"kvbridge pool": {}, "kvbridge pool, a
 comparing vLLM's asynchronous load path; both share one master, so its A finds A's objects stored)."""
 
 
+def random_workload(input_len: int = 576, output_len: int = 8) -> list[str]:
+    """Prompts of random tokens (`vllm bench serve --dataset-name random`): no two share a prefix,
+    so B's hits come from the pool alone (B gets A's first round: the same seed)."""
+    return ["--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+            "--random-range-ratio", "0"]
+
+
 def prefix_workload(prefix_len: int = 512, num_prefixes: int = 4, output_len: int = 8) -> list[str]:
     return ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(prefix_len),
             "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", str(num_prefixes),
@@ -164,7 +171,7 @@ def _start(members: list, deadline_s: float = 1800.0) -> str | None:
 def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: int = 4,
                      python: str | None = None, work: Path | None = None, num_prefixes: int = 4,
                      layers: int = 6, heads: int = 8, setups: tuple[str, ...] = SETUPS, rounds: int = 3,
-                     warmup: int = 8, output_len: int = 8) -> dict[str, Any]:
+                     warmup: int = 8, output_len: int = 8, dataset: str = "prefix_repetition") -> dict[str, Any]:
     """The setups side by side (see the module doc); returns A's and B's figures per setup.
 
     Every setup's instances run at once (started together; one that does not start is its
@@ -178,8 +185,12 @@ def bench_pool_serve(model: Path | None = None, prompts: int = 16, concurrency: 
 
     `num_prefixes == prompts` makes every prompt the first of its prefix: on B each one is a
     local miss, so the pool's effect is not averaged with local hits. `output_len` of 64 or more
-    makes A store its requests' blocks while they decode, too."""
-    workload = prefix_workload(512, num_prefixes, output_len)
+    makes A store its requests' blocks while they decode, too. `dataset="random"`: prompts of
+    576 random tokens instead (`num_prefixes` unused), none sharing a prefix with another."""
+    if dataset not in ("prefix_repetition", "random"):
+        raise ValueError(f"dataset must be 'prefix_repetition' or 'random', got {dataset!r}")
+    workload = (random_workload(576, output_len) if dataset == "random"
+                else prefix_workload(512, num_prefixes, output_len))
     from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, vllm_serve_member
     from kvbridge.integrations.vllm.fleet_processes import find_tool, stop_session, vllm_python
     from kvbridge.pool.master import MooncakeMaster
