@@ -25,18 +25,16 @@ import time
 import pytest
 import torch
 
-from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, vllm_serve_member
-from kvbridge.pool.master import MooncakeMaster
-from kvbridge.proofs.vllm.cluster import free_ports
+from pool_fleet import pool_fleet
+
+from kvbridge.integrations.vllm.fleet import InstanceShape
 from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_mla
-from kvbridge.testing.members import running
 from kvbridge.testing.serving import metric_total, prompt_text, request
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
     not torch.cpu._is_amx_tile_supported(),
     reason="no AMX tiles on this CPU: vLLM CPU 0.32 then serves MLA with prefix caching off, so no instance answers "
            "from cached latents to compare a pool load with")]
-START_S = 900.0
 HITS = "vllm:external_prefix_cache_hits_total"
 GOT = "vllm:kvbridge_pool_objects_got_total"
 LAYERS = 2  # objects per pool block: one latent per layer
@@ -47,28 +45,10 @@ X_BLOCK, OTHER_BLOCK = 64, 32  # AMX_MLA takes multiples of 32
 def fleet(vllm_env, tmp_path_factory):
     work = tmp_path_factory.mktemp("vllm-pool-mla")
     model = add_byte_tokenizer(make_tiny_mla(work / "tiny-mla", seed=5, num_layers=LAYERS))
-    (work / "pool.key").write_bytes(b"m" * 32)
-    (work / "pool.key").chmod(0o600)
-    vllm = str(vllm_env.python.parent / "vllm")
-    master = MooncakeMaster.start(work / "master.log")
-    config = FleetConfig(model=model, prefill=[], decode=[], log_dir=work, dtype="bfloat16")
-    kv = {"kv_connector": "KVBridgePoolConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
-          "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
-              "master": master.address, "secret_file": str(work / "pool.key"), "block_tokens": 64,
-              "segment_mib": 32, "staging_blocks": 16,
-              # A starved host answers late: a late lookup is a miss and opens the breaker, which drops stores.
-              "lookup_timeout_ms": 60_000, "load_timeout_ms": 120_000, "store_timeout_ms": 120_000,
-              "max_backoff_s": 5}}
-    ports = free_ports(3, set(master.ports))
     shapes = (("x", InstanceShape(tp=1, block=X_BLOCK)), ("z", InstanceShape(tp=1, block=OTHER_BLOCK)),
               ("y", InstanceShape(tp=2, block=OTHER_BLOCK)))
-    members = [vllm_serve_member(config, vllm, name, shape, ports + i, work, kv=kv)
-               for i, (name, shape) in enumerate(shapes)]
-    try:
-        with running(members, work, START_S):
-            yield master, *members
-    finally:
-        master.stop()
+    with pool_fleet(vllm_env, work, model, shapes, b"m" * 32, dtype="bfloat16") as members:
+        yield members
 
 
 def _reaches(url: str, name: str, want: float, timeout_s: float = 60.0) -> float:

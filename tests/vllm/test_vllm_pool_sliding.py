@@ -19,15 +19,13 @@ import time
 
 import pytest
 
-from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, vllm_serve_member
-from kvbridge.pool.master import MooncakeMaster
-from kvbridge.proofs.vllm.cluster import free_ports
+from pool_fleet import pool_fleet
+
+from kvbridge.integrations.vllm.fleet import InstanceShape
 from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
-from kvbridge.testing.members import running
 from kvbridge.testing.serving import metric_total, prompt_text, request, tokenize
 
 pytestmark = pytest.mark.vllm
-START_S = 900.0
 WINDOW = 64
 HITS = "vllm:external_prefix_cache_hits_total"
 HEADS = 2  # objects per pool block, layer and group: one per KV head
@@ -37,27 +35,9 @@ HEADS = 2  # objects per pool block, layer and group: one per KV head
 def fleet(vllm_env, tmp_path_factory):
     work = tmp_path_factory.mktemp("vllm-pool-sliding")
     model = add_byte_tokenizer(make_tiny_llama(work / "tiny-sliding", seed=7, sliding_window=WINDOW))
-    (work / "pool.key").write_bytes(b"k" * 32)
-    (work / "pool.key").chmod(0o600)
-    vllm = str(vllm_env.python.parent / "vllm")
-    master = MooncakeMaster.start(work / "master.log")
-    config = FleetConfig(model=model, prefill=[], decode=[], log_dir=work)
-    kv = {"kv_connector": "KVBridgePoolConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
-          "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
-              "master": master.address, "secret_file": str(work / "pool.key"), "block_tokens": 64,
-              "segment_mib": 32, "staging_blocks": 16,
-              # A starved host answers late: a late lookup is a miss and opens the breaker, which drops stores.
-              "lookup_timeout_ms": 60_000, "load_timeout_ms": 120_000, "store_timeout_ms": 120_000,
-              "max_backoff_s": 5}}
-    ports = free_ports(2, set(master.ports))
-    members = [vllm_serve_member(config, vllm, name, shape, port, work, kv=kv)
-               for name, shape, port in (("x", InstanceShape(tp=1, block=64), ports),
-                                         ("y", InstanceShape(tp=2, block=32), ports + 1))]
-    try:
-        with running(members, work, START_S):
-            yield master, *members
-    finally:
-        master.stop()
+    with pool_fleet(vllm_env, work, model, (("x", InstanceShape(tp=1, block=64)), ("y", InstanceShape(tp=2, block=32))),
+                    b"k" * 32) as members:
+        yield members
 
 
 def test_sliding_and_full_groups_are_shared_across_shapes(fleet):

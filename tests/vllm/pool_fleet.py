@@ -1,0 +1,41 @@
+"""Shared by the vLLM pool tests: `vllm serve` instances of given shapes, each with the pool
+connector, on one real `mooncake_master` and one secret file, with deadlines a starved 2-core host
+needs (a late lookup is a miss and opens the breaker, which drops stores)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, vllm_serve_member
+from kvbridge.pool.master import MooncakeMaster
+from kvbridge.proofs.vllm.cluster import free_ports
+from kvbridge.testing.members import running
+
+START_S = 900.0
+
+
+@contextmanager
+def pool_fleet(vllm_env, work: Path, model: Path, shapes: Sequence[tuple[str, InstanceShape]], secret: bytes,
+               dtype: str = "float32") -> Iterator[tuple]:
+    """(master, member per shape in order), started; everything stopped on exit."""
+    (work / "pool.key").write_bytes(secret)
+    (work / "pool.key").chmod(0o600)
+    vllm = str(vllm_env.python.parent / "vllm")
+    master = MooncakeMaster.start(work / "master.log")
+    config = FleetConfig(model=model, prefill=[], decode=[], log_dir=work, dtype=dtype)
+    kv = {"kv_connector": "KVBridgePoolConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
+          "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
+              "master": master.address, "secret_file": str(work / "pool.key"), "block_tokens": 64,
+              "segment_mib": 32, "staging_blocks": 16,
+              "lookup_timeout_ms": 60_000, "load_timeout_ms": 120_000, "store_timeout_ms": 120_000,
+              "max_backoff_s": 5}}
+    ports = free_ports(len(shapes), set(master.ports))
+    members = [vllm_serve_member(config, vllm, name, shape, ports + i, work, kv=kv)
+               for i, (name, shape) in enumerate(shapes)]
+    try:
+        with running(members, work, START_S):
+            yield (master, *members)
+    finally:
+        master.stop()
