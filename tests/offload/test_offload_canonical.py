@@ -102,16 +102,36 @@ def test_unshardable_tp_is_refused_before_anything_moves():
         pool.factor_for(HYBRID, EngineLayout(tp_size=3, block_size=4))
 
 
-def test_recurrent_groups_are_refused():
-    try:
-        from kvbridge.core.spec import Component
-        mamba = LayerSpec("recurrent", 0, 0, 0, state=(Component("conv", 4, 3), Component("ssm", 4, 8)))
-    except Exception as e:  # pragma: no cover - depends on the spec module's recurrent support
-        pytest.skip(f"this kvbridge.core.spec has no recurrent layers ({e})")
+def test_a_recurrent_checkpoint_moves_between_tp_sizes_unit_by_unit():
+    """A checkpoint stored from TP 1 lands in a TP 2 engine's state slot, each rank its own units
+    (Mamba2's conv B/C by group, x and the SSM state by head), and nothing else is written."""
+    from kvbridge.core.spec import Component
+
+    mamba = LayerSpec("recurrent", state=(Component("conv_x", 4, 3), Component("conv_b", 1, 6),
+                                          Component("ssm", 4, 8, "float32")), recurrent_type="mamba2", conv_rows=3)
     spec = ModelSpec((LayerSpec("full", 4, 8, 8), mamba), "bfloat16")
-    pool = CPUPool.canonical(spec, 8, 2, pin_memory=False)
-    with pytest.raises(NotCanonicalizable, match=r"group\(s\) \[1\] hold recurrent \(Mamba/SSM\) state"):
-        pool.factor_for(spec, EngineLayout(block_size=4))
+    writer = RankCache.allocate_engine(spec, EngineLayout(block_size=4, num_blocks=6), fill=None)
+    reader = RankCache.allocate_engine(spec, EngineLayout(tp_size=2, block_size=8, num_blocks=6), fill=None)
+    random_bytes(writer, 1)
+    random_bytes(reader, 2)
+    before = [[r.clone() for r in c.regions] for c in reader]
+    pool = CPUPool.canonical(spec, 8, 3, pin_memory=False)
+    with OffloadWorker(writer, pool) as w:  # the checkpoint in device block 5 -> slot 2
+        w.wait([w.submit((GPULoadStoreSpec([5], (0, 1), (0, 1)), CPULoadStoreSpec([2])))])
+    for rc in reader:
+        with OffloadWorker([rc], pool) as w:  # slot 2 -> the reader's block 3
+            w.wait([w.submit((CPULoadStoreSpec([2]), GPULoadStoreSpec([3], (0, 1), (0, 0))))])
+    for rc, old in zip(reader, before):
+        a, units = rc.addr, set()
+        for ci, comp in enumerate(mamba.state):
+            u0, n = int(a.first_head[1, ci]), int(a.heads[1, ci])
+            got = rc.logical_view(1, ci, as_int=True)[3, 0]
+            assert torch.equal(got, writer[0].logical_view(1, ci, as_int=True)[5, 0, u0:u0 + n])
+            start = int(a.base[1, ci]) + 3 * int(a.block_stride[1, ci])
+            units |= set(range(start, start + n * int(a.row_bytes[1, ci])))
+        changed = [(i, set((r.view(torch.uint8) != o.view(torch.uint8)).nonzero().flatten().tolist()))
+                   for i, (r, o) in enumerate(zip(rc.regions, old))]
+        assert all(not d or (i == int(a.region[1, 0]) and d <= units) for i, d in changed)  # nothing else changed
 
 
 def test_a_single_group_cross_layer_engine_round_trips_through_the_canonical_pool():

@@ -82,3 +82,13 @@ def test_pipeline_parallel_engines_offload_through_the_canonical_pool(model, sto
 def test_a_mirror_pool_of_a_pipeline_parallel_engine_is_refused():
     with pytest.raises(InvalidRequest, match="mirror pool of a pipeline-parallel engine"):
         run_offload_demo("tiny-llama", store_pp=2, load_pp=2)
+
+
+@pytest.mark.parametrize("model", ["tiny-bamba", "tiny-lfm2"])
+def test_recurrent_checkpoints_offload_across_shapes(model):
+    """Mamba2 and short-conv hybrids: the state checkpoint at the prefix's end goes to the canonical
+    pool with the attention blocks and comes back into an engine of another TP and block size."""
+    r = run_offload_demo(model, seed=3, prompt_len=40, block_size=4, block_size_factor=2, store_tp=1, load_tp=2,
+                         load_block_size=8, canonical=True)
+    assert r.ok, r.summary()
+    assert r.hit_tokens == r.prefix_len == 32 and r.tokens_offload == r.tokens_reference

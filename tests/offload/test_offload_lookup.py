@@ -86,3 +86,21 @@ def test_groups_with_different_block_sizes():
     assert request_hits([g0[:7], g1[:5]], [None, None], 12, 85, look, num_computed_tokens=48) == 60
     with pytest.raises(ValueError, match="one block size >= 1 per group"):
         request_hits([g0, g1], [None, None], [12], 48, look)
+
+
+def test_a_recurrent_group_needs_only_the_checkpoint_at_the_hit():
+    """One token's window (`group_windows`): the hit ends at the last stored checkpoint that the
+    attention groups also reach; checkpoints before it are not needed."""
+    from kvbridge.core.spec import Component, LayerSpec, ModelSpec
+    from kvbridge.offload.lookup import group_windows
+
+    mamba = LayerSpec("recurrent", state=(Component("conv", 2, 3), Component("ssm", 2, 4)), recurrent_type="mamba2")
+    spec = ModelSpec((LayerSpec("full", 2, 4, 4), mamba, LayerSpec("sliding", 2, 4, 4, 8)), "bfloat16")
+    assert group_windows(spec) == [None, 1, 8]
+    full, state = [("f", i) for i in range(4)], [("r", i) for i in range(4)]
+    # Checkpoints after blocks 1 and 3 (tokens 8 and 16 of 4-token blocks); a 17-token prompt: the last one.
+    assert request_hits([full, state], [None, 1], 4, 17, Lookup(hits=full + [state[1], state[3]])) == 16
+    # Block 3's full-attention block is missing: back to the checkpoint at 8.
+    assert request_hits([full, state], [None, 1], 4, 17, Lookup(hits=full[:3] + [state[1], state[3]])) == 8
+    # No checkpoint at all: no hit, however much attention is stored.
+    assert request_hits([full, state], [None, 1], 4, 17, Lookup(hits=full)) == 0

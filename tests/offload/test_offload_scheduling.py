@@ -71,3 +71,35 @@ def test_load_refuses_short_tables_and_holes():
         load_job([FULL], [KEYS[0]], 36, 4, 4)
     with pytest.raises(SpecMismatch, match=r"null block inside the range \[0, 3\)"):
         load_job([[1, N, 3]], [["k"]], 12, 4, 4)
+
+
+STATE = [N, N, N, 43, N, N, N, 47, 48]  # align mode: checkpoints at tokens 16 and 32, the running state in 48
+STATE_KEYS = [["f0", "f1"], ["r0", "r1"]]
+
+
+def test_a_recurrent_group_stores_the_checkpoint_at_each_offloaded_block_end():
+    assert storable_keys(STATE, STATE_KEYS[1], 4, 0, 2) == ["r0", "r1"]
+    assert storable_keys([N, N, N, N, N, N, N, 47], STATE_KEYS[1], 4, 0, 2) == ["r1"]  # no checkpoint at 16
+    gpu = store_job([FULL, STATE], STATE_KEYS, ["f0", "f1", "r0", "r1"], 4, state_groups={1})
+    assert gpu.block_ids.tolist() == FULL + [43, 47]
+    assert (gpu.group_sizes, gpu.block_indices) == ((8, 2), (0, 3))
+    # One CPU slot per checkpoint, not `factor` sub-blocks: the slots the manager gave r0 and r1.
+    slices = split_groups(gpu, [5, 6, 7, 8], 4, 2, state_groups={1})
+    assert slices[1].state and slices[1].device_ids.tolist() == [43, 47] and slices[1].cpu_ids.tolist() == [7, 8]
+    # Read as tokens, the second checkpoint would be taken for the first sub-block of r1's slot.
+    as_tokens = split_groups(gpu, [5, 6, 7, 8], 4, 2)[1]
+    assert not as_tokens.state and as_tokens.cpu_sub_blocks(4).tolist() == [31, 32]
+
+
+def test_a_recurrent_group_loads_the_one_checkpoint_where_the_hit_ends():
+    table = [N, N, N, N, N, N, N, 57]  # a reader's fresh table over 32 tokens: the state goes in its last block
+    keys, gpu = load_job([FULL, table], STATE_KEYS, 32, 4, 4, state_groups={1})
+    assert keys == ["f0", "f1", "r1"]
+    assert (gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices) == (FULL + [57], (8, 1), (0, 7))
+    have = [[True] * 8, [False] * 7 + [True]]  # all of it a local prefix-cache hit: nothing to load
+    keys, gpu = load_job([FULL, table], STATE_KEYS, 32, 4, 4, have, state_groups={1})
+    assert keys == [] and gpu.group_sizes == (0, 0)
+    with pytest.raises(SpecMismatch, match="must end on an offloaded block's end"):
+        load_job([FULL, table], STATE_KEYS, 24, 4, 4, state_groups={1})
+    with pytest.raises(SpecMismatch, match="no block at logical index 7"):
+        load_job([FULL, [N] * 8], STATE_KEYS, 32, 4, 4, state_groups={1})

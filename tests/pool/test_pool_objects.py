@@ -1,7 +1,8 @@
 """What a pool object is and who writes it, for any model and engine shape (no store needed):
 
 * every object of every block is written by exactly one rank of any engine, and the bytes a rank's
-  store job writes into canonical staging are exactly the objects it puts;
+  store job writes into canonical staging are exactly the objects it puts (a recurrent group's:
+  one checkpoint per pool block, each state unit its own object);
 * the objects a rank reads are exactly the heads and layers it holds, and what its load job reads
   from staging lies inside them;
 * a job cut into chunks moves the same device blocks to the same pool sub-blocks;
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbridge.core.layout import EngineLayout
-from kvbridge.core.spec import ModelSpec
+from kvbridge.core.spec import Component, LayerSpec, ModelSpec
 from kvbridge.errors import ConfigError
 from kvbridge.offload.errors import NotCanonicalizable
 from kvbridge.offload.keys import make_offload_key
@@ -29,7 +30,15 @@ from kvbridge.pool.store import StoreConfig
 from kvbridge.pool.tier import PoolConfig, job_chunks, object_layout
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-KINDS = [("full",), ("sliding", "full"), ("full", "mla"), ("mla",)]
+KINDS = [("full",), ("sliding", "full"), ("full", "mla"), ("mla",), ("full", "recurrent"),
+         ("recurrent", "sliding", "recurrent")]
+
+
+def _mamba2(heads: int, groups: int) -> LayerSpec:
+    """A Mamba2-like state: conv x by head, conv B and C by group (replicated beyond them), SSM by head."""
+    return LayerSpec("recurrent", state=(Component("conv_x", heads, 3), Component("conv_b", groups, 6),
+                                         Component("conv_c", groups, 6), Component("ssm", heads, 12, "float32")),
+                     recurrent_type="mamba2", conv_rows=3)
 
 
 @st.composite
@@ -37,8 +46,14 @@ def cases(draw):
     kinds = draw(st.sampled_from(KINDS))
     heads = 1 if kinds == ("mla",) else draw(st.sampled_from([1, 2, 4, 6]))
     layers = draw(st.integers(max(2, len(kinds)), 5))
-    spec = ModelSpec.uniform(layers, heads, draw(st.sampled_from([4, 8])), "bfloat16", kinds=kinds, window=8)
-    tps = [t for t in range(1, 7) if spec.is_mla or heads % t == 0 or t % heads == 0]
+    spec = ModelSpec.uniform(layers, heads, draw(st.sampled_from([4, 8])), "bfloat16",
+                             kinds=tuple("full" if k == "recurrent" else k for k in kinds), window=8)
+    if "recurrent" in kinds:
+        state = _mamba2(heads * draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2])))
+        spec = ModelSpec(tuple(state if kinds[i % len(kinds)] == "recurrent" else layer
+                               for i, layer in enumerate(spec.layers)), spec.dtype)
+    tps = [t for t in range(1, 7) if spec.is_mla or all(c.heads % t == 0 or t % c.heads == 0 for layer in spec.layers
+                                                          for c in layer.components)]
     pool_block = draw(st.sampled_from([4, 8, 16]))
     block = draw(st.sampled_from([b for b in (1, 2, 4, 8, 16) if pool_block % b == 0]))
     pp = draw(st.integers(1, min(3, layers)))
@@ -66,8 +81,9 @@ def test_each_object_has_one_writer_and_its_store_job_writes_exactly_those_bytes
     factor = layout.check_device(device)
     writers: dict[ObjectId, list[int]] = {}
     for g in range(len(spec.groups)):
-        job = GPULoadStoreSpec(list(range(factor)), [factor if i == g else 0 for i in range(len(spec.groups))],
-                               [0] * len(spec.groups))
+        n = 1 if spec.group_layer(g).is_recurrent else factor  # a state group: one checkpoint per pool block
+        job = GPULoadStoreSpec(list(range(n)), [n if i == g else 0 for i in range(len(spec.groups))],
+                               [factor - 1 if n == 1 else 0] * len(spec.groups))
         for rank in range(device.world_size):
             written = layout.written_by(device, rank)[g]
             for o in written:
@@ -94,20 +110,26 @@ def test_chunks_move_the_same_blocks_to_the_same_sub_blocks(case, capacity, data
         first = [0] * groups
     ids = list(range(sum(sizes)))
     gpu = GPULoadStoreSpec(ids, sizes, first)
-    num_keys = sum(-(-(n + f % factor) // factor) for n, f in zip(sizes, first) if n)
-    slices = split_groups(gpu, np.arange(num_keys), factor, groups)
+    state = spec.recurrent_groups()
+    num_keys = sum(n if g in state else -(-(n + f % factor) // factor)
+                   for g, (n, f) in enumerate(zip(sizes, first)) if n)
+    slices = split_groups(gpu, np.arange(num_keys), factor, groups, state)
     keys = [make_offload_key(bytes([s.group, j]) * 16, s.group) for s in slices for j in range(len(s.cpu_ids))]
-    want = {}
-    for s in slices:
-        for b, sub in zip(s.device_ids.tolist(), s.cpu_sub_blocks(factor).tolist()):
-            want[b] = (keys[sub // factor], sub % factor)  # cpu ids are key positions
+
+    def where(s, chunk_keys):  # device block -> (key, sub-block; a checkpoint: "state")
+        if s.state:
+            return {b: (chunk_keys[c], "state") for b, c in zip(s.device_ids.tolist(), s.cpu_ids.tolist())}
+        return {b: (chunk_keys[sub // factor], sub % factor)  # cpu ids are key positions
+                for b, sub in zip(s.device_ids.tolist(), s.cpu_sub_blocks(factor).tolist())}
+
+    want = {b: w for s in slices for b, w in where(s, keys).items()}
     got = {}
     for chunk, chunk_keys in job_chunks(gpu, keys, layout, factor, capacity):
         assert len(chunk_keys) <= capacity
-        for s in split_groups(chunk, np.arange(len(chunk_keys)), factor, groups):
-            for b, sub in zip(s.device_ids.tolist(), s.cpu_sub_blocks(factor).tolist()):
+        for s in split_groups(chunk, np.arange(len(chunk_keys)), factor, groups, state):
+            for b, w in where(s, chunk_keys).items():
                 assert b not in got
-                got[b] = (chunk_keys[sub // factor], sub % factor)
+                got[b] = w
     assert got == want
 
 

@@ -5,13 +5,15 @@ group only needs the last `window` offloaded blocks before the hit point, so its
 the rightmost run of `window` consecutive hits (or, failing that, hits reaching back to block 0).
 A per-key lookup may answer None ("retry later"); the result is then None so the scheduler asks
 again. `request_hits` combines the groups: every group has to cover the same number of tokens,
-so a shorter hit in one group shrinks the others until nothing changes.
+so a shorter hit in one group shrinks the others until nothing changes. A recurrent group needs
+only the checkpoint at the hit point: a window of one token, so one block (`group_windows`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from kvbridge.core.spec import ModelSpec
 from kvbridge.offload.policy import Key
 from kvbridge.offload.spec import cdiv
 
@@ -51,13 +53,19 @@ def window_hits(keys: Sequence[Key], lookup: LookupFn, window: int) -> int | Non
     return None if deferred else run
 
 
+def group_windows(spec: ModelSpec) -> list[int | None]:
+    """`request_hits`' windows of a model: None for full attention, the window for sliding groups,
+    1 token for recurrent ones (the state at the hit point is one block, the last)."""
+    return [1 if spec.group_layer(g).is_recurrent else spec.group_layer(g).window for g in range(len(spec.groups))]
+
+
 def request_hits(keys_per_group: Sequence[Sequence[Key]], windows: Sequence[int | None],
                  block_tokens: int | Sequence[int], num_tokens: int, lookup: LookupFn,
                  num_computed_tokens: int = 0) -> int | None:
     """Tokens of a request that the offloaded blocks of *every* group can supply, or None to retry.
 
     `windows[g]` is None for a full-attention group and the sliding window in tokens otherwise
-    (an SSM group would use 1 token's worth: window 1 block). `block_tokens` is the offloaded
+    (a recurrent group 1 token's worth: its one checkpoint at the hit, see `group_windows`). `block_tokens` is the offloaded
     block size, one for all groups or one per group (groups of 12- and 16-token blocks): each
     group's hits are counted in its own blocks and the hit shrinks to what every group covers.
     Full groups are looked up first, then sliding ones, repeating until the hit count is stable.
@@ -92,4 +100,4 @@ def request_hits(keys_per_group: Sequence[Sequence[Key]], windows: Sequence[int 
     return None if deferred else max_hit
 
 
-__all__ = ["LookupFn", "prefix_hits", "request_hits", "window_hits"]
+__all__ = ["LookupFn", "group_windows", "prefix_hits", "request_hits", "window_hits"]

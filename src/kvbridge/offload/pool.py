@@ -13,6 +13,9 @@ the other groups' rows of its slot unused; vLLM has the same capacity cost).
   replicate it, and any engine whose block size divides `block_tokens` loads it through the
   planner whatever its TP size, block size or layout.
 
+A recurrent group's slot holds one state: the checkpoint at the end of the offloaded block
+(`offload.spec`), so its size does not depend on the block.
+
 Both formats are described by an ordinary `EngineLayout`, which is what lets the planner produce
 every run; `factor_for` refuses a device it cannot serve without ambiguity.
 """
@@ -114,7 +117,7 @@ class CPUPool:
     def factor_for(self, spec: ModelSpec, device: EngineLayout) -> int:
         """Device blocks per offloaded block for `device`, or a clear refusal.
 
-        Refused: another model geometry or dtype; recurrent-state groups; a device block size that
+        Refused: another model geometry or dtype; a device block size that
         does not divide the pool's block; a TP size that cannot shard the heads; a cross-layer
         region shared by several KV-cache groups (its groups cannot be moved one at a time through
         the planner).
@@ -124,11 +127,6 @@ class CPUPool:
         except IncompatibleEngines as e:
             raise NotCanonicalizable(str(e)) from None
         device.check_model(spec, "device engine")
-        recurrent = [g for g in range(len(spec.groups)) if spec.group_layer(g).kind == "recurrent"]
-        if recurrent:
-            raise NotCanonicalizable(
-                f"KV-cache group(s) {recurrent} hold recurrent (Mamba/SSM) state: one state per request, not per-token "
-                f"blocks that can be cut into sub-blocks; offloading recurrent state is not supported")
         if self.block_tokens % device.block_size:
             raise NotCanonicalizable(
                 f"device block size {device.block_size} does not divide the {self.format} pool's block of "

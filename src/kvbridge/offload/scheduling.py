@@ -6,11 +6,16 @@ real blocks. An offloaded block i of group g covers logical blocks `[i*factor, (
 is stored only if its last block is real; its first blocks may be null, which is where the
 GPU spec's `block_indices` (logical index of the first real block) and the skip come from.
 These helpers follow vLLM's connector scheduler (see the reference, section 2.4).
+
+A recurrent group (`state_groups`) keeps checkpoints, not tokens (vLLM's `align` mode): a real
+entry i that is not the table's last holds the state after token `(i + 1) * B`. Offloaded block i
+is then the one checkpoint at its end, `table[(i + 1) * factor - 1]`; a store moves those, a load
+only the checkpoint where the hit ends (the state there is all a reader needs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from kvbridge.offload.errors import SpecMismatch
 from kvbridge.offload.policy import Key
@@ -41,8 +46,9 @@ def whole_blocks(table: Sequence[int], factor: int) -> list[int]:
 
 
 def store_job(tables: Sequence[Sequence[int]], keys: Sequence[Sequence[Key]], to_store: Sequence[Key],
-              factor: int) -> GPULoadStoreSpec:
-    """Device side of storing `to_store` (the manager's answer, in group order) into its CPU slots."""
+              factor: int, state_groups: Collection[int] = ()) -> GPULoadStoreSpec:
+    """Device side of storing `to_store` (the manager's answer, in group order) into its CPU slots;
+    of a group in `state_groups`, the checkpoint block at each offloaded block's end."""
     where = {key: (g, i) for g, ks in enumerate(keys) for i, key in enumerate(ks)}
     ids: list[list[int]] = [[] for _ in tables]
     first: list[int | None] = [None] * len(tables)
@@ -58,6 +64,11 @@ def store_job(tables: Sequence[Sequence[int]], keys: Sequence[Sequence[Key]], to
         blocks = list(tables[g][i * factor:(i + 1) * factor])
         if len(blocks) < factor or blocks[-1] == NULL:
             raise SpecMismatch(f"offloaded block {i} of group {g} is not full on the device (blocks {blocks})")
+        if g in state_groups:
+            if first[g] is None:
+                first[g] = (i + 1) * factor - 1
+            ids[g].append(int(blocks[-1]))
+            continue
         for j, b in enumerate(blocks):
             if b == NULL:
                 if first[g] is not None:
@@ -70,12 +81,14 @@ def store_job(tables: Sequence[Sequence[int]], keys: Sequence[Sequence[Key]], to
 
 
 def load_job(tables: Sequence[Sequence[int]], keys: Sequence[Sequence[Key]], num_cached_tokens: int,
-             block_size: int, factor: int,
-             on_device: Sequence[Sequence[bool]] | None = None) -> tuple[list[Key], GPULoadStoreSpec]:
+             block_size: int, factor: int, on_device: Sequence[Sequence[bool]] | None = None,
+             state_groups: Collection[int] = ()) -> tuple[list[Key], GPULoadStoreSpec]:
     """Keys to load (in group order) and the device side of loading the first `num_cached_tokens`.
 
     Per group, the blocks already on the device (`on_device`, e.g. prefix-cache hits) and the
     null ones are skipped: loading starts at the first real block that still has to be filled.
+    A group of `state_groups` loads one checkpoint, the one where the hit ends, into the
+    table's block there (a multiple of the offloaded block: the hit rules give nothing else).
     """
     want: list[Key] = []
     ids: list[int] = []
@@ -85,6 +98,19 @@ def load_job(tables: Sequence[Sequence[int]], keys: Sequence[Sequence[Key]], num
         if len(table) < G:
             raise SpecMismatch(f"group {g}: {num_cached_tokens} tokens need {G} blocks, the table has {len(table)}")
         have = on_device[g] if on_device is not None else [False] * G
+        if g in state_groups:
+            if num_cached_tokens % (block_size * factor):
+                raise SpecMismatch(f"group {g} (recurrent state): a load must end on an offloaded block's end, "
+                                   f"got {num_cached_tokens} tokens with {block_size * factor}-token blocks")
+            todo = [int(table[G - 1])] if G and not have[G - 1] else []
+            if NULL in todo:
+                raise SpecMismatch(f"group {g}: no block at logical index {G - 1} to load the state into")
+            if todo:
+                want.append(keys[g][G // factor - 1])
+            ids += todo
+            sizes.append(len(todo))
+            indices.append(G - 1 if todo else 0)
+            continue
         first = next((b for b in range(G) if table[b] != NULL and not have[b]), G)
         todo = list(table[first:G])
         if NULL in todo:

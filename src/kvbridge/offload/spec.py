@@ -10,6 +10,12 @@ already on the device) skips the first `block_indices[g] % factor` sub-blocks of
 block, uses `cdiv(n + skip, factor)` CPU blocks, and its last CPU block may be cut short. Because
 the same mapping serves stores and loads, a load is the exact inverse of the store before it.
 
+A recurrent-state group (Mamba, gated delta net, short conv) keeps no tokens, only checkpoints:
+in vLLM's `align` prefix caching, device block i of such a group holds the state after token
+`(i + 1) * B`. Its CPU block c holds the checkpoint at the *end* of offloaded block c, so each
+of its device blocks maps to one CPU block (the last sub-block, `factor - 1`), never a run of
+`factor`; `block_indices[g]` is then the logical index of the first checkpoint block.
+
 `split_groups` turns a (GPU spec, CPU ids) pair into per-group slices and refuses any pair in
 which an id of either side would be left over or missing.
 """
@@ -17,7 +23,7 @@ which an id of either side would be left over or missing.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -119,7 +125,8 @@ class GroupSlice(NamedTuple):
     first_index: int  # logical index (in device blocks) of the first device block
     skip: int  # leading sub-blocks of the first CPU block that are not transferred
     device_ids: np.ndarray  # n device block ids
-    cpu_ids: np.ndarray  # cdiv(n + skip, factor) CPU block ids
+    cpu_ids: np.ndarray  # cdiv(n + skip, factor) CPU block ids (a state group: n, one checkpoint each)
+    state: bool = False  # a recurrent group: device block i <-> CPU block i, one state each
 
     @property
     def num_blocks(self) -> int:
@@ -132,10 +139,11 @@ class GroupSlice(NamedTuple):
 
 
 def split_groups(gpu: GPULoadStoreSpec, cpu: BlockIDsLoadStoreSpec | Sequence[int] | np.ndarray, factor: int,
-                 num_groups: int | None = None) -> list[GroupSlice]:
+                 num_groups: int | None = None, state_groups: Collection[int] = ()) -> list[GroupSlice]:
     """Per-group slices of a job, checking that both id lists are consumed exactly.
 
-    Groups take consecutive slices of both lists in group order; empty groups take nothing.
+    Groups take consecutive slices of both lists in group order; empty groups take nothing. A
+    group of `state_groups` (recurrent state) takes one CPU id per device id (see the module).
     """
     if factor < 1:
         raise SpecMismatch(f"block_size_factor must be >= 1, got {factor}")
@@ -148,13 +156,14 @@ def split_groups(gpu: GPULoadStoreSpec, cpu: BlockIDsLoadStoreSpec | Sequence[in
     for g, (n, first) in enumerate(zip(gpu.group_sizes, gpu.block_indices)):
         if n == 0:
             continue
-        skip = first % factor
-        count = cdiv(n + skip, factor)
+        state = g in state_groups
+        skip = 0 if state else first % factor
+        count = n if state else cdiv(n + skip, factor)
         if c_off + count > len(cpu_ids):
             raise SpecMismatch(
                 f"group {g} ({n} device blocks from logical index {first}, skip {skip}, factor {factor}) needs CPU "
                 f"ids [{c_off}, {c_off + count}), but the CPU spec has only {len(cpu_ids)}")
-        out.append(GroupSlice(g, first, skip, gpu.block_ids[g_off:g_off + n], cpu_ids[c_off:c_off + count]))
+        out.append(GroupSlice(g, first, skip, gpu.block_ids[g_off:g_off + n], cpu_ids[c_off:c_off + count], state))
         g_off += n
         c_off += count
     if c_off != len(cpu_ids):

@@ -8,6 +8,9 @@ request starts at the first CPU block, so L itself never matters beyond its rema
 The planner turns it into coalesced byte runs whatever the two layouts are: the mirror pool of
 the same engine or the canonical pool of any engine.
 
+A recurrent group's checkpoints are one state slot each (`spec.split_groups`), each planned as a
+request of its own, which moves one slot between any TP sizes.
+
 Each group is planned on its own sub-model (its layers, windows removed: the scheduler has already
 chosen exactly which blocks move), then region numbers are mapped back to the full model and to
 flat region lists, and all groups are concatenated into *one* run list for one copy call.
@@ -149,17 +152,21 @@ class JobPlanner:
     def plan(self, gpu: GPULoadStoreSpec, cpu: BlockIDsLoadStoreSpec, store: bool) -> JobRuns:
         """Runs of a store (device -> pool) or a load (pool -> device), all groups together."""
         t0 = time.perf_counter()
-        slices = split_groups(gpu, cpu, self.factor, len(self.spec.groups))
+        slices = split_groups(gpu, cpu, self.factor, len(self.spec.groups), self.spec.recurrent_groups())
         B = self.device.block_size
         tp = self.device.tp_size
         parts = []
         for s in slices:
             n = len(s.device_ids)
-            dev_ids = tuple([0] * s.skip + s.device_ids.tolist())  # the skipped entries are never read
-            req_dev_cpu = (dev_ids, tuple(s.cpu_ids.tolist()))
-            src_ids, dst_ids = req_dev_cpu if store else req_dev_cpu[::-1]
-            req = Request((src_ids,), (dst_ids,), (s.skip + n) * B, s.skip * B)
-            for part in self._parts[s.group]:
+            if s.state:  # one state slot per checkpoint, each its own request (the planner moves the last id's slot)
+                pairs = [((int(d),), (int(c),)) for d, c in zip(s.device_ids, s.cpu_ids)]
+                reqs = [Request((a,), (b,), 1, 0) if store else Request((b,), (a,), 1, 0) for a, b in pairs]
+            else:
+                dev_ids = tuple([0] * s.skip + s.device_ids.tolist())  # the skipped entries are never read
+                req_dev_cpu = (dev_ids, tuple(s.cpu_ids.tolist()))
+                src_ids, dst_ids = req_dev_cpu if store else req_dev_cpu[::-1]
+                reqs = [Request((src_ids,), (dst_ids,), (s.skip + n) * B, s.skip * B)]
+            for req, part in ((r, p) for r in reqs for p in self._parts[s.group]):
                 stage_ranks = [r - part.stage * tp for r in self.ranks if r // tp == part.stage]
                 if not stage_ranks:
                     continue  # none of this worker's ranks holds these layers

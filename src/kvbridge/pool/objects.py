@@ -1,7 +1,8 @@
 """What a shared pool stores: one object per (block, layer, KV head), in kvbridge's canonical form.
 
 An offloaded block of a KV-cache group (its `block_tokens` tokens, keyed by the chained hash of
-the prefix and the group) is cut into objects by layer and head: object (block, layer l, head h)
+the prefix and the group) is cut into objects by layer and head (of a recurrent group, the
+state checkpoint at the block's end, by layer, state component and unit): object (block, layer l, head h)
 holds head h of every component of layer l (K then V; MLA's latent alone), each as the
 canonical pool lays it out (TP 1, head-major, K/V-first). Nothing in an object depends on the TP,
 PP or block size of the engine that wrote it, so any engine can read it, and one engine rank
@@ -10,7 +11,7 @@ fills a canonical copy (`source_slices`, so replicated heads are written once), 
 objects of the heads and layers it holds. No rank gathers another's bytes; no rank reads an
 object it does not need.
 
-Keys are `kvb2/<block name>/<layer>/<head>`. The block name is a MAC, under the fleet's secret,
+Keys are `kvb2/<block name>/<layer>/<head>` (state: `<layer>/s<component>.<unit>`). The block name is a MAC, under the fleet's secret,
 of the namespace, the block's chained hash and its group: fleets with different secrets never
 share (or collide on) a name, and nobody without the secret can predict one, so nobody can
 squat a prefix before it is stored. The namespace digests the format version, the model id the
@@ -42,10 +43,16 @@ MAX_MODEL_ID = 256
 
 
 class ObjectId(NamedTuple):
-    """One object of an offloaded block: a layer and a (global) KV head of the block's group."""
+    """One object of an offloaded block: a layer and a (global) KV head of the block's group; of a
+    recurrent layer, one unit (`head`) of one state component (`comp`)."""
 
     layer: int
     head: int
+    comp: int = -1  # -1: every component of the head (attention)
+
+    @property
+    def suffix(self) -> str:
+        return f"{self.layer}/{self.head}" if self.comp < 0 else f"{self.layer}/s{self.comp}.{self.head}"
 
 
 def block_name(secret: bytes, namespace: str, block_key: OffloadKey) -> str:
@@ -76,8 +83,12 @@ def pool_namespace(spec: ModelSpec, model_id: str, block_tokens: int, layout_tag
 class ObjectLayout:
     """Objects of one model in one canonical pool, and which of them one device rank writes and reads.
 
-    Refused in one line (`NotCanonicalizable`): recurrent state (one state per request, not
-    token blocks; stored only as whole checkpoints, which this pool does not do), a context-
+    A recurrent layer's objects are one per (state component, unit): a TP rank holds units of
+    each component on their own (a Mamba2 conv's B and C by group, its x and SSM state by head),
+    so only then does each object have one writer and each reader read only units it holds.
+    A block's state objects hold the checkpoint at the block's end (`offload.spec`).
+
+    Refused in one line (`NotCanonicalizable`): a context-
     parallel device (a block's tokens live on several ranks, so no rank could write an object
     alone), and whatever `CPUPool.factor_for` refuses (a device block size that does not divide
     the pool's block, another geometry).
@@ -95,13 +106,14 @@ class ObjectLayout:
             for li in layers:
                 layer = spec.layers[li]
                 if layer.is_recurrent:
-                    raise NotCanonicalizable(
-                        f"layer {li} (KV-cache group {g}) holds recurrent state: one state per request, not token "
-                        f"blocks; the shared pool does not store recurrent checkpoints")
-                objs += [ObjectId(li, h) for h in range(max((c.heads for c in layer.components), default=0))]
+                    objs += [ObjectId(li, u, ci) for ci, c in enumerate(layer.state) for u in range(c.heads)]
+                else:
+                    objs += [ObjectId(li, h) for h in range(max((c.heads for c in layer.components), default=0))]
             self.group_objects.append(objs)
-        a = self.addr  # (after the recurrent refusal: a state row has no token stride)
+        a = self.addr
         for li in range(spec.num_layers):
+            if spec.layers[li].is_recurrent:
+                continue  # a state unit is one row of its slot
             for ci in range(int(a.num_components[li])):
                 if int(a.token_stride[li, ci]) != int(a.row_bytes[li, ci]):
                     raise NotCanonicalizable(
@@ -118,13 +130,13 @@ class ObjectLayout:
 
     # -- keys -----------------------------------------------------------------------------------------
     def key(self, block_key: OffloadKey, obj: ObjectId) -> str:
-        return f"{KEY_PREFIX}/{block_name(self._secret, self.namespace, block_key)}/{obj.layer}/{obj.head}"
+        return f"{KEY_PREFIX}/{block_name(self._secret, self.namespace, block_key)}/{obj.suffix}"
 
     def keys(self, block_key: OffloadKey, objs: Sequence[ObjectId] | None = None) -> list[str]:
         """Keys of `objs` (default: every object) of one offloaded block."""
         _, group = split_offload_key(block_key)
         name = block_name(self._secret, self.namespace, block_key)
-        return [f"{KEY_PREFIX}/{name}/{o.layer}/{o.head}" for o in (self.group_objects[group] if objs is None else objs)]
+        return [f"{KEY_PREFIX}/{name}/{o.suffix}" for o in (self.group_objects[group] if objs is None else objs)]
 
     def group_of(self, block_key: OffloadKey) -> int:
         _, group = split_offload_key(block_key)
@@ -138,6 +150,10 @@ class ObjectLayout:
         """(region, byte offset, length) runs of `obj` in canonical slot `slot`, in object order."""
         a, out = self.addr, []
         li = obj.layer
+        if obj.comp >= 0:  # one unit of a state component: one row of the slot's state
+            ci = obj.comp
+            return [(int(a.region[li, ci]), int(a.base[li, ci]) + slot * int(a.block_stride[li, ci])
+                     + obj.head * int(a.head_stride[li, ci]), int(a.row_bytes[li, ci]))]
         for ci in range(int(a.num_components[li])):
             if obj.head >= int(a.heads[li, ci]):
                 continue
@@ -159,7 +175,7 @@ class ObjectLayout:
         owner: dict[ObjectId, set[int]] = {}
         for s in source_slices(self.spec, device, self.pool.layout, 0, 0):
             for h in range(s.start, s.stop):
-                owner.setdefault(ObjectId(s.layer, h), set()).add(s.src_rank)
+                owner.setdefault(self._object(s.layer, h, s.comp), set()).add(s.src_rank)
         split = [o for o, ranks in owner.items() if len(ranks) > 1]
         if split:
             raise NotCanonicalizable(f"object {split[0]} would be written by device ranks {sorted(owner[split[0]])}; "
@@ -169,9 +185,13 @@ class ObjectLayout:
     def read_by(self, device: EngineLayout, rank: int) -> list[set[ObjectId]]:
         """Per group, the objects device rank `rank` reads: the heads of the layers it holds."""
         self.check_device(device)
-        need = {ObjectId(s.layer, h) for s in source_slices(self.spec, self.pool.layout, device, rank, 0)
+        need = {self._object(s.layer, h, s.comp) for s in source_slices(self.spec, self.pool.layout, device, rank, 0)
                 for h in range(s.start, s.stop)}
         return [{o for o in objs if o in need} for objs in self.group_objects]
+
+    def _object(self, layer: int, head: int, comp: int) -> ObjectId:
+        """The object holding unit `head` of component `comp` of `layer` (all of a head's K/V are one)."""
+        return ObjectId(layer, head, comp if self.spec.layers[layer].is_recurrent else -1)
 
 
 def object_sizes(layout: ObjectLayout, group: int) -> np.ndarray:

@@ -113,16 +113,18 @@ def job_chunks(gpu: GPULoadStoreSpec, keys: Sequence[OffloadKey], layout: Object
 
     Key j of a group (skip s = first index mod factor) covers the group's device blocks
     `[max(0, j*factor - s), min(n, (j+1)*factor - s))`; a chunk that starts at key j0 > 0 starts on
-    a pool-block boundary, so its own skip is 0.
+    a pool-block boundary, so its own skip is 0. Key j of a recurrent group is its device block j
+    (one checkpoint each).
     """
     groups = len(layout.group_objects)
-    slices = split_groups(gpu, np.arange(len(keys), dtype=np.int64), factor, groups)
+    slices = split_groups(gpu, np.arange(len(keys), dtype=np.int64), factor, groups, layout.spec.recurrent_groups())
     out = []
     for s in slices:
         n = len(s.device_ids)
+        per_key = 1 if s.state else factor  # a state group: one checkpoint block per key
         for j0 in range(0, len(s.cpu_ids), capacity):
             j1 = min(len(s.cpu_ids), j0 + capacity)
-            p0, p1 = max(0, j0 * factor - s.skip), min(n, j1 * factor - s.skip)
+            p0, p1 = max(0, j0 * per_key - s.skip), min(n, j1 * per_key - s.skip)
             chunk_keys = [keys[int(c)] for c in s.cpu_ids[j0:j1]]
             for k in chunk_keys:
                 if layout.group_of(k) != s.group:
@@ -226,7 +228,9 @@ class PoolTier:
                 if not any(wanted):
                     result.done += [True] * len(chunk_keys)
                     continue
-            if any(f % self.factor for f in chunk.block_indices):  # a skipped head: no stale bytes in objects
+            state = self.spec.recurrent_groups()
+            if any(f % self.factor for g, f in enumerate(chunk.block_indices) if g not in state):
+                # a skipped head: no stale bytes in objects
                 for r in self._regions:
                     r.zero_()
             with device_access() as allowed:

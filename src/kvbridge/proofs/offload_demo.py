@@ -36,7 +36,7 @@ from kvbridge.proofs.tiny_models import load_model, spec_for
 from kvbridge.core.layout import EngineLayout
 from kvbridge.transport.cache import RankCache
 from kvbridge.offload.keys import OffloadKey, chained_block_hashes, group_keys
-from kvbridge.offload.lookup import request_hits
+from kvbridge.offload.lookup import group_windows, request_hits
 from kvbridge.offload.manager import OffloadingManager
 from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.scheduling import NULL, load_job, storable_keys, store_job
@@ -93,6 +93,7 @@ class DeviceEngine:
         self.caches = RankCache.allocate_engine(spec, layout, fill=None)
         random_bytes(self.caches, seed)
         self.free = list(np.random.default_rng(seed).permutation(layout.num_blocks).tolist())
+        self._state_tokens: dict[int, int] = {}  # per recurrent table: the tokens its last block's state has seen
 
     def allocate(self) -> int:
         if not self.free:
@@ -100,10 +101,26 @@ class DeviceEngine:
         return self.free.pop()
 
     def grow(self, tables: list[list[int]], num_tokens: int) -> None:
-        """Give every group the blocks `num_tokens` tokens need; free what slid out of a window."""
+        """Give every group the blocks `num_tokens` tokens need; free what slid out of a window.
+
+        A recurrent group as vLLM's `align` mode keeps it: the state lives in the table's last
+        block, and a block the state has left holds a checkpoint only when it ended there (a
+        whole number of blocks); any other is freed."""
+        B = self.layout.block_size
         for g, table in enumerate(tables):
             first = self.spec.group_layer(g).tokens_kept(num_tokens)
-            need = cdiv(num_tokens, self.layout.block_size)
+            need = cdiv(num_tokens, B)
+            if self.spec.group_layer(g).is_recurrent:
+                last = max((i for i, b in enumerate(table) if b != NULL), default=None)
+                held = self._state_tokens.get(id(table), 0)
+                if last is not None and last < need - 1 and held != (last + 1) * B:
+                    self.free.append(table[last])  # a state between block ends: no checkpoint
+                    table[last] = NULL
+                table += [NULL] * (need - len(table))
+                if need and table[need - 1] == NULL:
+                    table[need - 1] = self.allocate()
+                self._state_tokens[id(table)] = num_tokens
+                continue
             while len(table) < need:
                 table.append(NULL)
             for b in range(need):
@@ -124,7 +141,7 @@ class DeviceEngine:
                 for li in self.spec.groups[g]:
                     for ci in range(int(rc.addr.num_components[li])):
                         view = rc.logical_view(li, ci, as_int=True)
-                        kb = self.layout.kernel_blocks_per_block
+                        kb = 1 if self.spec.layers[li].is_recurrent else self.layout.kernel_blocks_per_block
                         rows = torch.tensor([b * kb + k for b in ids for k in range(kb)], dtype=torch.long)
                         if len(rows):
                             view[rows] = torch.randint(-100, 100, view[rows].shape, generator=gen).to(view.dtype)
@@ -192,7 +209,8 @@ class _CpuPoolBackend:
         self.manager.touch([k for ks in keys for k in ks])
         if not out.keys_to_store:
             return Moved(0, 0, 0.0)
-        res = self._run(engine, (store_job(tables, keys, out.keys_to_store, self.factor(engine)), out.store_spec))
+        res = self._run(engine, (store_job(tables, keys, out.keys_to_store, self.factor(engine),
+                                           engine.spec.recurrent_groups()), out.store_spec))
         self.manager.complete_store(out.keys_to_store, success=res.success)
         return Moved(len(out.keys_to_store), res.bytes, res.seconds)
 
@@ -206,7 +224,8 @@ class _CpuPoolBackend:
         return hit
 
     def load(self, engine, tables, keys, hit) -> Moved:
-        load_keys, gpu_spec = load_job(tables, keys, hit, engine.layout.block_size, self.factor(engine))
+        load_keys, gpu_spec = load_job(tables, keys, hit, engine.layout.block_size, self.factor(engine),
+                                       state_groups=engine.spec.recurrent_groups())
         cpu_spec = self.manager.prepare_load(load_keys)
         res = self._run(engine, (cpu_spec, gpu_spec))
         self.manager.complete_load(load_keys)
@@ -250,7 +269,7 @@ def round_trip(model: str, net, config, spec: ModelSpec, prompt_a: list[int], pr
     """Prefill A in two chunks storing after each, evict it, look B up, load its hit (or recompute it
     where the load is refused, the whole prompt on a miss), decode from the load engine's blocks, compare."""
     prompt_len = len(prompt_a)
-    windows = [spec.group_layer(g).window for g in range(len(spec.groups))]
+    windows = group_windows(spec)
     keys_a = [group_keys(chained_block_hashes(prompt_a, obs), g) for g in range(len(spec.groups))]
     tables_a: list[list[int]] = [[] for _ in spec.groups]
     next_stored = [0] * len(spec.groups)

@@ -79,7 +79,7 @@ class SharedPoolBackend:
     def store(self, engine, tables, keys, new) -> Moved:
         if not new:
             return Moved(0, 0, 0.0)
-        gpu = store_job(tables, keys, new, self.factor(engine))
+        gpu = store_job(tables, keys, new, self.factor(engine), engine.spec.recurrent_groups())
         results = [t.store(gpu, new) for t in self._tiers(engine)]
         layout = self._tiers(engine)[0].layout
         self.stored_keys += [k for key in new for k in layout.keys(key)]
@@ -97,7 +97,8 @@ class SharedPoolBackend:
         return request_hits(keys, windows, obs, num_tokens, present.get) or 0
 
     def load(self, engine, tables, keys, hit) -> Moved | None:
-        load_keys, gpu = load_job(tables, keys, hit, engine.layout.block_size, self.factor(engine))
+        load_keys, gpu = load_job(tables, keys, hit, engine.layout.block_size, self.factor(engine),
+                                  state_groups=engine.spec.recurrent_groups())
         results = [t.load(load_keys, gpu) for t in self._tiers(engine)]
         if not all(r.ok for r in results):
             self.load_failures += [why for r in results for why in r.reasons]
