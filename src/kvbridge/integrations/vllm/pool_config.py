@@ -126,7 +126,8 @@ def pool_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelS
     groups = kv_cache_config.kv_cache_groups
     if getattr(kv_cache_config, "has_mamba_layers", False):
         raise IncompatibleEngines("KVBridgePoolConnector does not serve models with recurrent state (Mamba, gated delta "
-                                  "net, short conv) through vLLM yet")
+                                  "net, short conv) through vLLM yet: reading checkpoints out of vLLM's align-mode "
+                                  "tables is not built (the pool itself stores them: docs/pool.md)")
     kv = groups[0].kv_cache_spec
     if len(groups) == 1 and not getattr(kv, "sliding_window", None) and not mc.use_mla:
         heads, head = mc.get_total_num_kv_heads(), int(kv.head_size)
