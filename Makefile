@@ -19,8 +19,11 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/kvbridge demo
 
+# Two passes: the tests that run no vLLM on both cores (pytest-xdist), then the vLLM tests alone,
+# one at a time (each starts instances that want both cores). docs/vllm.md, "Tests and CI".
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=20
+	$(BIN)/python -m pytest -q -n 2 -m "not vllm" --durations=20
+	$(BIN)/python -m pytest -q -m vllm --durations=20
 
 verify: $(STAMP)
 	$(BIN)/kvbridge verify --cases 500
