@@ -31,7 +31,14 @@ from kvbridge.pool.tier import PoolConfig, job_chunks, object_layout
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 KINDS = [("full",), ("sliding", "full"), ("full", "mla"), ("mla",), ("full", "recurrent"),
-         ("recurrent", "sliding", "recurrent")]
+         ("recurrent", "sliding", "recurrent"), ("conv", "full")]
+
+
+def _short_conv(channels: int) -> LayerSpec:
+    """A short conv's state as vLLM's SD layout keeps it: a component per row, one unit per channel
+    (objects are chunks of channels: `state_chunk`)."""
+    return LayerSpec("recurrent", state=(Component("conv_r0", channels, 1), Component("conv_r1", channels, 1)),
+                     recurrent_type="short_conv", conv_rows=2)
 
 
 def _mamba2(heads: int, groups: int) -> LayerSpec:
@@ -47,10 +54,11 @@ def cases(draw):
     heads = 1 if kinds == ("mla",) else draw(st.sampled_from([1, 2, 4, 6]))
     layers = draw(st.integers(max(2, len(kinds)), 5))
     spec = ModelSpec.uniform(layers, heads, draw(st.sampled_from([4, 8])), "bfloat16",
-                             kinds=tuple("full" if k == "recurrent" else k for k in kinds), window=8)
-    if "recurrent" in kinds:
-        state = _mamba2(heads * draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2])))
-        spec = ModelSpec(tuple(state if kinds[i % len(kinds)] == "recurrent" else layer
+                             kinds=tuple("full" if k in ("recurrent", "conv") else k for k in kinds), window=8)
+    if "recurrent" in kinds or "conv" in kinds:
+        state = (_mamba2(heads * draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))) if "recurrent" in kinds
+                 else _short_conv(draw(st.sampled_from([64, 96, 192]))))
+        spec = ModelSpec(tuple(state if kinds[i % len(kinds)] in ("recurrent", "conv") else layer
                                for i, layer in enumerate(spec.layers)), spec.dtype)
     tps = [t for t in range(1, 7) if spec.is_mla or all(c.heads % t == 0 or t % c.heads == 0 for layer in spec.layers
                                                           for c in layer.components)]
@@ -172,3 +180,19 @@ def test_shapes_the_pool_cannot_serve_are_refused_in_one_line():
                      (dict(master="nohost"), "host:port")):
         with pytest.raises(ConfigError, match=why):
             StoreConfig(**{"master": "h:1", "metadata_url": "http://h:2/metadata", **bad})
+
+
+def test_state_objects_are_chunks_every_usual_tp_splits_whole():
+    """A short conv of 2,048 channels is 32 objects per row, not 2,048; TP 64 would cut inside one
+    object and is refused in one line."""
+    from kvbridge.pool.objects import state_chunk
+
+    assert [state_chunk(u) for u in (1, 8, 96, 128, 2048, 11)] == [1, 1, 1, 4, 64, 11]
+    spec = ModelSpec((LayerSpec("full", 64, 8, 8), _short_conv(128)), "bfloat16")
+    layout = object_layout(spec, PoolConfig(model_id="m", block_tokens=8, insecure=True))
+    assert len(layout.group_objects[1]) == 2 * 32
+    assert [len(w[1]) for w in (layout.written_by(EngineLayout(tp_size=8, block_size=8, num_blocks=4), r)
+                                for r in range(8))] == [8] * 8  # 4 of each row's 32 per rank
+    with pytest.raises(NotCanonicalizable, match="splits layer 1's state component 0 inside one pool object") as e:
+        layout.written_by(EngineLayout(tp_size=64, block_size=8, num_blocks=4), 0)
+    assert "\n" not in str(e.value)

@@ -11,10 +11,10 @@ fills a canonical copy (`source_slices`, so replicated heads are written once), 
 objects of the heads and layers it holds. No rank gathers another's bytes; no rank reads an
 object it does not need.
 
-Keys are `kvb2/<block name>/<layer>/<head>` (state: `<layer>/s<component>.<unit>`). The block name is a MAC, under the fleet's secret,
-of the namespace, the block's chained hash and its group: fleets with different secrets never
-share (or collide on) a name, and nobody without the secret can predict one, so nobody can
-squat a prefix before it is stored. The namespace digests the format version, the model id the
+Keys are `kvb2/<block name>/<layer>/<head>` (state: `<layer>/s<component>.<chunk>`). The block
+name is a MAC, under the fleet's secret, of the namespace, the block's chained hash and its
+group: fleets with different secrets never share (or collide on) a name, and nobody without the
+secret can predict one, so nobody can squat a prefix before it is stored. The namespace digests the format version, the model id the
 fleet agreed on (weights and revision), the spec fingerprint (geometry and KV dtype), the layer
 classes and the canonical block shape, so engines that could misread each other's bytes never
 share a key. Without a secret (`insecure`) names are plain digests: anyone can compute them.
@@ -23,6 +23,7 @@ share a key. Without a secret (`insecure`) names are plain digests: anyone can c
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -42,9 +43,23 @@ FORMAT_VERSION = 2
 MAX_MODEL_ID = 256
 
 
+STATE_SPLITS = 2**5 * 3 * 5 * 7
+"""A state component of U units is cut into gcd(U, STATE_SPLITS) objects of whole units: every TP
+size made of 2, 3, 5 and 7 up to 32 that divides U holds whole objects (a rank writes and reads
+only its own), and a short conv of thousands of channels is tens of objects, not thousands. A TP
+size beyond that (64 ranks over 128 channels) reads a neighbour's units too and cannot write alone:
+`written_by` refuses it in one line."""
+
+
+def state_chunk(units: int) -> int:
+    """Units per object of a state component of `units` units."""
+    return units // math.gcd(units, STATE_SPLITS)
+
+
 class ObjectId(NamedTuple):
     """One object of an offloaded block: a layer and a (global) KV head of the block's group; of a
-    recurrent layer, one unit (`head`) of one state component (`comp`)."""
+    recurrent layer, one chunk of units (`head`: its index, `state_chunk` units each) of one state
+    component (`comp`)."""
 
     layer: int
     head: int
@@ -83,9 +98,10 @@ def pool_namespace(spec: ModelSpec, model_id: str, block_tokens: int, layout_tag
 class ObjectLayout:
     """Objects of one model in one canonical pool, and which of them one device rank writes and reads.
 
-    A recurrent layer's objects are one per (state component, unit): a TP rank holds units of
-    each component on their own (a Mamba2 conv's B and C by group, its x and SSM state by head),
-    so only then does each object have one writer and each reader read only units it holds.
+    A recurrent layer's objects are per state component, each a chunk of its units (`state_chunk`):
+    a TP rank holds units of each component on their own (a Mamba2 conv's B and C by group, its x
+    and SSM state by head), so only then does each object have one writer and each reader read only
+    units it holds.
     A block's state objects hold the checkpoint at the block's end (`offload.spec`).
 
     Refused in one line (`NotCanonicalizable`): a context-
@@ -106,7 +122,8 @@ class ObjectLayout:
             for li in layers:
                 layer = spec.layers[li]
                 if layer.is_recurrent:
-                    objs += [ObjectId(li, u, ci) for ci, c in enumerate(layer.state) for u in range(c.heads)]
+                    objs += [ObjectId(li, k, ci) for ci, c in enumerate(layer.state)
+                             for k in range(c.heads // state_chunk(c.heads))]
                 else:
                     objs += [ObjectId(li, h) for h in range(max((c.heads for c in layer.components), default=0))]
             self.group_objects.append(objs)
@@ -150,10 +167,11 @@ class ObjectLayout:
         """(region, byte offset, length) runs of `obj` in canonical slot `slot`, in object order."""
         a, out = self.addr, []
         li = obj.layer
-        if obj.comp >= 0:  # one unit of a state component: one row of the slot's state
+        if obj.comp >= 0:  # a chunk of units of a state component: rows back to back in the slot's state
             ci = obj.comp
+            n = state_chunk(int(a.heads[li, ci]))
             return [(int(a.region[li, ci]), int(a.base[li, ci]) + slot * int(a.block_stride[li, ci])
-                     + obj.head * int(a.head_stride[li, ci]), int(a.row_bytes[li, ci]))]
+                     + obj.head * n * int(a.head_stride[li, ci]), n * int(a.row_bytes[li, ci]))]
         for ci in range(int(a.num_components[li])):
             if obj.head >= int(a.heads[li, ci]):
                 continue
@@ -177,6 +195,13 @@ class ObjectLayout:
             for h in range(s.start, s.stop):
                 owner.setdefault(self._object(s.layer, h, s.comp), set()).add(s.src_rank)
         split = [o for o, ranks in owner.items() if len(ranks) > 1]
+        if split and split[0].comp >= 0:
+            o = split[0]
+            raise NotCanonicalizable(
+                f"device {device.describe()} splits layer {o.layer}'s state component {o.comp} inside one pool object "
+                f"({state_chunk(self.spec.layers[o.layer].state[o.comp].heads)} units each, ranks "
+                f"{sorted(owner[o])}); the pool serves TP sizes of whole objects")
+        split = [o for o, ranks in owner.items() if len(ranks) > 1]
         if split:
             raise NotCanonicalizable(f"object {split[0]} would be written by device ranks {sorted(owner[split[0]])}; "
                                      f"each pool object needs one writer")
@@ -191,11 +216,15 @@ class ObjectLayout:
 
     def _object(self, layer: int, head: int, comp: int) -> ObjectId:
         """The object holding unit `head` of component `comp` of `layer` (all of a head's K/V are one)."""
-        return ObjectId(layer, head, comp if self.spec.layers[layer].is_recurrent else -1)
+        lspec = self.spec.layers[layer]
+        if not lspec.is_recurrent:
+            return ObjectId(layer, head, -1)
+        return ObjectId(layer, head // state_chunk(lspec.state[comp].heads), comp)
 
 
 def object_sizes(layout: ObjectLayout, group: int) -> np.ndarray:
     return np.array([layout.nbytes(o) for o in layout.group_objects[group]], dtype=np.int64)
 
 
-__all__ = ["FORMAT_VERSION", "KEY_PREFIX", "ObjectId", "ObjectLayout", "block_name", "object_sizes", "pool_namespace"]
+__all__ = ["FORMAT_VERSION", "KEY_PREFIX", "STATE_SPLITS", "ObjectId", "ObjectLayout", "block_name", "object_sizes",
+           "pool_namespace", "state_chunk"]
