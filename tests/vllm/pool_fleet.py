@@ -18,8 +18,9 @@ START_S = 900.0
 
 @contextmanager
 def pool_fleet(vllm_env, work: Path, model: Path, shapes: Sequence[tuple[str, InstanceShape]], secret: bytes,
-               dtype: str = "float32") -> Iterator[tuple]:
-    """(master, member per shape in order), started; everything stopped on exit."""
+               dtype: str = "float32", extra_args: Sequence[str] = ()) -> Iterator[tuple]:
+    """(master, member per shape in order), started; everything stopped on exit. `extra_args`
+    go to every `vllm serve`."""
     (work / "pool.key").write_bytes(secret)
     (work / "pool.key").chmod(0o600)
     vllm = str(vllm_env.python.parent / "vllm")
@@ -34,6 +35,8 @@ def pool_fleet(vllm_env, work: Path, model: Path, shapes: Sequence[tuple[str, In
     ports = free_ports(len(shapes), set(master.ports))
     members = [vllm_serve_member(config, vllm, name, shape, ports + i, work, kv=kv)
                for i, (name, shape) in enumerate(shapes)]
+    for m in members:
+        m.argv += list(extra_args)
     try:
         with running(members, work, START_S):
             yield (master, *members)

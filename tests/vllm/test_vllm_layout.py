@@ -224,6 +224,64 @@ def test_hybrid_plans_land_state_and_kv_where_vllm_reads_them(p_tp, d_tp):
     assert plan.nbytes == 2 * state_bytes + 2 * 2 * n * H_KV * H_DIM * 4
 
 
+@pytest.mark.parametrize("d_tp,d_block", [(2, 32), (1, 64)])
+def test_a_hybrid_pool_block_and_its_checkpoint_round_trip_between_vllm_shapes(d_tp, d_block):
+    """The pool's path for a hybrid in vLLM's `align` mode: a 64-token pool block of attention and
+    the Mamba state at its end go from a TP 1 block 64 engine's unified pages into vLLM CPU staging
+    (no page: `vllm_staging`) and back into an engine of another TP and block size. With the page
+    given (`page_bytes`), each group's layers are addressed alone as in the whole model, which the
+    offload planner needs; every byte lands where vLLM reads it, nothing else is written."""
+    from kvbridge.integrations.vllm.layout import unified_page
+    from kvbridge.offload.pool import CPUPool
+    from kvbridge.offload.spec import CPULoadStoreSpec, GPULoadStoreSpec
+    from kvbridge.offload.worker import OffloadWorker
+
+    spec = hybrid_spec()
+    src = VllmCpuLayout(tp_size=1, block_size=64, num_blocks=6, group_block_sizes=(64, 64), kv_order="HND",
+                        kv_placement="blocks_first", layer_placement="per_layer")
+    dst = msgspec.structs.replace(src, tp_size=d_tp, block_size=d_block, group_block_sizes=(d_block, d_block))
+    g = torch.Generator().manual_seed(d_tp * 100 + d_block)
+    state = {li: (torch.randn(KERNEL - 1, M_HEADS * M_DIM + 2 * GROUPS * STATE, generator=g),
+                  torch.randn(M_HEADS, M_DIM, STATE, generator=g)) for li in (0, 2)}
+    kv = torch.randn(4, 2, 64, H_KV, H_DIM, generator=g)
+    n_dst = 64 // d_block
+    src_ids, dst_ids = {"m": 4, "a": [1]}, {"m": 3, "a": [5, 2][:n_dst]}
+
+    def caches(layout, pages):
+        given = msgspec.structs.replace(layout, page_bytes=unified_page(spec, layout, 0))
+        need = given.addressing(spec, 0).region_nbytes
+        return [RankCache(spec, given, r, [t.view(torch.uint8)[:n] for t, n in zip(pages[r], need)])
+                for r in range(layout.tp_size)]
+
+    writer = caches(src, hybrid_engine(src, spec, state, kv, src_ids))
+    reader_pages = [[torch.randn(t.numel(), generator=g) for t in rank]
+                    for rank in hybrid_engine(dst, spec, state, kv, dst_ids)]
+    before = [[t.clone() for t in rank] for rank in reader_pages]
+    reader = caches(dst, reader_pages)
+    staging_layout = msgspec.structs.replace(vllm_cpu_layout(1, 64, 2), page_bytes=0)  # pool_config.vllm_staging
+    staging = CPUPool.allocate(spec, staging_layout, "canonical", pin_memory=False)
+    # kvbridge's groups: 0 the Mamba layers (one checkpoint), 1 the attention layers
+    with OffloadWorker(writer, staging) as w:
+        w.wait([w.submit((GPULoadStoreSpec([src_ids["m"], *src_ids["a"]], (1, 1), (0, 0)), CPULoadStoreSpec([0, 1])))])
+    for rc in reader:
+        with OffloadWorker([rc], staging) as w:
+            w.wait([w.submit((CPULoadStoreSpec([0, 1]), GPULoadStoreSpec([dst_ids["m"], *dst_ids["a"]], (1, n_dst),
+                                                                          (n_dst - 1, 0))))])
+    want = hybrid_engine(dst, spec, state, kv, dst_ids)
+    page = unified_page(spec, dst, 0) // 4
+    for r, rc in enumerate(reader):
+        for li in range(4):
+            n = int(rc.addr.region_nbytes[li]) // 4
+            got, expect, old = reader_pages[r][li][:n], want[r][li][:n], before[r][li][:n]
+            mask = torch.zeros(n, dtype=torch.bool)
+            blocks = [dst_ids["m"]] if spec.layers[li].is_recurrent else dst_ids["a"]
+            for b in blocks:
+                mask[b * page:min(n, (b + 1) * page)] = True
+            written = mask & (expect != 0)  # the bytes vLLM would read: the state, the K/V rows
+            assert torch.equal(got[written], expect[written]), (r, li)
+            assert torch.equal(got[~written], old[~written]), (r, li)  # padding and other blocks untouched
+
+
 MLA_DIM = 96  # a latent row: kv_lora_rank values, then the rope part
 
 

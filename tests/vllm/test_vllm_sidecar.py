@@ -20,7 +20,6 @@ from kvbridge.integrations.vllm.cache_handles import CpuSegment, Region
 from kvbridge.integrations.vllm.layout import vllm_cpu_layout, vllm_cpu_spec
 from kvbridge.integrations.vllm.sidecar import (Abandon, Init, Received, Recv, Released, Send, Settings,
                                                 SidecarClient, SidecarError)
-from kvbridge.core.layout import EngineLayout
 from kvbridge.transport.cache import RankCache
 from kvbridge.core.spec import ModelSpec
 from kvbridge.transport.shm import SharedSegment
@@ -43,9 +42,8 @@ class Engine:
         self.cache = RankCache(SPEC, layout, rank, [self.seg.view(o, n) for o, n in zip(self.offsets, nbytes)])
 
     def init(self, engine_id: str, produce: bool, port: int, **settings) -> Init:
-        import msgspec
         nbytes = self.layout.addressing(SPEC, self.rank).region_nbytes
-        return Init(engine_id, self.rank, produce, not produce, SPEC, EngineLayout(**msgspec.structs.asdict(self.layout)),
+        return Init(engine_id, self.rank, produce, not produce, SPEC, self.layout.plain(),
                     [CpuSegment(self.seg.path, self.seg.nbytes)],
                     [Region(0, o, n) for o, n in zip(self.offsets, nbytes)],
                     Settings(**{"side_channel_port": port, "lease_seconds": 20, "transfer_timeout": 20,

@@ -145,6 +145,7 @@ class JobPlanner:
                 dev_addr = device.addressing(spec, device.flat_rank(0, p))
                 model = group_model(spec, g, mine)
                 _check_alone(dev_addr, self._stage_layouts[g].addressing(model, 0), mine, g)
+                _check_alone(cpu_addr, pool.layout.addressing(model, 0), mine, g)
                 parts.append(_Part(g, p, model, dev_addr.region[list(mine), 0].copy(),
                                    cpu_addr.region[list(mine), 0].copy()))
             self._parts[g] = parts

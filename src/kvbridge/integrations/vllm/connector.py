@@ -62,7 +62,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -77,7 +76,6 @@ from kvbridge.integrations.vllm.registration import check_cpu_kv_layout, group_o
 from kvbridge.integrations.vllm.sidecar import (Abandon, Expect, Fatal, Init, Received, Recv, Released, Send, Settings,
                                                 SidecarClient)
 from kvbridge.integrations.vllm.step_profile import StepProfile
-from kvbridge.core.layout import EngineLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -386,7 +384,7 @@ class _Worker:
         storages, regions = share_tensors(self._keep, f"vllm-{self.conn.engine_id[:24]}-r{self.rank}")
         shared_s = time.perf_counter() - t0
         init = Init(self.conn.engine_id, self.rank, self.conn.produces, self.conn.consumes, spec,
-                    EngineLayout(**msgspec.structs.asdict(layout)), storages, regions, self.settings)
+                    layout.plain(), storages, regions, self.settings)
         self.sidecar = SidecarClient(init)
         logger.info("KVBridgeConnector %s rank %d: %s%s; %s; %s (ISA %s) over %s (sidecar pid %d; cache of %d B "
                     "handed over in %.3f s%s)",

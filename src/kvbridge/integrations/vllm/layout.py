@@ -108,10 +108,20 @@ class VllmCpuLayout(EngineLayout, frozen=True):
     `kv_order`/`kv_placement` fields keep their nearest `EngineLayout` values (HND,
     blocks_first) so that a peer without this class still reads a valid layout; `addressing`
     is what counts.
+
+    `page_bytes` is the bytes per block id of every layer: -1 (default) vLLM's hybrid-allocator
+    page derived from the whole model (`unified_page`), 0 none (each layer's blocks dense, a state
+    one state's bytes), else that page. A given page keeps a layer's addresses independent of the
+    other layers, so one group's layers can be planned as a model of their own (offload jobs).
     """
+
+    page_bytes: int = -1
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.page_bytes < -1:
+            raise IncompatibleEngines(f"page_bytes must be -1 (derived), 0 (none) or a page size, got "
+                                      f"{self.page_bytes}")
         if (self.kv_order, self.kv_placement, self.layer_placement) != ("HND", "blocks_first", "per_layer"):
             raise IncompatibleEngines(
                 f"a vLLM CPU cache is HND, blocks_first, per_layer; got {self.kv_order}, {self.kv_placement}, "
@@ -123,6 +133,11 @@ class VllmCpuLayout(EngineLayout, frozen=True):
     def describe(self) -> str:
         kb = f", kernel {self.kernel_size}" if self.kernel_size != self.block_size else ""
         return f"TP={self.tp_size} block {self.block_size}{kb} vLLM-CPU [B,H,K|V,N,D]"
+
+    def plain(self) -> EngineLayout:
+        """The `EngineLayout` of the same shape (what a peer's Hello carries; `as_vllm_cpu` reads it
+        back with the page derived, as vLLM's hybrid allocator pads)."""
+        return EngineLayout(**{f: getattr(self, f) for f in EngineLayout.__struct_fields__})
 
 
 def vllm_cpu_layout(tp_size: int, block_size: int, num_blocks: int, kernel_block_size: int | None = None
@@ -172,7 +187,10 @@ def _cpu_addressing(spec: ModelSpec, layout: VllmCpuLayout, rank: int) -> Addres
               ("region", "base", "block_stride", "token_stride", "head_stride", "row_bytes", "heads", "first_head")}
     ncomp = np.zeros(L, dtype=np.int64)
     region_nbytes: list[int] = []
-    page = unified_page(spec, layout, rank)
+    page = unified_page(spec, layout, rank) if layout.page_bytes < 0 else layout.page_bytes
+    if page and page < unified_page(spec, layout, rank):
+        raise IncompatibleEngines(f"a {page}-byte page cannot hold this model's largest block or state "
+                                  f"({unified_page(spec, layout, rank)} B on rank {rank})")
     for li, layer in enumerate(spec.layers):
         comps = layer.components
         ncomp[li] = len(comps)
@@ -184,7 +202,8 @@ def _cpu_addressing(spec: ModelSpec, layout: VllmCpuLayout, rank: int) -> Addres
         g = spec.layer_group[li]
         rows = [c.dim * spec.component_itemsize(c) for c in comps]
         if layer.is_recurrent:
-            region_nbytes.append(put_state_page(arrays, spec, li, layout, rank, page, len(region_nbytes)))
+            own = page or unified_page(ModelSpec((layer,), spec.dtype), layout, rank)  # no page: one state each
+            region_nbytes.append(put_state_page(arrays, spec, li, layout, rank, own, len(region_nbytes)))
             continue
         kbs, nkb = layout.group_kernel_size(g), layout.group_num_kernel_blocks(g)
         if layer.kind == "mla":  # [kernel block, token, latent]: one row per token, every rank all of it

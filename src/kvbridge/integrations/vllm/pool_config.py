@@ -33,8 +33,10 @@ if TYPE_CHECKING:
 def vllm_staging(block_tokens: int, slots: int) -> EngineLayout:
     """Pool objects of vLLM CPU caches are cut from vLLM CPU's own layout at TP 1: there a head's
     transposed K and its V are one run (in the canonical layout, each K dimension is a component
-    of its own: 34 runs per object, and Mooncake's per-task cost made loads slower than prefill)."""
-    return vllm_cpu_layout(1, block_tokens, slots)
+    of its own: 34 runs per object, and Mooncake's per-task cost made loads slower than prefill).
+    Without vLLM's unified page (`page_bytes=0`): staging needs no padding, and each group's layers
+    are then addressed alone as in the whole model."""
+    return msgspec.structs.replace(vllm_cpu_layout(1, block_tokens, slots), page_bytes=0)
 
 
 class PoolSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -120,14 +122,25 @@ def pool_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelS
     One group of full attention is read off vLLM's own group; several groups (vLLM's hybrid
     allocator: full and sliding-window attention) and MLA latents come from the model's config
     through transformers, as the worker's registration derives them, so both sides agree on the
-    groups, windows and latent. Recurrent state (Mamba-style, kept per prefix only in vLLM's
-    `align` mode) is refused in one line."""
+    groups, windows and latent. Recurrent state (Mamba-style) is served as vLLM keeps it per
+    prefix, in its `align` mode (checkpoints at block boundaries; `registration.hybrid_spec`)."""
     mc = vllm_config.model_config
     groups = kv_cache_config.kv_cache_groups
     if getattr(kv_cache_config, "has_mamba_layers", False):
-        raise IncompatibleEngines("KVBridgePoolConnector does not serve models with recurrent state (Mamba, gated delta "
-                                  "net, short conv) through vLLM yet: reading checkpoints out of vLLM's align-mode "
-                                  "tables is not built (the pool itself stores them: docs/pool.md)")
+        from kvbridge.integrations.vllm.registration import hybrid_spec
+
+        attn = [g.kv_cache_spec for g in groups if not hasattr(g.kv_cache_spec, "shapes")]
+        spec = hybrid_spec(vllm_config, kv_cache_config, normalize_dtype(str(attn[0].dtype if attn else mc.dtype)),
+                           prefix_states=True)
+        odd = sorted({layer.kind for layer in spec.layers if not layer.is_stateless} - {"full", "sliding", "recurrent"})
+        if odd:
+            raise IncompatibleEngines(f"KVBridgePoolConnector serves attention and recurrent state through vLLM; this "
+                                      f"model also has {', '.join(odd)} layers")
+        if len(spec.groups) != len(groups):
+            raise IncompatibleEngines(f"vLLM keeps this model's layers in {len(groups)} KV-cache group(s), kvbridge in "
+                                      f"{len(spec.groups)} (one per kind); the pool serves it only with one group per "
+                                      f"kind")
+        return spec
     kv = groups[0].kv_cache_spec
     if len(groups) == 1 and not getattr(kv, "sliding_window", None) and not mc.use_mla:
         heads, head = mc.get_total_num_kv_heads(), int(kv.head_size)

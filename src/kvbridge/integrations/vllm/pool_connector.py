@@ -22,9 +22,10 @@ It follows vLLM's scheduler hooks as its OffloadingConnector does, with the shar
 * load: the allocated blocks go to every worker rank (`pool_worker`), which fetches the objects
   its heads need, checks their seals and copies them in, on its thread, waiting at most
   `load_timeout_ms` at the start of the step that computes the rest of the prompt
-  (`load_async: true`: vLLM's asynchronous load). A chunk that fails or comes late leaves its
-  blocks untouched and they are reported in `get_block_ids_with_load_errors` (and
-  `failed_recving` when asynchronous): vLLM recomputes them (`kv_load_failure_policy:
+  (`load_async: true`: vLLM's asynchronous load, always taken for a model of several KV-cache
+  groups). A chunk that fails or comes late leaves its blocks untouched and they are reported in
+  `get_block_ids_with_load_errors` (one group only: vLLM stops the engine on block ids of several)
+  and `failed_recving` when asynchronous: vLLM recomputes them (`kv_load_failure_policy:
   recompute`; vLLM's default `fail` fails the request);
 * store after compute: when a request finishes, its full pool blocks are stored by every rank
   (the objects each writes that the store lacks), its blocks held until the rank has copied
@@ -44,8 +45,11 @@ the tokens every group can supply (the full groups' whole prefix, the sliding gr
 window before it: `offload.lookup.request_hits`), and a store writes, per group, the blocks
 still on the device (a window's slid-out blocks are vLLM's null block and are skipped). MLA
 latents too (DeepSeek-style; vLLM CPU's `[blocks, block, latent]` cache, its cache-write checked
-at start): rank 0 writes each latent object, every rank reads it.
-Limits, each refused in one line at start: recurrent state (Mamba-style layers), sliding or
+at start): rank 0 writes each latent object, every rank reads it. Recurrent state (Mamba-style
+layers) as vLLM keeps it per prefix in its `align` mode: the boundary states vLLM offers
+(`boundary_state_offloads`) that end on a pool block are stored as checkpoints, and a load writes
+the one where the hit ends (see `pool_scheduler`).
+Limits, each refused in one line at start: recurrent state without prefix caching, sliding or
 compressed MLA, multimodal models, groups of different block sizes, an engine block size that does not
 divide `block_tokens`. A sliding group's blocks are stored while its window still holds them
 (during a long decode, as they fill; otherwise those the window holds when the request ends).
@@ -55,10 +59,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults, SupportsHMA)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.logger import init_logger
 
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.pool_config import PoolJob, PoolMetadata, PoolSettings, pool_spec, vllm_staging
@@ -73,6 +79,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+logger = init_logger(f"vllm.{__name__}")
+
 
 class KVBridgePoolConnector(KVConnectorBase_V1, SupportsHMA):
     """kvbridge's shared pool behind vLLM's KVConnectorBase_V1 (see the module doc).
@@ -85,6 +93,16 @@ class KVBridgePoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = PoolSettings.parse(dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}))
         refuse_unkeyable(vllm_config)
         self.spec = pool_spec(vllm_config, kv_cache_config)
+        if len(self.spec.groups) > 1 and not self.settings.load_async:
+            # Several KV-cache groups: vLLM takes a failed load only as a failed asynchronous request
+            # (block ids are per group; reported for a load at the step's start, they stop the engine).
+            # Recurrent state too: vLLM's align mode copies a prefix's state from its block into the
+            # step's block before the forward's `start_load_kv`, so a state loaded there is never read
+            # (measured: the reader answered as with no state). On the asynchronous path the request
+            # runs only after its load.
+            self.settings = msgspec.structs.replace(self.settings, load_async=True)
+            logger.info("KVBridgePoolConnector: %d KV-cache groups: loads take vLLM's asynchronous path",
+                        len(self.spec.groups))
         self.config = self.settings.pool_config(pool_model_id(vllm_config, self.settings.model_id))
         self.block_size = int(vllm_config.cache_config.block_size)
         if self.config.block_tokens % self.block_size:

@@ -7,6 +7,14 @@ side's `PoolThread`, waited for a few milliseconds inline (an answer in time cos
 otherwise polled on later steps until `lookup_timeout_ms`, after which it is a miss and the
 breaker opens. While the breaker is open every lookup is a miss at once and no store is queued;
 a probe (a new client and one existence check, never a request's lookup) closes it again.
+
+Recurrent state (vLLM's `align` mode) is stored from vLLM's boundary-state offers, not from block
+tables: an align-mode mamba table is not positionally stable (interior entries are nulled, the
+block two steps back freed), so vLLM hands each step's cached boundary states out with their exact
+blocks (`kv_connector_block_state.boundary_state_offloads`). Those ending on a pool block are
+queued one step later, once the step that computes them has run, as a running request's store
+(dropped if vLLM hands the block out again first); those still pending when the request ends, from
+the blocks it holds. A load writes the checkpoint where the hit ends into the reader's block there.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from kvbridge.errors import IncompatibleEngines
 from kvbridge.integrations.vllm.pool_identity import request_group_keys
 from kvbridge.integrations.vllm.pool_metrics import StatsTally
 from kvbridge.integrations.vllm.registration import group_order
-from kvbridge.offload.lookup import request_hits
+from kvbridge.offload.lookup import group_windows, request_hits
 from kvbridge.offload.scheduling import NULL, load_job, storable_keys, store_job, whole_blocks
 from kvbridge.pool.background import Call, PoolThread, Prober
 from kvbridge.pool.breaker import Breaker
@@ -46,7 +54,8 @@ class PoolScheduler:
         self.bt = conn.config.block_tokens
         self.factor = self.bt // conn.block_size
         spec = conn.spec
-        self.windows = [spec.group_layer(g).window for g in range(len(spec.groups))]
+        self.windows = group_windows(spec)  # full: None, sliding: its window, recurrent: one token
+        self.state = frozenset(spec.recurrent_groups())
         self.vllm_groups, sizes = group_order(conn._kv_cache_config, conn.block_size)
         if len(self.vllm_groups) != len(self.windows) or set(sizes) != {conn.block_size}:
             raise IncompatibleEngines(f"KVBridgePoolConnector needs every KV-cache group in blocks of {conn.block_size} "
@@ -74,6 +83,9 @@ class PoolScheduler:
         self._store_queued: set[str] = set()
         self._local_hit: dict[str, int] = {}  # the local prefix-cache hit vLLM last asked a lookup about
         self._allocated: set[int] = set()  # blocks handed out this schedule to be written
+        # Boundary states vLLM offered (per request: kvbridge group, block, boundary tokens) whose
+        # step has not run yet: queued at the next schedule, or at the end from the blocks held.
+        self._offers: dict[str, list[tuple[int, int, int]]] = {}
         self._running_stores = True  # off for good if the blocks handed out cannot be told
         self._meta = PoolMetadata()
 
@@ -183,7 +195,7 @@ class PoolScheduler:
         tables = [t[: tokens_hit // bs] for t in self._tables(blocks.get_block_ids())]
         try:
             on_device = [[i < local // bs for i in range(len(t))] for t in tables]
-            load_keys, gpu = load_job(tables, keys, tokens_hit, bs, self.factor, on_device)
+            load_keys, gpu = load_job(tables, keys, tokens_hit, bs, self.factor, on_device, self.state)
             job = PoolJob(request.request_id, load_keys, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices)
         except Exception as e:  # noqa: BLE001 - vLLM counts these tokens as coming: the worker must fail them
             logger.warning("KVBridgePoolConnector: load of %s not planned, recomputing: %s", request.request_id,
@@ -222,6 +234,7 @@ class PoolScheduler:
         self._loaded.discard(rid)
         self._pending.pop(rid, None)
         self._forget_lookup(rid)
+        offers = self._offers.pop(rid, [])
         if not self.conn.settings.store or not self.breaker.is_closed:
             return False
         # Every full block, those queued while it ran too: a store of a running request's blocks
@@ -229,8 +242,45 @@ class PoolScheduler:
         # store lacks (its stores run in order: those queued earlier are in by then).
         n = min(reached, int(request.num_computed_tokens), len(request.all_token_ids)) // self.bt
         # A window's pool blocks only where it still holds all of their device blocks (`whole_blocks`).
-        tables = [whole_blocks(t, self.factor) if w else t for t, w in zip(self._tables(block_ids), self.windows)]
-        return self._queue_store(request, tables, 0, n, running=False)
+        tables = self._tables(block_ids)
+        held = [(g, b, at) for g, b, at in offers if at <= n * self.bt and b in tables[g]]  # its step has run
+        queued = self._queue_states(request, held, running=False)
+        tables = [whole_blocks(t, self.factor) if w else t for t, w in zip(self._token_tables(tables), self.windows)]
+        return self._queue_store(request, tables, 0, n, running=False) or queued
+
+    def _token_tables(self, tables: list[list[int]]) -> list[list[int]]:
+        """`tables` with the recurrent groups' blanked: their stores come from vLLM's offers."""
+        return [[NULL] * len(t) if g in self.state else t for g, t in enumerate(tables)]
+
+    def _queue_states(self, request: Request, offers: list[tuple[int, int, int]], running: bool) -> bool:
+        """Queue the store of the boundary states `offers` (group, block, boundary tokens): each
+        the checkpoint of the pool block ending at its boundary; True if a job was queued."""
+        if not offers:
+            return False
+        offers = sorted(set(offers))
+        upto = max(at for _, _, at in offers)
+        keys = request_group_keys(request, list(request.all_token_ids)[:upto], self.bt, len(self.windows))
+        sizes, first, ids, want = [0] * len(keys), [0] * len(keys), [], []
+        for g, block, at in offers:
+            if not sizes[g]:
+                first[g] = at // self.conn.block_size - 1
+            sizes[g] += 1
+            ids.append(block)
+            want.append(keys[g][at // self.bt - 1])
+        self._meta.stores.append(PoolJob(request.request_id, want, ids, tuple(sizes), tuple(first), running))
+        self._store_queued.add(request.request_id)
+        return True
+
+    def _take_offers(self, output: SchedulerOutput) -> None:
+        """This step's boundary-state offers that end on a pool block, kept until its step has run."""
+        state = getattr(output, "kv_connector_block_state", None)
+        offered = getattr(state, "boundary_state_offloads", None) or {}
+        ours = {v: g for g, v in enumerate(self.vllm_groups) if g in self.state}
+        for rid, entries in offered.items():
+            keep = [(ours[int(v)], int(b), int(at)) for v, b, at in entries
+                    if int(v) in ours and at > 0 and at % self.bt == 0 and int(b) != 0]
+            if keep and rid in self._live:
+                self._offers.setdefault(rid, []).extend(keep)
 
     def _queue_store(self, request: Request, tables: list[list[int]], start: int, n: int, running: bool) -> bool:
         """Queue the store of pool blocks `[start, n)` of every group whose device blocks are in
@@ -269,7 +319,18 @@ class PoolScheduler:
         self._allocated.discard(NULL)
         self._meta.allocated, self._allocated = sorted(self._allocated), set()
         self._meta.drop_running = not self._running_stores
+        ran, self._offers = self._offers, {}
+        self._take_offers(output)
         if self._running_stores and self.conn.settings.store and self.breaker.is_closed:
+            handed_out = set(self._meta.allocated)
+            for rid, offers in ran.items():  # the steps that computed these states have run
+                request = self._live.get(rid)
+                offers = [o for o in offers if o[1] not in handed_out]  # freed and given out again already
+                if request is not None:
+                    try:
+                        self._queue_states(request, offers, running=True)
+                    except Exception as e:  # noqa: BLE001 - a store that cannot be queued is dropped
+                        logger.warning("KVBridgePoolConnector: store of %s's states dropped: %s", rid, one_line(e))
             for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
                 try:
                     self._store_filled(rid, computed)
@@ -322,7 +383,7 @@ class PoolScheduler:
         # blocks it hands out). A window's pool block is read only while all its device blocks are held.
         edge, bs = max(int(computed), self._reached.get(rid, 0)), self.conn.block_size
         view = [whole_blocks([NULL if (i + 1) * bs <= edge - w + 1 else b for i, b in enumerate(t)], self.factor)
-                if w else t for t, w in zip(tables, self.windows)]
+                if w else t for t, w in zip(self._token_tables(tables), self.windows)]
         self._queue_store(request, view, start, n, running=True)
         self._stored_upto[rid] = n
 

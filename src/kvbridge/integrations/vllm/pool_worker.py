@@ -24,11 +24,13 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.logger import init_logger
 
 from kvbridge.errors import IncompatibleEngines
+from kvbridge.integrations.vllm.layout import unified_page
 from kvbridge.integrations.vllm.pool_config import PoolJob, PoolMetadata, announce, one_line, vllm_staging
 from kvbridge.integrations.vllm.pool_metrics import StatsTally
 from kvbridge.integrations.vllm.registration import check_cpu_mla_layout, spec_and_layout
@@ -48,6 +50,21 @@ STORE_NICE = 10
 contended core; an idle core it takes whole)."""
 TIER_COUNTS = ("objects_put", "objects_got", "bytes_put", "bytes_got", "seal_failures", "missing", "removed")
 
+
+
+def layer_region(t: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """A layer's cache as the `nbytes` bytes its layout addresses from the tensor's first byte: the
+    tensor itself when it is that, else those bytes of its storage (vLLM's hybrid allocator hands
+    each layer a view, a page apart per block, into one allocation every group shares;
+    registration checked its shape and block stride against the layout)."""
+    if t.is_contiguous() and t.numel() * t.element_size() == nbytes:
+        return t
+    storage = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    start = t.storage_offset() * t.element_size()
+    if start + nbytes > storage.numel():
+        raise IncompatibleEngines(f"a KV cache tensor {tuple(t.shape)} at byte {start} of its {storage.numel()}-byte "
+                                  f"allocation cannot hold the {nbytes} bytes its layout addresses")
+    return storage[start:start + nbytes]
 
 class PoolWorker:
     """One engine rank: its store client and tier on its own thread (see the module)."""
@@ -74,7 +91,9 @@ class PoolWorker:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         spec, layout, names = spec_and_layout(self.conn._vllm_config, self.conn._kv_cache_config, kv_caches,
-                                              self.tp_size)
+                                              self.tp_size, prefix_states=True)
+        if spec.has_recurrent:  # the unified page given, so each group's layers are addressed alone as in the whole
+            layout = msgspec.structs.replace(layout, page_bytes=unified_page(spec, layout, self.rank))
         if spec.fingerprint() != self.conn.spec.fingerprint() or spec.num_layers != self.conn.spec.num_layers:
             raise IncompatibleEngines(f"KVBridgePoolConnector: the registered cache ({spec.describe()}) differs from "
                                       f"the one the scheduler derived from the configs ({self.conn.spec.describe()})")
@@ -96,7 +115,9 @@ class PoolWorker:
             if self._client is None:
                 self._client = StoreClient(self.conn.settings.store_config(lend=self.conn.settings.segment_mib > 0))
             client = self._client
-        cache = RankCache(self._spec, self._layout, self.rank, [self._caches[n] for n in self._names])
+        need = self._layout.addressing(self._spec, self.rank).region_nbytes
+        cache = RankCache(self._spec, self._layout, self.rank,
+                          [layer_region(self._caches[n], nbytes) for n, nbytes in zip(self._names, need)])
         # Serial copies: numba's parallel (OpenMP) runtime in a vLLM CPU worker changed the
         # thread count its attention kernels check ("thread_num 1 vs. 2") and killed the engine.
         tier = self._tiers[kind] = PoolTier(cache, client, self.conn.config, parallel=False, staging=vllm_staging)
@@ -236,7 +257,8 @@ class PoolWorker:
         if self.conn.settings.load_async:
             self._res.failed_recving.add(job.request_id)
             self._res.finished_recving.add(job.request_id)
-        self._failed_blocks.update(job.block_ids)  # vLLM recomputes from the first of them
+        if len(self.conn.spec.groups) == 1:  # several groups: vLLM takes only the request (and dies on block ids)
+            self._failed_blocks.update(job.block_ids)  # vLLM recomputes from the first of them
 
     def _settle_stores(self) -> None:
         for rid, calls in list(self._stores.items()):

@@ -40,8 +40,11 @@ def group_order(kv_cache_config: KVCacheConfig, default_block: int) -> tuple[tup
 
 
 def spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_caches: dict[str, torch.Tensor],
-                    tp_size: int) -> tuple[ModelSpec, VllmCpuLayout, list[str]]:
-    """kvbridge's description of this rank's vLLM CPU cache, and the layer names in layer order."""
+                    tp_size: int, prefix_states: bool = False) -> tuple[ModelSpec, VllmCpuLayout, list[str]]:
+    """kvbridge's description of this rank's vLLM CPU cache, and the layer names in layer order.
+
+    `prefix_states`: the caller reads recurrent state per prefix (vLLM's `align` mode, where a
+    state block is a checkpoint at a block boundary); otherwise that mode is refused."""
     from vllm.model_executor.models.utils import extract_layer_index
 
     mc = vllm_config.model_config
@@ -51,7 +54,7 @@ def spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_
     if layout_name and layout_name != "LBHNC":
         raise IncompatibleEngines(f"KVBridgeConnector describes vLLM CPU's LBHNC cache; this engine uses {layout_name}")
     if len(kv_cache_config.kv_cache_groups) > 1 or kv_cache_config.has_mamba_layers:
-        return _hybrid_spec_and_layout(vllm_config, kv_cache_config, kv_caches, tp_size)
+        return _hybrid_spec_and_layout(vllm_config, kv_cache_config, kv_caches, tp_size, prefix_states)
     names = sorted(kv_caches, key=extract_layer_index)
     if [extract_layer_index(n) for n in names] != list(range(len(names))):
         raise IncompatibleEngines(f"KV cache layers are not 0..n-1: {names}")
@@ -150,17 +153,43 @@ def check_cpu_mla_layout(vllm_config: VllmConfig, layer_name: str, cache: torch.
     return name
 
 
-def _hybrid_spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                            kv_caches: dict[str, torch.Tensor], tp_size: int) -> tuple[ModelSpec, VllmCpuLayout, list[str]]:
-    """Several KV-cache groups (vLLM's hybrid allocator): the geometry comes from the model's
-    config through transformers (`spec_from_hf_config`, vLLM's view: conv states of kernel - 1
-    values), each layer's state as vLLM keeps it (`vllm_conv_rows`), one block size per group;
-    then every layer's tensor is checked against it (shape, bytes per block, unified page),
-    so a vLLM whose layout differs is refused instead of misread."""
+def hybrid_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, dtype: str,
+                prefix_states: bool = False) -> ModelSpec:
+    """The model as vLLM's hybrid allocator keeps it: the geometry from the config through
+    transformers (`spec_from_hf_config`, vLLM's view: conv states of kernel - 1 values), the
+    state dtype from vLLM's `MambaSpec`, conv rows in vLLM's order (`vllm_conv_rows`). From the
+    configs alone, so the scheduler (no tensors) and each worker derive the same spec."""
     from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
-    from vllm.model_executor.models.utils import extract_layer_index
 
     from kvbridge.models.config import spec_from_hf_config
+
+    mc = vllm_config.model_config
+    states = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups if hasattr(g.kv_cache_spec, "shapes")]
+    modes = {str(getattr(s, "mamba_cache_mode", "none")) for s in states}
+    if modes - {"none"} and not prefix_states:
+        raise IncompatibleEngines(f"vLLM caches recurrent state per prefix (mamba_cache_mode {sorted(modes)}); "
+                                  f"KVBridgeConnector moves one state per request: start vLLM without prefix caching")
+    if prefix_states and modes - {"align"}:
+        raise IncompatibleEngines(f"the pool reads recurrent state as vLLM's per-block checkpoints (mamba_cache_mode "
+                                  f"align, on with --enable-prefix-caching); this vLLM keeps {sorted(modes)}")
+    state_dtype = normalize_dtype(str(states[0].dtypes[-1])) if states else None
+    spec = spec_from_hf_config(mc.hf_config.to_dict(), dtype=dtype, view="engine", state_dtype=state_dtype, warn=False)
+    if spec.row_rates:
+        raise IncompatibleEngines("the model keeps compressed rows (one per several tokens, DeepSeek-V4); "
+                                  "KVBridgeConnector does not describe vLLM's pages of them yet")
+    if str(get_conv_state_layout()) == "SD":
+        spec = vllm_conv_rows(spec)
+    return vllm_cpu_spec(ModelSpec(spec.layers, spec.dtype, str(mc.model)))
+
+
+def _hybrid_spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                            kv_caches: dict[str, torch.Tensor], tp_size: int,
+                            prefix_states: bool = False) -> tuple[ModelSpec, VllmCpuLayout, list[str]]:
+    """Several KV-cache groups (vLLM's hybrid allocator): the spec from the configs
+    (`hybrid_spec`), one block size per group; then every layer's tensor is checked against it
+    (shape, bytes per block, unified page), so a vLLM whose layout differs is refused instead of
+    misread."""
+    from vllm.model_executor.models.utils import extract_layer_index
 
     mc = vllm_config.model_config
     by_index: dict[int, str] = {}
@@ -170,20 +199,8 @@ def _hybrid_spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheCon
             raise IncompatibleEngines(f"layers {by_index[i]} and {name} share index {i}")
         by_index[i] = name
     attn = [kv_caches[n] for n in kv_caches if kv_caches[n].dtype != torch.int8]
-    dtype = normalize_dtype(str(attn[0].dtype if attn else mc.dtype))
-    states = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups if hasattr(g.kv_cache_spec, "shapes")]
-    modes = {str(getattr(s, "mamba_cache_mode", "none")) for s in states}
-    if modes - {"none"}:
-        raise IncompatibleEngines(f"vLLM caches recurrent state per prefix (mamba_cache_mode {sorted(modes)}); "
-                                  f"KVBridgeConnector moves one state per request: start vLLM without prefix caching")
-    state_dtype = normalize_dtype(str(states[0].dtypes[-1])) if states else None
-    spec = spec_from_hf_config(mc.hf_config.to_dict(), dtype=dtype, view="engine", state_dtype=state_dtype, warn=False)
-    if spec.row_rates:
-        raise IncompatibleEngines("the model keeps compressed rows (one per several tokens, DeepSeek-V4); "
-                                  "KVBridgeConnector does not describe vLLM's pages of them yet")
-    if str(get_conv_state_layout()) == "SD":
-        spec = vllm_conv_rows(spec)
-    spec = vllm_cpu_spec(ModelSpec(spec.layers, spec.dtype, str(mc.model)))
+    spec = hybrid_spec(vllm_config, kv_cache_config, normalize_dtype(str(attn[0].dtype if attn else mc.dtype)),
+                       prefix_states)
     held = [i for i, layer in enumerate(spec.layers) if not layer.is_stateless]
     if sorted(by_index) != held:
         raise IncompatibleEngines(f"vLLM caches layers {sorted(by_index)}; the model's config gives state to {held}")

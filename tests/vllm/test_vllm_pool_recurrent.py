@@ -1,0 +1,105 @@
+"""A hybrid with recurrent state through the shared pool: LFM2 (short conv and attention) on three
+`vllm serve` instances with prefix caching on, so that vLLM keeps the conv state per prefix in its
+`align` mode (issue 29 point 3): X (TP 1, block 64), W (TP 2, block 64), Y (TP 2, block 32).
+
+A writer answers a 257-token prompt. vLLM offers the conv state at each block boundary it caches
+(`boundary_state_offloads`); the writer stores those ending on a pool block (token 256 among
+them) with the attention blocks. Y asks for the same prompt: its lookup needs the attention
+group's four blocks and the conv group's checkpoint at 256, and it loads them into its own shape
+on vLLM's asynchronous path (`KVBridgePoolConnector` takes it for every model of several groups).
+The prompt ends just past the checkpoint on purpose: a short conv's state (its last two inputs)
+reaches only the next two positions, so Y's last position, whose logits pick the first token,
+reads it directly (measured: with the state left out of the load, Y's first token differs; with a
+300-token prompt it did not).
+
+* W -> Y (TP 2, blocks 64 -> 32): Y answers with W's tokens and log-probs, to the bit;
+* X -> Y (TP 1 -> 2, each rank loading its half of the 128 conv channels): vLLM CPU's LFM2 itself
+  computes TP 1 and TP 2 apart (log-probs up to ~0.1 apart with no pool involved, as in
+  `test_vllm_pd_hybrid.py`; the tokens after the first drift apart as the two compute on), so
+  Y's first token, the one the loaded state decides, must be X's and its log-prob within that
+  tolerance. The byte-exact TP 1 -> 2 move of vLLM's pages is `test_vllm_layout.py`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pytest
+
+from pool_fleet import pool_fleet
+
+from kvbridge.integrations.vllm.fleet import InstanceShape
+from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_hybrid
+from kvbridge.testing.serving import metric_total, prompt_text
+
+pytestmark = pytest.mark.vllm
+HITS = "vllm:external_prefix_cache_hits_total"
+GOT = "vllm:kvbridge_pool_objects_got_total"
+# Y's objects for 256 tokens: 4 pool blocks x 2 attention layers x 2 KV heads, and the checkpoint's
+# 2 conv layers x 2 rows (vLLM's SD conv layout: a component per row) x 32 objects of 4 of the 128
+# channels (`pool.objects.state_chunk`), each rank reading the 16 of its 64 channels
+OBJECTS = 4 * 2 * 2 + 2 * 2 * 32
+TP_TOLERANCE = 0.15  # vLLM CPU's LFM2, TP 1 against TP 2 (test_vllm_pd_hybrid.LOGPROB_TOLERANCE)
+
+
+@pytest.fixture(scope="module")
+def fleet(vllm_env, tmp_path_factory):
+    work = tmp_path_factory.mktemp("vllm-pool-recurrent")
+    model = add_byte_tokenizer(make_tiny_hybrid(work / "tiny-lfm2", kind="lfm2", seed=3))
+    shapes = (("x", InstanceShape(tp=1, block=64)), ("w", InstanceShape(tp=2, block=64)),
+              ("y", InstanceShape(tp=2, block=32)))
+    with pool_fleet(vllm_env, work, model, shapes, b"r" * 32, extra_args=("--enable-prefix-caching",)) as members:
+        yield members
+
+
+def _answer(url: str, text: str) -> list[tuple[str, float]]:
+    """8 greedy tokens with their log-probs."""
+    body = {"model": "model", "prompt": text, "max_tokens": 8, "temperature": 0, "logprobs": 1, "ignore_eos": True}
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        lp = json.load(r)["choices"][0]["logprobs"]
+    return list(zip(lp["tokens"], lp["token_logprobs"]))
+
+
+def _stored_by(master, writer, seed: int) -> tuple[str, list[tuple[str, float]]]:
+    """A fresh 257-token prompt the writer answered and stored (fresh ones until a store lands:
+    a store is dropped while the writer's breaker is open, e.g. after its first client start)."""
+    keys = lambda: metric_total(f"http://{master.host}:{master.metrics_port}", "master_key_count")  # noqa: E731
+    end = time.monotonic() + 600
+    while True:
+        assert time.monotonic() < end, "the writer never stored a prompt"
+        text, seed = prompt_text(seed, 257), seed + 1000
+        before = keys()
+        reference = _answer(writer.url, text)
+        settle = time.monotonic() + 60
+        while keys() == before and time.monotonic() < settle:
+            time.sleep(0.5)
+        time.sleep(3)  # the rest of its stores
+        if keys() > before:
+            return text, reference
+
+
+def _loaded(y, text: str) -> list[tuple[str, float]]:
+    hits, objects = metric_total(y.url, HITS), metric_total(y.url, GOT)
+    got = _answer(y.url, text)
+    assert metric_total(y.url, HITS) - hits >= 256, "Y did not load the 256 tokens both groups can supply"
+    assert metric_total(y.url, GOT) - objects == OBJECTS, "Y did not read the attention blocks and the checkpoint"
+    assert metric_total(y.url, "vllm:kvbridge_pool_seal_failures_total") == 0
+    return got
+
+
+def test_a_conv_state_stored_at_tp2_block64_resumes_exactly_at_block32(fleet):
+    master, _, w, y = fleet
+    text, reference = _stored_by(master, w, 61)
+    assert _loaded(y, text) == reference
+
+
+def test_a_conv_state_stored_at_tp1_resumes_split_over_two_ranks(fleet):
+    master, x, _, y = fleet
+    text, reference = _stored_by(master, x, 62)
+    got = _loaded(y, text)
+    assert got[0][0] == reference[0][0], "Y's first token, read from the loaded state, is not X's"
+    assert abs(got[0][1] - reference[0][1]) <= TP_TOLERANCE, (got[0], reference[0])
