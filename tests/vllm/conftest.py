@@ -34,18 +34,19 @@ CREATE_TIMEOUT_S = 2400  # measured 6 min (3.7 GB) on the shared 2-core machine;
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "vllm: runs real vLLM CPU 0.32 code from .venv-vllm (subprocesses)")
-    config.addinivalue_line("markers", "fleet: a long fleet test (minutes of vLLM starts and restarts); runs with "
-                                       "KVBRIDGE_FLEET_TESTS=1 (`make fleet-tests`)")
+    config.addinivalue_line("markers", "fleet: a long vLLM test (minutes of vLLM starts and restarts, or of long "
+                                       "prompts); runs with KVBRIDGE_FLEET_TESTS=1 (`make fleet-tests`)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`fleet` tests run only when asked (`make fleet-tests`): each is minutes of vLLM restarts on
-    a 2-core machine, and the suite must stay within its time; CI's fleet sample is
-    `test_vllm_serve.py` (one P/D fleet through the router and the edge cases)."""
+    """`fleet` tests run only when asked (`make fleet-tests`): each is minutes of vLLM on a 2-core
+    machine, and the suite must stay within its time. CI runs a shorter sample of each path:
+    `test_vllm_serve.py` for the fleets (one P/D fleet through the router and the edge cases),
+    `test_vllm_pool_recurrent.py` for recurrent state in the pool (`test_vllm_pool_gdn.py`'s)."""
     if _truthy(os.environ.get("KVBRIDGE_FLEET_TESTS")):
         return
-    skip = pytest.mark.skip(reason="a long fleet test: `make fleet-tests` runs it (KVBRIDGE_FLEET_TESTS=1); CI runs "
-                                   "tests/vllm/test_vllm_serve.py as the fleet sample")
+    skip = pytest.mark.skip(reason="a long vLLM test: `make fleet-tests` runs it (KVBRIDGE_FLEET_TESTS=1); CI runs a "
+                                   "shorter sample of its path (test_vllm_serve.py, test_vllm_pool_recurrent.py)")
     for item in items:
         if "fleet" in item.keywords:
             item.add_marker(skip)

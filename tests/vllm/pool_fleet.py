@@ -18,17 +18,18 @@ START_S = 900.0
 
 @contextmanager
 def pool_fleet(vllm_env, work: Path, model: Path, shapes: Sequence[tuple[str, InstanceShape]], secret: bytes,
-               dtype: str = "float32", extra_args: Sequence[str] = ()) -> Iterator[tuple]:
+               dtype: str = "float32", extra_args: Sequence[str] = (), block_tokens: int = 64,
+               max_model_len: int = 1024) -> Iterator[tuple]:
     """(master, member per shape in order), started; everything stopped on exit. `extra_args`
     go to every `vllm serve`."""
     (work / "pool.key").write_bytes(secret)
     (work / "pool.key").chmod(0o600)
     vllm = str(vllm_env.python.parent / "vllm")
     master = MooncakeMaster.start(work / "master.log")
-    config = FleetConfig(model=model, prefill=[], decode=[], log_dir=work, dtype=dtype)
+    config = FleetConfig(model=model, prefill=[], decode=[], log_dir=work, dtype=dtype, max_model_len=max_model_len)
     kv = {"kv_connector": "KVBridgePoolConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
           "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
-              "master": master.address, "secret_file": str(work / "pool.key"), "block_tokens": 64,
+              "master": master.address, "secret_file": str(work / "pool.key"), "block_tokens": block_tokens,
               "segment_mib": 32, "staging_blocks": 16,
               "lookup_timeout_ms": 60_000, "load_timeout_ms": 120_000, "store_timeout_ms": 120_000,
               "max_backoff_s": 5}}

@@ -65,9 +65,10 @@ def request_hits(keys_per_group: Sequence[Sequence[Key]], windows: Sequence[int 
     """Tokens of a request that the offloaded blocks of *every* group can supply, or None to retry.
 
     `windows[g]` is None for a full-attention group and the sliding window in tokens otherwise
-    (a recurrent group 1 token's worth: its one checkpoint at the hit, see `group_windows`). `block_tokens` is the offloaded
-    block size, one for all groups or one per group (groups of 12- and 16-token blocks): each
-    group's hits are counted in its own blocks and the hit shrinks to what every group covers.
+    (a recurrent group 1 token's worth: its one checkpoint at the hit, see `group_windows`).
+    `block_tokens` is the offloaded block size, one for all groups or one per group (groups of
+    12- and 16-token blocks): each group's hits are counted in its own blocks and the hit shrinks
+    to what every group covers.
     Full groups are looked up first, then sliding ones, repeating until the hit count is stable.
     Returns 0 when fewer than one (smallest) offloaded block of new tokens would be loaded.
     """

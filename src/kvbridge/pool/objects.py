@@ -14,10 +14,10 @@ object it does not need.
 Keys are `kvb2/<block name>/<layer>/<head>` (state: `<layer>/s<component>.<chunk>`). The block
 name is a MAC, under the fleet's secret, of the namespace, the block's chained hash and its
 group: fleets with different secrets never share (or collide on) a name, and nobody without the
-secret can predict one, so nobody can squat a prefix before it is stored. The namespace digests the format version, the model id the
-fleet agreed on (weights and revision), the spec fingerprint (geometry and KV dtype), the layer
-classes and the canonical block shape, so engines that could misread each other's bytes never
-share a key. Without a secret (`insecure`) names are plain digests: anyone can compute them.
+secret can predict one, so nobody can squat a prefix before it is stored. The namespace digests
+the format version, the model id the fleet agreed on (weights and revision), the spec fingerprint
+(geometry and KV dtype), the layer classes and the canonical block shape, so engines that could
+misread each other's bytes never share a key. Without a secret (`insecure`) names are plain digests: anyone can compute them.
 """
 
 from __future__ import annotations

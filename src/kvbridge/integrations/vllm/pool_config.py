@@ -132,36 +132,31 @@ def pool_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelS
         attn = [g.kv_cache_spec for g in groups if not hasattr(g.kv_cache_spec, "shapes")]
         spec = hybrid_spec(vllm_config, kv_cache_config, normalize_dtype(str(attn[0].dtype if attn else mc.dtype)),
                            prefix_states=True)
-        odd = sorted({layer.kind for layer in spec.layers if not layer.is_stateless} - {"full", "sliding", "recurrent"})
-        if odd:
-            raise IncompatibleEngines(f"KVBridgePoolConnector serves attention and recurrent state through vLLM; this "
-                                      f"model also has {', '.join(odd)} layers")
-        if len(spec.groups) != len(groups):
-            raise IncompatibleEngines(f"vLLM keeps this model's layers in {len(groups)} KV-cache group(s), kvbridge in "
-                                      f"{len(spec.groups)} (one per kind); the pool serves it only with one group per "
-                                      f"kind")
-        return spec
-    kv = groups[0].kv_cache_spec
-    if len(groups) == 1 and not getattr(kv, "sliding_window", None) and not mc.use_mla:
-        heads, head = mc.get_total_num_kv_heads(), int(kv.head_size)
-        layers = tuple(LayerSpec("full", heads, head, head) for _ in groups[0].layer_names)
-        return vllm_cpu_spec(ModelSpec(layers, normalize_dtype(str(kv.dtype)), str(mc.model)))
-    from kvbridge.models.config import spec_from_hf_config
+        allowed, what = {"full", "sliding", "recurrent"}, "attention and recurrent state"
+    else:
+        kv = groups[0].kv_cache_spec
+        if len(groups) == 1 and not getattr(kv, "sliding_window", None) and not mc.use_mla:
+            heads, head = mc.get_total_num_kv_heads(), int(kv.head_size)
+            layers = tuple(LayerSpec("full", heads, head, head) for _ in groups[0].layer_names)
+            return vllm_cpu_spec(ModelSpec(layers, normalize_dtype(str(kv.dtype)), str(mc.model)))
+        from kvbridge.models.config import spec_from_hf_config
 
-    spec = spec_from_hf_config(mc.hf_config.to_dict(), dtype=normalize_dtype(str(kv.dtype)), view="engine", warn=False)
-    kinds = {layer.kind for layer in spec.layers if not layer.is_stateless}
-    odd = sorted(kinds - ({"mla"} if mc.use_mla else {"full", "sliding"}))
+        spec = spec_from_hf_config(mc.hf_config.to_dict(), dtype=normalize_dtype(str(kv.dtype)), view="engine",
+                                   warn=False)
+        spec = vllm_cpu_spec(ModelSpec(spec.layers, spec.dtype, str(mc.model)))
+        allowed, what = (({"mla"}, "plain MLA layers") if mc.use_mla else
+                         ({"full", "sliding"}, "full and sliding-window attention"))
+    odd = sorted({layer.kind for layer in spec.layers if not layer.is_stateless} - allowed)
     if mc.use_mla and any(layer.window is not None or layer.tokens_per_row != 1 for layer in spec.layers):
         odd.append("sliding or compressed MLA")
     if odd:
-        what = "plain MLA layers" if mc.use_mla else "full and sliding-window attention"
         raise IncompatibleEngines(f"KVBridgePoolConnector serves {what} through vLLM; this model also has "
                                   f"{', '.join(odd)} layers")
     if len(spec.groups) != len(groups):
         raise IncompatibleEngines(f"vLLM keeps this model's layers in {len(groups)} KV-cache group(s), kvbridge in "
-                                  f"{len(spec.groups)} (one per attention kind); the pool serves it only with vLLM's "
-                                  f"hybrid allocator on and one group per kind")
-    return vllm_cpu_spec(ModelSpec(spec.layers, spec.dtype, str(mc.model)))
+                                  f"{len(spec.groups)} (one per kind); the pool serves it only with vLLM's hybrid "
+                                  f"allocator on and one group per kind")
+    return spec
 
 
 @dataclass

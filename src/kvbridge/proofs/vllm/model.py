@@ -80,7 +80,10 @@ def make_tiny_hybrid(path: str | Path, *, kind: str = "nemotron_h", seed: int = 
     * "nemotron_h": Nemotron-H, pattern "M-*M*" (Mamba2, MLP, attention, Mamba2, attention), 4
       Mamba heads of 32 in 2 groups (TP 1 and 2 split both);
     * "lfm2": LFM2, short conv / attention twice, conv kernel 3 over 128 channels. Its config
-      also carries the fields vLLM 0.32's LFM2 reads under older names (`conv_dim`, `block_*`).
+      also carries the fields vLLM 0.32's LFM2 reads under older names (`conv_dim`, `block_*`);
+    * "qwen3_next": Qwen3-Next, gated delta net / gated attention twice, 2 key and 4 value heads of
+      128 (vLLM CPU's GDN kernel takes no other head size), a small MoE. Save it in bfloat16
+      (vLLM CPU's GDN runs no float32).
     """
     import torch
     import transformers
@@ -99,8 +102,15 @@ def make_tiny_hybrid(path: str | Path, *, kind: str = "nemotron_h", seed: int = 
             **common, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"],
             conv_L_cache=3, conv_dim=128, conv_dim_out=128, block_dim=128, block_auto_adjust_ff_dim=False,
             block_ffn_dim_multiplier=1.0, block_multiple_of=32))
+    elif kind == "qwen3_next":
+        model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+            **{**common, "max_position_embeddings": 4096}, num_hidden_layers=4, head_dim=32,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128,
+            linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+            shared_expert_intermediate_size=64, decoder_sparse_step=1)).to(torch.bfloat16)
     else:
-        raise ValueError(f"unknown tiny hybrid kind {kind!r}: nemotron_h or lfm2")
+        raise ValueError(f"unknown tiny hybrid kind {kind!r}: nemotron_h, lfm2 or qwen3_next")
     path = Path(path)
     model.save_pretrained(path)
     return path
