@@ -4,6 +4,9 @@ needs (a late lookup is a miss and opens the breaker, which drops stores)."""
 
 from __future__ import annotations
 
+import json
+import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,6 +15,7 @@ from kvbridge.integrations.vllm.fleet import FleetConfig, InstanceShape, vllm_se
 from kvbridge.pool.master import MooncakeMaster
 from kvbridge.proofs.vllm.cluster import free_ports
 from kvbridge.testing.members import running
+from kvbridge.testing.serving import metric_total, prompt_text
 
 START_S = 900.0
 
@@ -43,3 +47,33 @@ def pool_fleet(vllm_env, work: Path, model: Path, shapes: Sequence[tuple[str, In
             yield (master, *members)
     finally:
         master.stop()
+
+
+def greedy_logprobs(url: str, text: str, max_tokens: int = 8, timeout: float = 900) -> list[tuple[str, float]]:
+    """`max_tokens` greedy tokens of a completion, each with its log-prob."""
+    body = {"model": "model", "prompt": text, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
+            "ignore_eos": True}
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        lp = json.load(r)["choices"][0]["logprobs"]
+    return list(zip(lp["tokens"], lp["token_logprobs"]))
+
+
+def stored_prompt(master, writer, seed: int, length: int, timeout_s: float = 900) -> tuple[str, list, float]:
+    """A fresh `length`-token prompt the writer answered (`greedy_logprobs`) and stored, and how many
+    objects it stored: fresh prompts until a store lands (a store is dropped while the writer's
+    breaker is open, e.g. after its first client start)."""
+    keys = lambda: metric_total(f"http://{master.host}:{master.metrics_port}", "master_key_count")  # noqa: E731
+    end = time.monotonic() + timeout_s
+    while True:
+        assert time.monotonic() < end, "the writer never stored a prompt"
+        text, seed = prompt_text(seed, length), seed + 1000
+        before = keys()
+        reference = greedy_logprobs(writer.url, text)
+        settle = time.monotonic() + 120
+        while keys() == before and time.monotonic() < settle:
+            time.sleep(0.5)
+        time.sleep(5)  # the rest of its stores
+        if keys() > before:
+            return text, reference, keys() - before

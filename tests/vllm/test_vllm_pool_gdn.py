@@ -17,17 +17,13 @@ the 2-core CI host; `test_vllm_pool_recurrent.py` (LFM2) is the suite's sample o
 
 from __future__ import annotations
 
-import json
-import time
-import urllib.request
-
 import pytest
 
-from pool_fleet import pool_fleet
+from pool_fleet import greedy_logprobs, pool_fleet, stored_prompt
 
 from kvbridge.integrations.vllm.fleet import InstanceShape
 from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_hybrid
-from kvbridge.testing.serving import metric_total, prompt_text
+from kvbridge.testing.serving import metric_total
 
 pytestmark = [pytest.mark.vllm, pytest.mark.fleet]
 BLOCK = 1088
@@ -46,33 +42,11 @@ def fleet(vllm_env, tmp_path_factory):
         yield members
 
 
-def _answer(url: str, text: str) -> list[tuple[str, float]]:
-    body = {"model": "model", "prompt": text, "max_tokens": 8, "temperature": 0, "logprobs": 1, "ignore_eos": True}
-    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=900) as r:
-        lp = json.load(r)["choices"][0]["logprobs"]
-    return list(zip(lp["tokens"], lp["token_logprobs"]))
-
-
 def test_a_gated_delta_net_state_stored_at_tp2_resumes_at_tp1(fleet):
     master, w, y = fleet
-    keys = lambda: metric_total(f"http://{master.host}:{master.metrics_port}", "master_key_count")  # noqa: E731
-    end, seed = time.monotonic() + 900, 71
-    while True:  # fresh prompts until W stored one (a store is dropped while its breaker is open)
-        assert time.monotonic() < end, "W never stored a prompt"
-        text, seed = prompt_text(seed, BLOCK + 1), seed + 1000
-        before = keys()
-        reference = _answer(w.url, text)
-        settle = time.monotonic() + 120
-        while keys() == before and time.monotonic() < settle:
-            time.sleep(0.5)
-        time.sleep(5)
-        if keys() > before:
-            break
-    stored = keys() - before
+    text, reference, stored = stored_prompt(master, w, 71, BLOCK + 1)
     hits, objects = metric_total(y.url, HITS), metric_total(y.url, GOT)
-    got = _answer(y.url, text)
+    got = greedy_logprobs(y.url, text)
     assert metric_total(y.url, HITS) - hits == BLOCK, "Y did not load the block both groups can supply"
     assert metric_total(y.url, GOT) - objects == stored, "Y (TP 1) did not read every object W's ranks stored"
     assert metric_total(y.url, "vllm:kvbridge_pool_seal_failures_total") == 0

@@ -22,17 +22,13 @@ reads it directly (measured: with the state left out of the load, Y's first toke
 
 from __future__ import annotations
 
-import json
-import time
-import urllib.request
-
 import pytest
 
-from pool_fleet import pool_fleet
+from pool_fleet import greedy_logprobs, pool_fleet, stored_prompt
 
 from kvbridge.integrations.vllm.fleet import InstanceShape
 from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_hybrid
-from kvbridge.testing.serving import metric_total, prompt_text
+from kvbridge.testing.serving import metric_total
 
 pytestmark = pytest.mark.vllm
 HITS = "vllm:external_prefix_cache_hits_total"
@@ -54,37 +50,9 @@ def fleet(vllm_env, tmp_path_factory):
         yield members
 
 
-def _answer(url: str, text: str) -> list[tuple[str, float]]:
-    """8 greedy tokens with their log-probs."""
-    body = {"model": "model", "prompt": text, "max_tokens": 8, "temperature": 0, "logprobs": 1, "ignore_eos": True}
-    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        lp = json.load(r)["choices"][0]["logprobs"]
-    return list(zip(lp["tokens"], lp["token_logprobs"]))
-
-
-def _stored_by(master, writer, seed: int) -> tuple[str, list[tuple[str, float]]]:
-    """A fresh 257-token prompt the writer answered and stored (fresh ones until a store lands:
-    a store is dropped while the writer's breaker is open, e.g. after its first client start)."""
-    keys = lambda: metric_total(f"http://{master.host}:{master.metrics_port}", "master_key_count")  # noqa: E731
-    end = time.monotonic() + 600
-    while True:
-        assert time.monotonic() < end, "the writer never stored a prompt"
-        text, seed = prompt_text(seed, 257), seed + 1000
-        before = keys()
-        reference = _answer(writer.url, text)
-        settle = time.monotonic() + 60
-        while keys() == before and time.monotonic() < settle:
-            time.sleep(0.5)
-        time.sleep(3)  # the rest of its stores
-        if keys() > before:
-            return text, reference
-
-
 def _loaded(y, text: str) -> list[tuple[str, float]]:
     hits, objects = metric_total(y.url, HITS), metric_total(y.url, GOT)
-    got = _answer(y.url, text)
+    got = greedy_logprobs(y.url, text)
     assert metric_total(y.url, HITS) - hits >= 256, "Y did not load the 256 tokens both groups can supply"
     assert metric_total(y.url, GOT) - objects == OBJECTS, "Y did not read the attention blocks and the checkpoint"
     assert metric_total(y.url, "vllm:kvbridge_pool_seal_failures_total") == 0
@@ -93,13 +61,13 @@ def _loaded(y, text: str) -> list[tuple[str, float]]:
 
 def test_a_conv_state_stored_at_tp2_block64_resumes_exactly_at_block32(fleet):
     master, _, w, y = fleet
-    text, reference = _stored_by(master, w, 61)
+    text, reference, _ = stored_prompt(master, w, 61, 257)
     assert _loaded(y, text) == reference
 
 
 def test_a_conv_state_stored_at_tp1_resumes_split_over_two_ranks(fleet):
     master, x, _, y = fleet
-    text, reference = _stored_by(master, x, 62)
+    text, reference, _ = stored_prompt(master, x, 62, 257)
     got = _loaded(y, text)
     assert got[0][0] == reference[0][0], "Y's first token, read from the loaded state, is not X's"
     assert abs(got[0][1] - reference[0][1]) <= TP_TOLERANCE, (got[0], reference[0])
