@@ -45,8 +45,8 @@ MAX_MODEL_ID = 256
 
 STATE_SPLITS = 2**5 * 3 * 5 * 7
 """A state component of U units is cut into gcd(U, STATE_SPLITS) objects of whole units: every TP
-size made of 2, 3, 5 and 7 up to 32 that divides U holds whole objects (a rank writes and reads
-only its own), and a short conv of thousands of channels is tens of objects, not thousands. A TP
+size dividing both U and STATE_SPLITS (1-8, 10, 12, 14-16, 20, 21, 24, 28, 30, 32, ...) holds whole
+objects (a rank writes and reads only its own), and a short conv of thousands of channels is tens of objects, not thousands. A TP
 size beyond that (64 ranks over 128 channels) reads a neighbour's units too and cannot write alone:
 `written_by` refuses it in one line."""
 
