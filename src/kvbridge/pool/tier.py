@@ -163,6 +163,7 @@ class PoolTier:
         self.layout = object_layout(self.spec, config, config.staging_blocks, staging)
         self.staging = self.layout.pool
         self.factor = self.layout.check_device(self.device)
+        self._state_groups = frozenset(self.spec.recurrent_groups())  # their block indices name checkpoints
         self.writes = [sorted(s) for s in self.layout.written_by(self.device, self.rank)]
         self.reads = [sorted(s) for s in self.layout.read_by(self.device, self.rank)]
         self.worker = OffloadWorker([cache], self.staging, parallel=parallel)
@@ -228,8 +229,7 @@ class PoolTier:
                 if not any(wanted):
                     result.done += [True] * len(chunk_keys)
                     continue
-            state = self.spec.recurrent_groups()
-            if any(f % self.factor for g, f in enumerate(chunk.block_indices) if g not in state):
+            if any(f % self.factor for g, f in enumerate(chunk.block_indices) if g not in self._state_groups):
                 # a skipped head: no stale bytes in objects
                 for r in self._regions:
                     r.zero_()

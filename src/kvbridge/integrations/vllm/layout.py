@@ -187,10 +187,11 @@ def _cpu_addressing(spec: ModelSpec, layout: VllmCpuLayout, rank: int) -> Addres
               ("region", "base", "block_stride", "token_stride", "head_stride", "row_bytes", "heads", "first_head")}
     ncomp = np.zeros(L, dtype=np.int64)
     region_nbytes: list[int] = []
-    page = unified_page(spec, layout, rank) if layout.page_bytes < 0 else layout.page_bytes
-    if page and page < unified_page(spec, layout, rank):
+    derived = unified_page(spec, layout, rank)
+    page = derived if layout.page_bytes < 0 else layout.page_bytes
+    if page and page < derived:
         raise IncompatibleEngines(f"a {page}-byte page cannot hold this model's largest block or state "
-                                  f"({unified_page(spec, layout, rank)} B on rank {rank})")
+                                  f"({derived} B on rank {rank})")
     for li, layer in enumerate(spec.layers):
         comps = layer.components
         ncomp[li] = len(comps)

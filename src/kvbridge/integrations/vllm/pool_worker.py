@@ -51,7 +51,6 @@ contended core; an idle core it takes whole)."""
 TIER_COUNTS = ("objects_put", "objects_got", "bytes_put", "bytes_got", "seal_failures", "missing", "removed")
 
 
-
 def layer_region(t: torch.Tensor, nbytes: int) -> torch.Tensor:
     """A layer's cache as the `nbytes` bytes its layout addresses from the tensor's first byte: the
     tensor itself when it is that, else those bytes of its storage (vLLM's hybrid allocator hands
@@ -65,6 +64,7 @@ def layer_region(t: torch.Tensor, nbytes: int) -> torch.Tensor:
         raise IncompatibleEngines(f"a KV cache tensor {tuple(t.shape)} at byte {start} of its {storage.numel()}-byte "
                                   f"allocation cannot hold the {nbytes} bytes its layout addresses")
     return storage[start:start + nbytes]
+
 
 class PoolWorker:
     """One engine rank: its store client and tier on its own thread (see the module)."""
