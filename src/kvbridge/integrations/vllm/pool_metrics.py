@@ -33,6 +33,8 @@ COUNTERS = {
     "loads": "Pool loads that reached the device.",
     "load_failures": "Pool loads refused, failed or late: their blocks were recomputed.",
     "stores": "Pool store jobs completed (a finished request's blocks, or those a running request filled).",
+    "running_blocks_queued": "Pool blocks (one per KV-cache group) of running requests queued for storing as they "
+                             "filled, during long prefills and decodes rather than at the request's end.",
     "stores_dropped": "Pool stores dropped (breaker open, queue full, not done within store_timeout_ms, or a "
                       "running request's blocks handed out again before the store read them).",
     "timeouts": "Loads and stores a rank gave up on at their deadline.",

@@ -269,6 +269,8 @@ class PoolScheduler:
             want.append(keys[g][at // self.bt - 1])
         self._meta.stores.append(PoolJob(request.request_id, want, ids, tuple(sizes), tuple(first), running))
         self._store_queued.add(request.request_id)
+        if running:
+            self.tally.add(running_blocks_queued=len(want))
         return True
 
     def _take_offers(self, output: SchedulerOutput) -> None:
@@ -298,6 +300,8 @@ class PoolScheduler:
         self._meta.stores.append(PoolJob(rid, to_store, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices,
                                          running))
         self._store_queued.add(rid)
+        if running:
+            self.tally.add(running_blocks_queued=len(to_store))
         return True
 
     def scheduled(self, output: SchedulerOutput) -> None:
