@@ -162,6 +162,18 @@ def test_engines_that_must_not_share_get_different_namespaces():
     assert object_layout(spec, PoolConfig(model_id="m", block_tokens=16, insecure=True)).namespace != base
     assert object_layout(ModelSpec.uniform(2, 4, 8, "float16"), PoolConfig(model_id="m", block_tokens=8, insecure=True)).namespace != base
     assert object_layout(spec, PoolConfig(model_id="m", block_tokens=8, secret=b"another-fleet-secret")).namespace == base
+    # an engine whose blocks hold bytes in an order of their own (vLLM CPU's AMX kernels) shares
+    # only with engines of that order: a miss, never a misread
+    amx = [object_layout(spec, PoolConfig(model_id="m", block_tokens=8, insecure=True,
+                                          byte_order=f"vllm-cpu amx block {b} head 8")).namespace for b in (32, 64)]
+    assert len({base, *amx}) == 3
+
+
+def test_a_byte_order_is_bounded_printable_text():
+    for bad in ("x" * 201, "amx\nblock 32", "amx\x00", "ämx"):
+        with pytest.raises(ConfigError, match="byte_order") as e:
+            PoolConfig(model_id="m", block_tokens=8, insecure=True, byte_order=bad)
+        assert "\n" not in str(e.value)
 
 
 def test_shapes_the_pool_cannot_serve_are_refused_in_one_line():

@@ -42,6 +42,7 @@ from kvbridge.pool.store import StoreClient
 from kvbridge.transport.cache import RankCache
 
 MAX_STAGING_BLOCKS = 1 << 16
+MAX_BYTE_ORDER = 200
 
 
 class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -51,6 +52,10 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     divide it. `model_id` names the weights (see `pool_namespace`). `secret` keys the seals and
     the object names (`kvbridge.core.secrets` rules: at least 16 bytes); no secret is refused
     unless `insecure` says so by name (then seals are checksums and names are predictable).
+    `byte_order` names an order of bytes inside an engine's blocks that its layout does not describe
+    (vLLM CPU's AMX attention kernels, `integrations.vllm.registration.cpu_byte_order`): it joins the
+    namespace, so such an engine shares objects only with engines of the same order, between which
+    the copies are exact (the same misdescription both ways); empty for engines the layout describes.
     """
 
     model_id: str
@@ -58,6 +63,7 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     staging_blocks: int = 32
     secret: bytes = b""
     insecure: bool = False
+    byte_order: str = ""
 
     def __post_init__(self) -> None:
         from kvbridge.core.secrets import check_secret
@@ -72,6 +78,10 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                               "its objects, or insecure: true to run with checksums and predictable names")
         if not 1 <= self.block_tokens <= 1 << 20:
             raise ConfigError(f"pool block_tokens must be in [1, 2^20], got {self.block_tokens}")
+        if len(self.byte_order) > MAX_BYTE_ORDER or not self.byte_order.isascii() or not (
+                self.byte_order.isprintable()):
+            raise ConfigError(f"pool byte_order must be at most {MAX_BYTE_ORDER} printable ASCII characters, got "
+                              f"{self.byte_order[:80]!r}")
         if not 1 <= self.staging_blocks <= MAX_STAGING_BLOCKS:
             raise ConfigError(f"pool staging_blocks must be in [1, {MAX_STAGING_BLOCKS}], got {self.staging_blocks}")
 
@@ -104,6 +114,8 @@ def object_layout(spec: ModelSpec, config: PoolConfig, slots: int = 1,
                                      f"{pool.layout.describe()}")
     lay = pool.layout
     tag = f"{type(lay).__name__}/{lay.kv_order}/{lay.kv_placement}/{lay.layer_placement}/{lay.kernel_size}"
+    if config.byte_order:
+        tag += f"/order {config.byte_order}"
     return ObjectLayout(spec, pool, pool_namespace(spec, config.model_id, config.block_tokens, tag), config.secret)
 
 

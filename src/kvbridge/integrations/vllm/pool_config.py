@@ -119,7 +119,7 @@ class PoolSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 def pool_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelSpec:
     """The spec every rank registers, from the configs alone (the scheduler has no tensors).
 
-    One group of full attention is read off vLLM's own group; several groups (vLLM's hybrid
+    One group of full or sliding-window attention is read off vLLM's own group; several groups (vLLM's hybrid
     allocator: full and sliding-window attention) and MLA latents come from the model's config
     through transformers, as the worker's registration derives them, so both sides agree on the
     groups, windows and latent. Recurrent state (Mamba-style) is served as vLLM keeps it per
@@ -134,11 +134,18 @@ def pool_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelS
                            prefix_states=True)
         allowed, what = {"full", "sliding", "recurrent"}, "attention and recurrent state"
     else:
+        from kvbridge.integrations.vllm.registration import sliding_window_of
+
         kv = groups[0].kv_cache_spec
-        if len(groups) == 1 and not getattr(kv, "sliding_window", None) and not mc.use_mla:
+        window = sliding_window_of(kv)
+        # One group of one kind, as the worker registers it; not a full group whose layers vLLM
+        # promoted from sliding (the hybrid allocator off): the configs' groups refuse that below.
+        if len(groups) == 1 and not mc.use_mla and (window or not getattr(kv, "sliding_window", None)):
             heads, head = mc.get_total_num_kv_heads(), int(kv.head_size)
-            layers = tuple(LayerSpec("full", heads, head, head) for _ in groups[0].layer_names)
-            return vllm_cpu_spec(ModelSpec(layers, normalize_dtype(str(kv.dtype)), str(mc.model)))
+            layer = LayerSpec("sliding", heads, head, head, window=window) if window else \
+                LayerSpec("full", heads, head, head)
+            return vllm_cpu_spec(ModelSpec((layer,) * len(groups[0].layer_names), normalize_dtype(str(kv.dtype)),
+                                           str(mc.model)))
         from kvbridge.models.config import spec_from_hf_config
 
         spec = spec_from_hf_config(mc.hf_config.to_dict(), dtype=normalize_dtype(str(kv.dtype)), view="engine",

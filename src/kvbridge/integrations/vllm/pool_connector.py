@@ -70,6 +70,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.pool_config import PoolJob, PoolMetadata, PoolSettings, pool_spec, vllm_staging
 from kvbridge.integrations.vllm.pool_identity import pool_model_id, refuse_unkeyable
 from kvbridge.integrations.vllm.pool_metrics import PoolPromMetrics, PoolStats
+from kvbridge.integrations.vllm.registration import cpu_byte_order
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -104,6 +105,12 @@ class KVBridgePoolConnector(KVConnectorBase_V1, SupportsHMA):
             logger.info("KVBridgePoolConnector: %d KV-cache groups: loads take vLLM's asynchronous path",
                         len(self.spec.groups))
         self.config = self.settings.pool_config(pool_model_id(vllm_config, self.settings.model_id))
+        order = cpu_byte_order(vllm_config, kv_cache_config)
+        if order:  # see `cpu_byte_order`: engines of another order then miss, never misread
+            self.config = msgspec.structs.replace(self.config, byte_order=order)
+            logger.info("KVBridgePoolConnector: this engine's attention blocks hold their bytes in vLLM CPU's own "
+                        "order (%s); it shares pool objects only with engines of the same kernel, block and head size",
+                        order)
         self.block_size = int(vllm_config.cache_config.block_size)
         if self.config.block_tokens % self.block_size:
             raise ConfigError(f"KVBridgePoolConnector block_tokens {self.config.block_tokens} is not a multiple of "

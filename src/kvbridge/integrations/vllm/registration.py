@@ -39,12 +39,24 @@ def group_order(kv_cache_config: KVCacheConfig, default_block: int) -> tuple[tup
     return tuple(sorted(range(len(groups)), key=first.__getitem__)), sizes
 
 
+def sliding_window_of(kv_spec: object) -> int | None:
+    """The window of a vLLM group that slides (`SlidingWindowSpec`); None for full attention, also
+    for sliding layers vLLM promoted to full (a `FullAttentionSpec` carrying `sliding_window`, the
+    hybrid allocator off), whose blocks vLLM keeps whole."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return int(kv_spec.sliding_window) if isinstance(kv_spec, SlidingWindowSpec) else None
+
+
 def spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_caches: dict[str, torch.Tensor],
                     tp_size: int, prefix_states: bool = False) -> tuple[ModelSpec, VllmCpuLayout, list[str]]:
     """kvbridge's description of this rank's vLLM CPU cache, and the layer names in layer order.
 
-    `prefix_states`: the caller reads recurrent state per prefix (vLLM's `align` mode, where a
-    state block is a checkpoint at a block boundary); otherwise that mode is refused."""
+    `prefix_states`: the caller reads blocks per prefix (the pool): recurrent state as vLLM's
+    `align` mode keeps it (a state block is a checkpoint at a block boundary; otherwise that mode
+    is refused), and a model whose every layer slides (one group of vLLM's `SlidingWindowSpec`)
+    as sliding layers, since vLLM frees the blocks its window left (the P/D connector moves every
+    block of a request it has just prefilled and describes them as full)."""
     from vllm.model_executor.models.utils import extract_layer_index
 
     mc = vllm_config.model_config
@@ -61,6 +73,7 @@ def spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_
     total_heads = mc.get_total_num_kv_heads()
     head = mc.get_head_size()
     first = kv_caches[names[0]]
+    window = sliding_window_of(kv_cache_config.kv_cache_groups[0].kv_cache_spec) if prefix_states else None
     layers = []
     for name in names:
         t = kv_caches[name]
@@ -68,7 +81,8 @@ def spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_
             raise IncompatibleEngines(
                 f"layer {name}: expected vLLM CPU cache [blocks, kv heads, block tokens, 2 x {head}] like the first "
                 f"layer {tuple(first.shape)} {first.dtype}, got {tuple(t.shape)} {t.dtype}")
-        layers.append(LayerSpec("full", total_heads, head, head))
+        layers.append(LayerSpec("sliding", total_heads, head, head, window=window) if window else
+                      LayerSpec("full", total_heads, head, head))
     spec = vllm_cpu_spec(ModelSpec(tuple(layers), normalize_dtype(str(first.dtype)), str(mc.model)))
     num_blocks = int(kv_cache_config.num_blocks)
     block_size = int(vllm_config.cache_config.block_size)
@@ -239,14 +253,15 @@ def _hybrid_spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheCon
     return spec, layout, names
 
 
-def check_cpu_kv_layout(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto") -> str:
-    """Run vLLM's own CPU cache-write kernel on a scratch block and check that it stores K
-    transposed and V by rows, as `VllmCpuLayerSpec` describes; returns the ISA name. Refuses
-    (naming the ISA and what it found) a kernel that places the bytes otherwise."""
+def _probe_cpu_kv(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto",
+                  isa_dtype: torch.dtype | None = None) -> tuple[str, bool, str]:
+    """vLLM's own CPU cache-write kernel on a scratch block of `dtype`, with the ISA vLLM's backend
+    picks for a model of `isa_dtype` (default `dtype`): (ISA, whether K lands transposed and V by
+    rows, as `VllmCpuLayerSpec` describes, and in words what it found)."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    isa = _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
+    isa = _get_attn_isa(isa_dtype or dtype, block_size, head_size, kv_cache_dtype)
     n, d = block_size, head_size
     kv = torch.zeros(1, 1, n, 2 * d, dtype=dtype)
     key_cache, value_cache = kv.view(1, 1, 2 * n, d).chunk(2, dim=2)
@@ -257,13 +272,51 @@ def check_cpu_kv_layout(dtype: torch.dtype, block_size: int, head_size: int, kv_
     raw = kv.view(2 * n, d)
     k_ok = torch.equal(raw[:n].reshape(d, n), key[:, 0, :].t())
     v_ok = torch.equal(raw[n:], value[:, 0, :])
-    if not (k_ok and v_ok):
-        rows = torch.equal(raw[:n], key[:, 0, :])
+    rows = torch.equal(raw[:n], key[:, 0, :])
+    found = (f"K {'transposed' if k_ok else 'by rows' if rows else 'in an unknown order'} and V "
+             f"{'by rows' if v_ok else 'in an unknown order'}")
+    return isa, k_ok and v_ok, found
+
+
+def check_cpu_kv_layout(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto") -> str:
+    """Run vLLM's own CPU cache-write kernel on a scratch block and check that it stores K
+    transposed and V by rows, as `VllmCpuLayerSpec` describes; returns the ISA name. Refuses
+    (naming the ISA and what it found) a kernel that places the bytes otherwise."""
+    isa, ok, found = _probe_cpu_kv(dtype, block_size, head_size, kv_cache_dtype)
+    if not ok:
         raise IncompatibleEngines(
-            f"vLLM CPU attention ISA {isa!r} ({dtype}, block {block_size}, head {head_size}) stores K "
-            f"{'by rows' if rows else 'in an unknown order'} and V {'by rows' if v_ok else 'in an unknown order'}; "
+            f"vLLM CPU attention ISA {isa!r} ({dtype}, block {block_size}, head {head_size}) stores {found}; "
             f"kvbridge describes K transposed, V by rows (the 'vec' kernels)")
     return isa
 
 
-__all__ = ["check_cpu_kv_layout", "check_cpu_mla_layout", "group_order", "spec_and_layout"]
+def cpu_byte_order(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+    """The pool's `byte_order` for this engine: empty where every attention group's blocks hold
+    their bytes as `VllmCpuLayout` describes, else each differing group's kernel, block and head
+    size (vLLM CPU's AMX kernels for bfloat16 in blocks of 32 or more).
+
+    Why not refuse: between engines of one kernel, block and head size, store and load apply one
+    misdescription and its inverse, so the bytes land where they came from (measured: tokens and
+    log-probs equal). Why not describe it: AMX packs K by pairs of dimensions per 16-token tile and
+    V by pairs of tokens per 16-dimension tile, and that V tiling spans the whole block, so its byte
+    order changes with the block size. The namespace keeps engines of other orders apart: a miss
+    where a load would have been wrong. Checked on vLLM's own kernel, as `check_cpu_kv_layout`."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or vllm_config.model_config.use_mla:  # MLA: `check_cpu_mla_layout`
+        return ""
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    orders = set()
+    for group in kv_cache_config.kv_cache_groups:
+        kv = group.kv_cache_spec
+        if hasattr(kv, "shapes") or not hasattr(kv, "head_size"):  # recurrent state: rows of its own
+            continue
+        block, head = int(kv.block_size), int(kv.head_size)
+        isa, ok, found = _probe_cpu_kv(kv.dtype, block, head, cache_dtype, vllm_config.model_config.dtype)
+        if not ok:
+            orders.add(f"vllm-cpu {isa} block {block} head {head}")
+    return ", ".join(sorted(orders))
+
+
+__all__ = ["check_cpu_kv_layout", "check_cpu_mla_layout", "cpu_byte_order", "group_order", "sliding_window_of",
+           "spec_and_layout"]

@@ -1,0 +1,38 @@
+"""Which vLLM CPU attention kernels keep a block's bytes as kvbridge describes them, and what the
+pool makes of the others (`registration.cpu_byte_order`, `PoolConfig.byte_order`).
+
+vLLM 0.32 CPU picks its AMX kernel for bfloat16 in blocks of 32 or more on CPUs with AMX tiles;
+that kernel packs K by pairs of dimensions per 16-token tile and V by pairs of tokens per
+16-dimension tile, not K transposed and V by rows. Before `cpu_byte_order`, two pool instances of
+different block sizes exchanged such blocks as if they were transposed K: tokens wrong, no seal
+failure. Now such an engine's objects live in a namespace of its kernel, block and head size.
+`vllm_cpu_order_probe.py` runs vLLM's own cache-write kernel in .venv-vllm; this checks its
+answers, so a vLLM whose kernels change is caught here rather than by a wrong answer."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def probe(run_probe) -> dict:
+    return run_probe("vllm_cpu_order_probe.py")
+
+
+def test_every_kernel_that_is_not_described_gets_a_byte_order_of_its_own(probe):
+    for k in probe["kernels"]:
+        amx = probe["amx"] and k["dtype"] == "torch.bfloat16" and k["block"] % 32 == 0
+        assert k["isa"] == "amx" if amx else k["isa"] != "amx", k
+        assert k["ok"] == (not amx), k  # the vec kernels store K transposed and V by rows; AMX does not
+    for key, order in probe["orders"].items():
+        dtype, block = key.split()
+        amx = probe["amx"] and dtype == "torch.bfloat16" and int(block) % 32 == 0
+        # both groups (full and sliding) have one kernel: one order, named by block and head size
+        assert order == (f"vllm-cpu amx block {block} head 64" if amx else ""), (key, order)
+
+
+def test_only_a_sliding_group_is_described_as_sliding(probe):
+    # a full group whose layers vLLM promoted from sliding (hybrid allocator off) keeps every block
+    assert probe["windows"] == {"full": None, "promoted": None, "sliding": 128}
