@@ -99,6 +99,12 @@ class PoolWorker:
                                       f"the one the scheduler derived from the configs ({self.conn.spec.describe()})")
         if spec.is_mla:
             check_cpu_mla_layout(self.conn._vllm_config, names[0], kv_caches[names[0]])
+        if hasattr(torch.cpu, "_init_amx") and torch.cpu._is_amx_tile_supported():
+            # vLLM CPU 0.32 leaves Linux's AMX tile permission to the first oneDNN call that uses
+            # tiles. A fresh instance whose first prefill started from a pool hit ran vLLM's own AMX
+            # attention kernel first and died on an illegal instruction (a tiny bfloat16 llama,
+            # measured; after one prefill of its own it served). Asking for it is harmless.
+            torch.cpu._init_amx()
         self._caches = kv_caches
         # The VllmCpuLayout itself: its addressing places K transposed per head (a plain
         # EngineLayout of the same fields describes other bytes, and same-shape round trips hid it).

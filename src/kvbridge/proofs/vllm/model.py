@@ -21,12 +21,13 @@ from pathlib import Path
 
 def make_tiny_llama(path: str | Path, *, num_kv_heads: int = 2, num_heads: int = 4, head_dim: int = 32,
                     num_layers: int = 2, vocab_size: int = 256, seed: int = 0,
-                    sliding_window: int | None = None) -> Path:
+                    sliding_window: int | None = None, every_layer_slides: bool = False) -> Path:
     """Write the model to `path` (config.json + model.safetensors) and return the path.
 
     `sliding_window`: every second layer (1, 3, ...) attends to that many tokens only
     (`layer_types`, which vLLM's Llama reads), so vLLM's hybrid allocator keeps a full and a
-    sliding-window KV-cache group."""
+    sliding-window KV-cache group; with `every_layer_slides` every layer does (Mistral-7B-v0.1
+    style: one sliding-window group)."""
     import torch
     from safetensors.torch import save_file
 
@@ -42,7 +43,8 @@ def make_tiny_llama(path: str | Path, *, num_kv_heads: int = 2, num_heads: int =
     }
     if sliding_window is not None:
         config["sliding_window"] = sliding_window
-        config["layer_types"] = ["sliding_attention" if i % 2 else "full_attention" for i in range(num_layers)]
+        config["layer_types"] = ["sliding_attention" if i % 2 or every_layer_slides else "full_attention"
+                                 for i in range(num_layers)]
     gen = torch.Generator().manual_seed(seed)
 
     def normal(*shape: int) -> torch.Tensor:
