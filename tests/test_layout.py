@@ -200,6 +200,14 @@ def test_write_then_read_tokens_roundtrip():
     assert torch.equal(cache.logical_view(1, 0)[2, 1], vals[2])
 
 
+def test_a_layer_of_another_pp_stage_has_no_view():
+    """Its region is -1: a view would have indexed this rank's last region (the wrong layer's bytes)."""
+    cache = RankCache.allocate(SPEC, EngineLayout(tp_size=1, pp_size=2, block_size=4, num_blocks=4), 1)
+    with pytest.raises(IndexError, match="layer 0 is not held by this rank"):
+        cache.logical_view(0, 0)
+    assert cache.logical_view(SPEC.num_layers - 1, 0).numel() > 0
+
+
 def test_logical_view_of_regions_sliced_from_one_buffer():
     """Regions may be views into a larger allocation (one arena, vLLM's shared pools): views must
     start where each region starts, not at the start of the underlying storage."""

@@ -92,3 +92,28 @@ def test_recurrent_checkpoints_offload_across_shapes(model):
                          load_block_size=8, canonical=True)
     assert r.ok, r.summary()
     assert r.hit_tokens == r.prefix_len == 32 and r.tokens_offload == r.tokens_reference
+
+
+ZOO = [  # architecture, store TP / PP / block, load TP / PP / block, pool block: a bounded sample of `make models`' zoo
+    ("minimax", (3, 1, 4), (1, 1, 16), 16),  # a cache class of its own (lightning attention)
+    ("rwkv", (3, 1, 4), (2, 1, 2), 8),  # a state list outside any transformers Cache
+    ("roberta", (1, 1, 8), (3, 1, 4), 8),  # a decoder whose default positions are not generate's
+    ("gemma3n_text", (2, 2, 8), (6, 1, 16), 16),  # the last PP stage holds only layers that read others' K/V
+    ("deepseek_v4", (1, 1, 8), (1, 1, 8), 16),  # rows of several tokens, two device blocks per pool block
+]
+
+
+@pytest.mark.parametrize("arch, store, load, pool_block", ZOO, ids=[z[0] for z in ZOO])
+def test_zoo_models_offload_through_the_canonical_pool(tmp_path, arch, store, load, pool_block):
+    """Each prefill runs as the direct proof runs it (the model's own cache argument and class,
+    state outside a Cache, generate's positions), and a stage without stateful layers stores
+    nothing: an outside sweep of every architecture found these five raising or answering wrong."""
+    from kvbridge.proofs.model_sweep import tiny_config
+
+    tiny_config(arch).save_pretrained(tmp_path)
+    (stp, spp, sbs), (ltp, lpp, lbs) = store, load
+    r = run_offload_demo(str(tmp_path), seed=1, prompt_len=40, block_size=sbs, block_size_factor=pool_block // sbs,
+                         store_tp=stp, store_pp=spp, load_tp=ltp, load_pp=lpp, load_block_size=lbs, canonical=True,
+                         new_tokens=4)
+    assert r.ok, r.summary()
+    assert r.hit_tokens == r.prefix_len and r.tokens_offload == r.tokens_reference

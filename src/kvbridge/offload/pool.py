@@ -90,12 +90,18 @@ class CPUPool:
     @classmethod
     def canonical(cls, spec: ModelSpec, block_tokens: int, num_blocks: int, pin_memory: bool | None = None,
                   kernel_tokens: int | None = None) -> CPUPool:
-        """kvbridge's TP-independent format: one copy of every head, `block_tokens` tokens per slot."""
+        """kvbridge's TP-independent format: one copy of every head, `block_tokens` tokens per slot.
+
+        `kernel_tokens` only speeds copies (`canonical_layout`), so a model with a layer keeping one
+        row per several tokens (DeepSeek-V4's compressed caches, whose rows need whole kernel
+        blocks) keeps whole slots instead of being refused."""
         if block_tokens < 1:
             raise NotCanonicalizable(f"canonical block size must be >= 1 token, got {block_tokens}")
         if kernel_tokens is not None and (kernel_tokens < 1 or block_tokens % kernel_tokens):
             raise NotCanonicalizable(f"canonical kernel block of {kernel_tokens} tokens must divide the "
                                      f"{block_tokens}-token block")
+        if any(layer.tokens_per_row > 1 for layer in spec.layers):
+            kernel_tokens = None
         return cls.allocate(spec, canonical_layout(block_tokens, num_blocks, kernel_tokens), "canonical", pin_memory)
 
     @property

@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from kvbridge.errors import InvalidRequest
 from kvbridge.proofs.hf_cache import export_cache
-from kvbridge.proofs.proof import greedy_config, prove_cache
+from kvbridge.proofs.proof import greedy_config, prefill, prove_cache
 from kvbridge.proofs.results import ProofResult
 from kvbridge.proofs.tiny_models import load_model, spec_for
 from kvbridge.core.layout import EngineLayout
@@ -140,6 +140,8 @@ class DeviceEngine:
             for rc in self.caches:
                 for li in self.spec.groups[g]:
                     for ci in range(int(rc.addr.num_components[li])):
+                        if int(rc.addr.region[li, ci]) < 0:  # another PP stage's layer
+                            continue
                         view = rc.logical_view(li, ci, as_int=True)
                         kb = 1 if self.spec.layers[li].is_recurrent else self.layout.kernel_blocks_per_block
                         rows = torch.tensor([b * kb + k for b in ids for k in range(kb)], dtype=torch.long)
@@ -223,13 +225,14 @@ class _CpuPoolBackend:
         self.manager.touch([k for ks in keys for k in ks])
         return hit
 
-    def load(self, engine, tables, keys, hit) -> Moved:
+    def load(self, engine, tables, keys, hit) -> Moved | None:
+        """None when the copy failed: the engine then recomputes, as it would."""
         load_keys, gpu_spec = load_job(tables, keys, hit, engine.layout.block_size, self.factor(engine),
                                        state_groups=engine.spec.recurrent_groups())
         cpu_spec = self.manager.prepare_load(load_keys)
         res = self._run(engine, (cpu_spec, gpu_spec))
         self.manager.complete_load(load_keys)
-        return Moved(len(load_keys), res.bytes, res.seconds)
+        return Moved(len(load_keys), res.bytes, res.seconds) if res.success else None
 
     def events(self) -> dict[str, int]:
         events = self.manager.take_events()
@@ -263,22 +266,24 @@ def check_prefix(obs: int, prompt_len: int, prefix_len: int | None, suffix_len: 
 
 
 @torch.inference_mode()
-def round_trip(model: str, net, config, spec: ModelSpec, prompt_a: list[int], prompt_b: list[int], prefix_len: int,
+def round_trip(model: str, net, spec: ModelSpec, prompt_a: list[int], prompt_b: list[int], prefix_len: int,
                new_tokens: int, obs: int, store_engine: DeviceEngine, load_engine: DeviceEngine,
                backend: OffloadBackend, factor_of: Callable[[DeviceEngine], int]) -> OffloadDemoResult:
-    """Prefill A in two chunks storing after each, evict it, look B up, load its hit (or recompute it
-    where the load is refused, the whole prompt on a miss), decode from the load engine's blocks, compare."""
+    """Prefill A to the prefix and store it, then to the prompt's end and store the rest; evict it,
+    look B up, load its hit (or recompute it where the load is refused, the whole prompt on a miss),
+    decode from the load engine's blocks, compare. Each prefill is `proof.prefill`, a forward as the
+    direct proof runs it: the model's own cache argument and class, state kept on modules, and the
+    positions `generate` passes (RoBERTa-style decoders default to others)."""
     prompt_len = len(prompt_a)
     windows = group_windows(spec)
     keys_a = [group_keys(chained_block_hashes(prompt_a, obs), g) for g in range(len(spec.groups))]
     tables_a: list[list[int]] = [[] for _ in spec.groups]
     next_stored = [0] * len(spec.groups)
-    cache = DynamicCache(config=config)
     stored_prefix: DynamicCache | None = None
     stored = Moved(0, 0, 0.0)
     factor = factor_of(store_engine)
-    for start, stop in ((0, prefix_len), (prefix_len, prompt_len)):
-        net(torch.tensor([prompt_a[start:stop]]), past_key_values=cache, use_cache=True)
+    for stop in (prefix_len, prompt_len):
+        cache, _ = prefill(net, prompt_a[:stop])
         store_engine.grow(tables_a, stop)
         export_cache(cache, spec, store_engine.caches, _ids(tables_a), stop)
         if stop == prefix_len:
@@ -302,14 +307,14 @@ def round_trip(model: str, net, config, spec: ModelSpec, prompt_a: list[int], pr
         moved = backend.load(load_engine, tables_b, keys_b, hit)
         if moved is None:  # the load was refused: the engine recomputes those blocks' tokens itself
             recomputed = True
-            _recompute(net, config, spec, prompt_b[:hit], load_engine, tables_b)
+            _recompute(net, spec, prompt_b[:hit], load_engine, tables_b)
         else:
             loaded = moved
     first_token = None
     if not hit:  # a miss: the engine prefills the whole prompt into its blocks and decodes from them
         hit = len(prompt_b)
         load_engine.grow(tables_b, hit)
-        first_token = _recompute(net, config, spec, prompt_b, load_engine, tables_b)
+        first_token = _recompute(net, spec, prompt_b, load_engine, tables_b)
     # Decode from the engine's blocks (loaded, or recomputed where the load was refused or missed);
     # a partial hit is compared with a forward over the tokens it holds.
     proof = prove_cache(net, prompt_b, load_engine.caches, _ids(tables_b), new_tokens, num_cached=hit,
@@ -329,14 +334,13 @@ def round_trip(model: str, net, config, spec: ModelSpec, prompt_a: list[int], pr
         load_seconds=loaded.seconds, events=events, recomputed=recomputed, differences=proof.cache_differences + proof.replica_mismatches)
 
 
-def _recompute(net, config, spec: ModelSpec, tokens: list[int], engine: DeviceEngine,
+def _recompute(net, spec: ModelSpec, tokens: list[int], engine: DeviceEngine,
                tables: list[list[int]]) -> int:
     """What an engine does with blocks it could not load: a forward over their tokens, written into its
     own blocks (`tables`, already holding them); returns the greedy token after `tokens`."""
-    cache = DynamicCache(config=config)
-    out = net(torch.tensor([tokens]), past_key_values=cache, use_cache=True)
+    cache, first = prefill(net, tokens)
     export_cache(cache, spec, engine.caches, _ids(tables), len(tokens))
-    return int(out.logits[0, -1].argmax())
+    return first
 
 
 def run_offload_demo(model: str = "tiny-gemma2", seed: int = 0, prompt_len: int = 40, prefix_len: int | None = None,
@@ -376,7 +380,7 @@ def run_offload_demo(model: str = "tiny-gemma2", seed: int = 0, prompt_len: int 
     store_engine = DeviceEngine(spec, store_layout, seed + 1)
     load_engine = store_engine if load_layout == store_layout and not canonical else DeviceEngine(
         spec, load_layout, seed + 2)
-    return round_trip(model, net, config, spec, prompt_a, prompt_b, prefix_len, new_tokens, obs, store_engine,
+    return round_trip(model, net, spec, prompt_a, prompt_b, prefix_len, new_tokens, obs, store_engine,
                       load_engine, backend, backend.factor)
 
 

@@ -149,7 +149,7 @@ def run_pool_demo(model: str = "tiny-gemma2", seed: int = 0, store: Shape = Shap
         blocks = 2 * cdiv(max(prompt_len, len(prompt_b)), min(store.block, load.block)) + 4
         store_engine = DeviceEngine(spec, store.layout(blocks), seed + 1)
         load_engine = DeviceEngine(spec, load.layout(blocks), seed + 2)
-        result = round_trip(model, net, config, spec, prompt_a, prompt_b, prefix_len, new_tokens, pool_block,
+        result = round_trip(model, net, spec, prompt_a, prompt_b, prefix_len, new_tokens, pool_block,
                             store_engine, load_engine, backend, backend.factor)
         result.differences += backend.load_failures
         return result

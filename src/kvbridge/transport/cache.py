@@ -71,6 +71,8 @@ class RankCache:
         a, spec = self.addr, self.spec
         if comp >= a.num_components[layer]:
             raise IndexError(f"layer {layer} has {a.num_components[layer]} components, not {comp + 1}")
+        if int(a.region[layer, comp]) < 0:  # another PP stage's layer: no bytes here (region -1 would index the last)
+            raise IndexError(f"layer {layer} is not held by this rank ({self.layout.describe()}, rank {self.rank})")
         component = spec.layers[layer].components[comp]
         isz = spec.component_itemsize(component)
         dtype = _INT_OF_SIZE[isz] if as_int else TORCH_DTYPES[spec.component_dtype(component)]
