@@ -7,6 +7,7 @@ KV-cache groups and the sliding group's stores and loads start at null-padded po
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvbridge.errors import InvalidRequest
 from kvbridge.proofs.offload_demo import run_offload_demo
@@ -100,14 +101,17 @@ ZOO = [  # architecture, store TP / PP / block, load TP / PP / block, pool block
     ("roberta", (1, 1, 8), (3, 1, 4), 8),  # a decoder whose default positions are not generate's
     ("gemma3n_text", (2, 2, 8), (6, 1, 16), 16),  # the last PP stage holds only layers that read others' K/V
     ("deepseek_v4", (1, 1, 8), (1, 1, 8), 16),  # rows of several tokens, two device blocks per pool block
+    ("mamba", (2, 1, 4), (1, 2, 8), 8),  # Mamba1 reads its state only in one-token steps
+    ("recurrent_gemma", (1, 1, 4), (2, 2, 8), 16),  # state kept on its modules, multi-token input is a prefill
 ]
 
 
 @pytest.mark.parametrize("arch, store, load, pool_block", ZOO, ids=[z[0] for z in ZOO])
 def test_zoo_models_offload_through_the_canonical_pool(tmp_path, arch, store, load, pool_block):
     """Each prefill runs as the direct proof runs it (the model's own cache argument and class,
-    state outside a Cache, generate's positions), and a stage without stateful layers stores
-    nothing: an outside sweep of every architecture found these five raising or answering wrong."""
+    state outside a Cache, generate's positions), a stage without stateful layers stores nothing,
+    and a state that a multi-token forward would not read takes the rest of the prompt one token at
+    a time: an outside sweep of every architecture found these raising, refused or answering wrong."""
     from kvbridge.proofs.model_sweep import tiny_config
 
     tiny_config(arch).save_pretrained(tmp_path)
@@ -117,3 +121,21 @@ def test_zoo_models_offload_through_the_canonical_pool(tmp_path, arch, store, lo
                          new_tokens=4)
     assert r.ok, r.summary()
     assert r.hit_tokens == r.prefix_len and r.tokens_offload == r.tokens_reference
+
+
+def test_a_mamba1_state_is_what_its_tokens_continue_from(tmp_path):
+    """The token check reads the loaded state: the same round trip with the pool's state bytes
+    damaged gives other tokens (before, the rest of the prompt ran from a zero state, so no state
+    loaded into a Mamba1 model, right or wrong, changed its tokens)."""
+    from kvbridge.proofs.model_sweep import tiny_config
+
+    tiny_config("mamba").save_pretrained(tmp_path)
+
+    def damage(pool):
+        for r in pool.byte_regions():
+            r.view(torch.float32).mul_(-3.0)
+
+    r = run_offload_demo(str(tmp_path), seed=1, prompt_len=40, block_size=4, block_size_factor=2, canonical=True,
+                         new_tokens=4, after_store=damage)
+    assert r.hit_tokens == r.prefix_len and not r.cache_equal
+    assert r.tokens_offload != r.tokens_reference
