@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test verify bench plan models gpu-check clean
+.PHONY: demo test verify bench plan models pool-zoo gpu-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ plan: $(STAMP)
 # pairs); writes docs/models.md. CI runs a bounded sample (tests/models/test_sweep_sample.py).
 models: $(STAMP)
 	$(BIN)/python scripts/models_sweep.py --out docs/models.md
+
+# Every causal-LM architecture through the canonical pool: a prefix stored by one shape, loaded by
+# another, bit-exact and decoding like generate (docs/pool.md); make test runs a sample.
+pool-zoo: $(STAMP)
+	$(BIN)/python scripts/pool_zoo.py
 
 # The CUDA checks (transformers proof on the device, executor vs a device copy, NIXL VRAM) on a
 # GPU machine; one JSON line per check; figures go into docs/gpu.md with device and date.

@@ -149,8 +149,7 @@ def continue_greedy(model: PreTrainedModel, prompt_ids: Sequence[int], cache: Dy
             raise InvalidRequest(f"a first token follows the whole prompt, the cache holds {num_cached} of {n}")
         # RecurrentGemma runs a multi-token forward as a prefill from position 0's conv inputs (its
         # state lives on its modules, so it is not probed: a probe would move it on)
-        if keeps_state_on_modules(model) or (skip or (linear and any(linear))) and not _reads_state_in_chunks(
-                model, prompt_ids, num_cached, kwarg):
+        if keeps_state_on_modules(model) or not _continues_in_chunks(model, prompt_ids, num_cached, kwarg):
             # Then the rest of the prompt goes in one token at a time (decode steps, which read the
             # state): a check of a loaded state must not pass whatever the state held.
             for token in prompt_ids[num_cached:n - 1]:
@@ -169,16 +168,24 @@ def continue_greedy(model: PreTrainedModel, prompt_ids: Sequence[int], cache: Dy
     return tokens
 
 
-def _reads_state_in_chunks(model: PreTrainedModel, prompt_ids: Sequence[int], num_cached: int,
-                           kwarg: dict[str, object]) -> bool:
-    """Whether a forward of several tokens continues from the cache's recurrent state: its first
-    logits equal a one-token step's from copies of the cache. Measured, not named: transformers'
-    Mamba1 mixers (Mamba, Falcon-Mamba, Jamba) read their state only for one-token inputs."""
+def _continues_in_chunks(model: PreTrainedModel, prompt_ids: Sequence[int], num_cached: int,
+                         kwarg: dict[str, object]) -> bool:
+    """Whether a forward of several tokens continues from the cache: it runs, and its first logits
+    equal a one-token step's, from copies of the cache. Measured, not named: transformers' Mamba1
+    mixers (Mamba, Falcon-Mamba, Jamba) read their state only for one-token inputs, and ProphetNet
+    takes no longer input with a cache at all."""
     nxt = [int(t) for t in prompt_ids[num_cached:num_cached + 2]]
     if len(nxt) < 2:
         return True
-    one = model(torch.tensor([nxt[:1]], device=model.device), use_cache=True, **copy.deepcopy(kwarg)).logits[0, -1]
-    two = model(torch.tensor([nxt], device=model.device), use_cache=True, **copy.deepcopy(kwarg)).logits[0, 0]
+    refusals = (AssertionError, ValueError, RuntimeError, IndexError)  # a model's own refusal of an input
+    try:
+        one = model(torch.tensor([nxt[:1]], device=model.device), use_cache=True, **copy.deepcopy(kwarg)).logits[0, -1]
+    except refusals:  # no one-token step to compare with (CPM-Ant wants the whole input): `generate` decides
+        return True
+    try:
+        two = model(torch.tensor([nxt], device=model.device), use_cache=True, **copy.deepcopy(kwarg)).logits[0, 0]
+    except refusals:
+        return False
     return bool(torch.allclose(one, two, rtol=1e-3, atol=1e-3))
 
 
