@@ -265,11 +265,14 @@ def _probe_cpu_kv(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_
     n, d = block_size, head_size
     kv = torch.zeros(1, 1, n, 2 * d, dtype=dtype)
     key_cache, value_cache = kv.view(1, 1, 2 * n, d).chunk(2, dim=2)
-    key = (torch.arange(n * d, dtype=torch.float32) % 251 + 1).to(dtype).view(n, 1, d)
-    value = -(torch.arange(n * d, dtype=torch.float32) % 241 + 1).to(dtype).view(n, 1, d)
-    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n, dtype=torch.int64), isa,
-                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
-    raw = kv.view(2 * n, d)
+    key = (torch.arange(n * d, dtype=torch.float32) % 251 + 1).to(isa_dtype or dtype).view(n, 1, d)
+    value = -(torch.arange(n * d, dtype=torch.float32) % 241 + 1).to(isa_dtype or dtype).view(n, 1, d)
+    try:
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n, dtype=torch.int64), isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
+    except (RuntimeError, TypeError, ValueError) as e:  # a kernel that takes no such scratch block: not shown
+        return isa, False, f"nothing it would show ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})"
+    raw, key, value = kv.view(2 * n, d), key.to(dtype), value.to(dtype)
     k_ok = torch.equal(raw[:n].reshape(d, n), key[:, 0, :].t())
     v_ok = torch.equal(raw[n:], value[:, 0, :])
     rows = torch.equal(raw[:n], key[:, 0, :])
