@@ -9,7 +9,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvbridge import InvalidRequest
 from kvbridge.core.layout import EngineLayout
 from kvbridge.models import spec_from_hf_config
 from kvbridge.proofs.model_sweep import sweep_one, tiny_config
@@ -95,11 +94,12 @@ def _module_state(model) -> list[torch.Tensor]:
     return [t.clone() for b in blocks for t in (b.conv1d_state, b.rg_lru.recurrent_states)]
 
 
-def test_a_cached_prefix_cannot_be_continued():
+def test_a_cached_prefix_continues_one_token_at_a_time_as_generate_does():
+    """Its multi-token forward is a prefill from position 0's conv inputs, so the rest of the prompt
+    after a cached prefix goes in one token at a time (it was refused before)."""
     model = _model()
     cache, _ = prefill(model, PROMPT[:16])
-    with pytest.raises(InvalidRequest, match="cached prefix"):
-        continue_greedy(model, PROMPT, cache, 16, 3)
+    assert continue_greedy(model, PROMPT, cache, 16, 3) == reference_tokens(model, PROMPT, 3)
 
 
 def test_sweep_moves_it_on_both_pairs():
