@@ -33,6 +33,11 @@ def test_every_kernel_that_is_not_described_gets_a_byte_order_of_its_own(probe):
         assert order == (f"vllm-cpu amx block {block} head 64" if amx else ""), (key, order)
 
 
+def test_an_fp8_cache_gets_an_order_of_its_own_instead_of_failing_the_start(probe):
+    # kvbridge describes no fp8 CPU kernel's bytes: such instances share only among themselves
+    assert probe["fp8"].startswith("vllm-cpu ") and "block 64 head 64" in probe["fp8"], probe["fp8"]
+
+
 def test_only_a_sliding_group_is_described_as_sliding(probe):
     # a full group whose layers vLLM promoted from sliding (hybrid allocator off) keeps every block
     assert probe["windows"] == {"full": None, "promoted": None, "sliding": 128}

@@ -241,6 +241,8 @@ def test_a_long_decode_is_stored_as_its_blocks_fill_and_continued_elsewhere(pool
         deadline = time.monotonic() + 60  # a step's counts reach /metrics with the outputs after it
         while queued() - was_queued < 4 and time.monotonic() < deadline:
             time.sleep(0.2)
+        if queued() - was_queued < 4 and breaker() != opened and attempt < 2:
+            continue  # the scheduler's breaker opened (a late lookup): it queues no stores meanwhile
         assert queued() - was_queued >= 4, (
             f"while X decoded 900 tokens it queued only {queued() - was_queued:.0f} pool blocks of the running "
             f"request: its blocks were not stored as they filled ({_pool_figures(pool.x)})")

@@ -6,7 +6,8 @@
    (`registration.cpu_byte_order`; that another block size then misses is checked against vLLM's
    kernel in `test_vllm_cpu_order.py`). X (TP 1, block 64) stores a prompt; Y, fresh, of the same
    order, loads it as its very first prefill (which killed its engine on an illegal instruction
-   until the worker asked Linux for AMX tiles) and answers with X's log-probs to the bit. Z (TP 1,
+   until the worker asked Linux for AMX tiles) and answers with X's tokens and log-probs (equal to
+   the bit in every run on this host). Z (TP 1,
    block 32, another order; `make fleet-tests`) gets no external hit and answers as it computes:
    before the fix it loaded X's bytes misread (another first token, no seal failure).
 2. Every layer sliding (one vLLM group of `SlidingWindowSpec`; `make fleet-tests`): the instances
@@ -44,7 +45,10 @@ def test_a_fresh_bfloat16_amx_instance_starts_from_a_pool_hit_exactly(vllm_env, 
     with _amx_fleet(vllm_env, tmp_path_factory, shapes) as (master, x, y):
         text, reference, _ = stored_prompt(master, x, seed=71, length=129)
         hits = metric_total(y.url, HITS)
-        assert greedy_logprobs(y.url, text) == reference  # Y's first prefill: loaded, and to the bit
+        got = greedy_logprobs(y.url, text)  # Y's first prefill, from X's blocks
+        assert [t for t, _ in got] == [t for t, _ in reference]
+        # equal to the bit in every run here; a misread block is off by far more
+        assert max(abs(a - b) for (_, a), (_, b) in zip(got, reference)) < 1e-3
         assert metric_total(y.url, HITS) - hits == 128
         assert metric_total(y.url, SEALS) == 0
 

@@ -13,9 +13,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, Slid
 from kvbridge.integrations.vllm.registration import _probe_cpu_kv, cpu_byte_order, sliding_window_of
 
 
-def config(dtype: torch.dtype, groups: list) -> tuple[SimpleNamespace, SimpleNamespace]:
+def config(dtype: torch.dtype, groups: list, cache_dtype: str = "auto") -> tuple[SimpleNamespace, SimpleNamespace]:
     vllm_config = SimpleNamespace(model_config=SimpleNamespace(use_mla=False, dtype=dtype),
-                                  cache_config=SimpleNamespace(cache_dtype="auto"))
+                                  cache_config=SimpleNamespace(cache_dtype=cache_dtype))
     return vllm_config, SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], g) for i, g in enumerate(groups)])
 
 
@@ -32,6 +32,10 @@ def main() -> None:
             full = FullAttentionSpec(block, num_kv_heads=2, head_size=64, dtype=dtype)
             sliding = SlidingWindowSpec(block, num_kv_heads=2, head_size=64, dtype=dtype, sliding_window=128)
             out["orders"][f"{dtype} {block}"] = cpu_byte_order(*config(dtype, [full, sliding]))
+    # an fp8 KV cache of a bfloat16 model: whatever the kernel makes of the scratch block, the
+    # connector starts, and its instances share only with instances of the same order
+    fp8 = FullAttentionSpec(64, num_kv_heads=2, head_size=64, dtype=torch.uint8)
+    out["fp8"] = cpu_byte_order(*config(torch.bfloat16, [fp8], cache_dtype="fp8"))
     out["windows"] = {
         "full": sliding_window_of(FullAttentionSpec(64, num_kv_heads=2, head_size=64, dtype=torch.float32)),
         "promoted": sliding_window_of(FullAttentionSpec(64, num_kv_heads=2, head_size=64, dtype=torch.float32,

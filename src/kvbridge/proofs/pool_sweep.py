@@ -18,7 +18,9 @@ from typing import Any
 from kvbridge.core.layout import EngineLayout
 from kvbridge.errors import IncompatibleEngines, InvalidRequest, ShardingError
 from kvbridge.offload.errors import NotCanonicalizable
-from kvbridge.proofs.model_sweep import NEW_TOKENS, PROMPT_LEN, SweepRow, _kinds, pre_check, row_outcome, tiny_config
+from kvbridge.models.untrusted import safe_text
+from kvbridge.proofs.model_sweep import (NEW_TOKENS, PROMPT_LEN, SweepRow, _kinds, _one_line, pre_check, row_outcome,
+                                         tiny_config)
 
 # Store on one shape, load on another: TP and PP and block size all change. The first pair whose
 # TP sizes split the model's units is used: later ones for kinds that do not split over 3 ranks
@@ -74,7 +76,7 @@ def pool_sweep_one(arch: str, seed: int = 0, timeout: int = 240) -> SweepRow:
                 r = run_offload_demo(d, seed=seed, prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS, canonical=True,
                                      block_size_factor=kw["pool"] // kw["block_size"], **shapes)
             except (InvalidRequest, NotCanonicalizable) as e:
-                row.status, row.detail = "refused", str(e).splitlines()[0][:300]
+                row.status, row.detail = "refused", _one_line(e)
                 return row
         row.pairs = [name]
         if r.ok and r.hit_tokens == r.prefix_len:
@@ -86,7 +88,7 @@ def pool_sweep_one(arch: str, seed: int = 0, timeout: int = 240) -> SweepRow:
             row.detail = (f"{name}: {r.hit_tokens}/{r.prefix_len} tokens hit, cache "
                           f"{'bit-exact' if r.cache_equal else 'differs'}, tokens "
                           f"{'match' if r.tokens_offload == r.tokens_reference else 'differ'}; "
-                          + "; ".join(str(x) for x in r.differences[:2]))
+                          + safe_text("; ".join(str(x) for x in r.differences[:2]), 300))
     return row
 
 

@@ -104,7 +104,9 @@ class PoolWorker:
             # tiles. A fresh instance whose first prefill started from a pool hit ran vLLM's own AMX
             # attention kernel first and died on an illegal instruction (a tiny bfloat16 llama,
             # measured; after one prefill of its own it served). Asking for it is harmless.
-            torch.cpu._init_amx()
+            if not torch.cpu._init_amx():
+                logger.warning("KVBridgePoolConnector rank %d: Linux refused AMX tiles to this process; vLLM's "
+                               "AMX attention kernel may stop it on its first prefill", self.rank)
         self._caches = kv_caches
         # The VllmCpuLayout itself: its addressing places K transposed per head (a plain
         # EngineLayout of the same fields describes other bytes, and same-shape round trips hid it).

@@ -13,6 +13,7 @@ checked, and the layer's own cache-write run on a scratch block (`check_cpu_mla_
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -318,7 +319,10 @@ def cpu_byte_order(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> s
         isa, ok, found = _probe_cpu_kv(kv.dtype, block, head, cache_dtype, vllm_config.model_config.dtype)
         if not ok:
             orders.add(f"vllm-cpu {isa} block {block} head {head}")
-    return ", ".join(sorted(orders))
+    order = ", ".join(sorted(orders))
+    if len(order) > 120:  # many groups: a digest keeps `PoolConfig.byte_order` bounded, as exact a separator
+        order = f"vllm-cpu orders {hashlib.sha256(order.encode()).hexdigest()[:32]}"
+    return order
 
 
 __all__ = ["check_cpu_kv_layout", "check_cpu_mla_layout", "cpu_byte_order", "group_order", "sliding_window_of",
