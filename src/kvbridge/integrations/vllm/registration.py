@@ -21,6 +21,7 @@ import torch
 from kvbridge.core.spec import LayerSpec, ModelSpec, normalize_dtype
 from kvbridge.errors import IncompatibleEngines
 from kvbridge.integrations.vllm.layout import VllmCpuLayout, vllm_conv_rows, vllm_cpu_layout, vllm_cpu_spec
+from kvbridge.pool.background import one_line
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -272,7 +273,7 @@ def _probe_cpu_kv(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n, dtype=torch.int64), isa,
                                        k_scale=1.0, v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
     except (RuntimeError, TypeError, ValueError) as e:  # a kernel that takes no such scratch block: not shown
-        return isa, False, f"nothing it would show ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})"
+        return isa, False, f"nothing it would show ({one_line(e)[:120]})"
     raw, key, value = kv.view(2 * n, d), key.to(dtype), value.to(dtype)
     k_ok = torch.equal(raw[:n].reshape(d, n), key[:, 0, :].t())
     v_ok = torch.equal(raw[n:], value[:, 0, :])
@@ -310,13 +311,11 @@ def cpu_byte_order(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> s
     if not current_platform.is_cpu() or vllm_config.model_config.use_mla:  # MLA: `check_cpu_mla_layout`
         return ""
     cache_dtype = vllm_config.cache_config.cache_dtype
+    kernels = {(kv.dtype, int(kv.block_size), int(kv.head_size)) for kv in (g.kv_cache_spec for g in
+               kv_cache_config.kv_cache_groups) if hasattr(kv, "head_size") and not hasattr(kv, "shapes")}
     orders = set()
-    for group in kv_cache_config.kv_cache_groups:
-        kv = group.kv_cache_spec
-        if hasattr(kv, "shapes") or not hasattr(kv, "head_size"):  # recurrent state: rows of its own
-            continue
-        block, head = int(kv.block_size), int(kv.head_size)
-        isa, ok, found = _probe_cpu_kv(kv.dtype, block, head, cache_dtype, vllm_config.model_config.dtype)
+    for dtype, block, head in kernels:  # one probe per kernel (full and sliding groups often share one)
+        isa, ok, _ = _probe_cpu_kv(dtype, block, head, cache_dtype, vllm_config.model_config.dtype)
         if not ok:
             orders.add(f"vllm-cpu {isa} block {block} head {head}")
     order = ", ".join(sorted(orders))
