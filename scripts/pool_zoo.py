@@ -32,7 +32,13 @@ def main() -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    archs = [a for a in args.only.split(",") if a] or causal_lm_types()
+    known = causal_lm_types()
+    archs = [a for a in args.only.split(",") if a] or known
+    unknown = sorted(set(archs) - set(known))
+    if unknown:
+        print(f"error: --only names no causal-LM architecture of this transformers: {', '.join(unknown)[:200]}",
+              file=sys.stderr)
+        return 2
     t0, rows = time.perf_counter(), []
     for arch in track(archs, description="pool zoo", transient=True, disable=not sys.stderr.isatty()):
         row = pool_sweep_one(arch, timeout=args.timeout)
