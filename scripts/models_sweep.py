@@ -2,7 +2,10 @@
 and write docs/models.md (see `kvbridge.proofs.model_sweep`). `make models` runs it.
 
     python scripts/models_sweep.py [--only llama,mistral] [--out docs/models.md] [--json rows.json]
-    python scripts/models_sweep.py --only mamba,dbrx --merge   # re-run a few, keep the other rows of --out
+    python scripts/models_sweep.py --only mamba,dbrx   # re-run a few, keep the other rows of docs/models.md
+
+`--only` with an `--out` of your own writes those rows alone unless `--merge` is given. A merge keeps
+the stray-field section of the last full run (the re-run architectures' stray cases are printed).
 
 After the proofs, every moved architecture is swept again with stray fields (a sibling
 architecture's fields added to its config, `kvbridge.proofs.stray_sweep`): plan's geometry must be
@@ -22,7 +25,7 @@ from pathlib import Path
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma-separated model_types (default: all)")
-    ap.add_argument("--out", default="docs/models.md")
+    ap.add_argument("--out", default="", help="the table to write (default docs/models.md; with --only, merged)")
     ap.add_argument("--json", default="", help="also write the rows as JSON here")
     ap.add_argument("--from-json", default="", help="render the rows of an earlier --json run, run nothing")
     ap.add_argument("--merge", action="store_true",
@@ -40,7 +43,15 @@ def main() -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    archs = [a for a in args.only.split(",") if a] or causal_lm_types()
+    known = causal_lm_types()
+    archs = [a for a in args.only.split(",") if a] or known
+    unknown = sorted(set(archs) - set(known))
+    if unknown and not args.from_json:
+        print(f"error: --only names no causal-LM architecture of this transformers: {', '.join(unknown)[:200]}",
+              file=sys.stderr)
+        return 2
+    if not args.out:  # a few rows re-run never replace the whole table
+        args.out, args.merge = "docs/models.md", args.merge or bool(args.only)
     t0 = time.perf_counter()
     rows = []
     if args.from_json:
@@ -69,8 +80,14 @@ def main() -> int:
         strays = sweep_strays([r.arch for r in rows if r.status == "moved" and (only is None or r.arch in only)],
                               echo=lambda r: print(
             f"{r.arch:28s} +{r.group:10s} {r.status:11s} {r.seconds:6.1f}s {r.detail}", flush=True))
+    text = render_markdown(rows, transformers.__version__, seconds, strays)
+    head = "## Stray fields"
+    if args.merge and args.only and Path(args.out).is_file() and head in (old := Path(args.out).read_text()):
+        # The section counts every architecture's cases, and the few re-run here are not all of them:
+        # it stays as the last full run wrote it (their rows were printed above; a mismatch fails the run).
+        text = text.split(head)[0].rstrip("\n") + "\n\n" + head + old.split(head, 1)[1]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(render_markdown(rows, transformers.__version__, seconds, strays))
+    Path(args.out).write_text(text)
     if args.json:
         Path(args.json).write_text(json.dumps({"seconds": seconds, "rows": [r.to_dict() for r in rows],
                                                "strays": [r.to_dict() for r in strays]}, indent=1))
