@@ -5,7 +5,8 @@ served model's name, eager mode, LoRA adapters and shorter deadlines), so the do
 
 1. the master is down when they start: they serve, say once that the pool is unavailable, and
    use it once it is up (Y loads what X stored, as external hits, answering as X computed);
-2. tenants (`cache_salt`) never hit each other's prefix and each hits its own;
+2. tenants (`cache_salt`) never hit each other's prefix and each hits its own; a request for its
+   prompt's log-probs (vLLM reads no cache for it) is never looked up;
 3. LoRA adapters never share KV with each other or with the base model, and each hits its own;
 4. a master stopped for 60 s under load costs requests no more than the pool's deadlines;
 5. a master SIGKILLed under load costs no request and no engine, and a new master is used.
@@ -217,6 +218,25 @@ def test_instances_serve_with_the_master_down_and_use_the_pool_once_it_is_up(poo
 def test_tenants_never_share_a_prefix_and_each_hits_its_own(pool):
     salted = {t: {"extra": {"cache_salt": f"tenant-{t}"}} for t in "ab"}
     _shared_prefix_loads(pool, seed=20, who=salted["a"], others=(salted["b"], {}))  # no salt is a tenant too
+
+
+def test_a_request_for_its_prompts_log_probs_is_never_looked_up(pool):
+    """vLLM reads no prefix cache for a request that asks for its prompt's log-probs (each prompt
+    token's must be computed) and drops any external hit for it: the pool must not spend a lookup
+    on it or count a hit it will not load."""
+    counted = lambda: {n: metric_total(pool.y.url, f"vllm:kvbridge_pool_{n}_total")  # noqa: E731
+                       for n in ("lookups", "lookups_skipped", "hit_tokens", "loads")}
+    text = prompt_text(15, 300)
+    before = pool.keys()
+    _ok(request(pool.x.url, text, 8))  # in the pool (or not, if X's breaker is open: no lookup either way)
+    try:
+        pool.wait_keys(before + BLOCKS * OBJECTS_PER_BLOCK, timeout=30)
+    except AssertionError:
+        pass
+    figures, hits = counted(), metric_total(pool.y.url, HITS)
+    got = _ok(request(pool.y.url, text, 8, extra={"prompt_logprobs": 1}))
+    assert counted() == figures and metric_total(pool.y.url, HITS) == hits
+    assert got.token_ids == _ok(request(pool.x.url, text, 8)).token_ids
 
 
 def test_lora_adapters_never_share_kv_with_each_other_or_the_base_model(pool):

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 COUNTERS = {
-    "lookups": "Pool lookups sent to the store (one per request whose prompt goes beyond its local hit).",
+    "lookups": "Pool lookups sent to the store (one per request whose prompt goes beyond its local hit; none "
+               "for a request of prompt log-probs, which vLLM serves from no cache).",
     "lookup_timeouts": "Pool lookups not answered within lookup_timeout_ms (a miss).",
     "lookups_skipped": "Pool lookups answered as a miss at once because the breaker was open.",
     "queried_tokens": "Prompt tokens beyond the local prefix-cache hit that pool lookups asked about.",

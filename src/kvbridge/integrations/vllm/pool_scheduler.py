@@ -121,6 +121,8 @@ class PoolScheduler:
         self._local_hit[rid] = num_computed_tokens
         if not self.conn.settings.load or rid in self._loaded:
             return 0, False  # one load per request: after a refused one, vLLM recomputes (no retry loop)
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False  # prompt log-probs: vLLM reads no cache for it and would drop a hit; don't ask or count one
         tokens = list(request.all_token_ids)
         usable = (len(tokens) - 1) // self.bt  # vLLM computes at least the last token itself
         if usable * self.bt <= num_computed_tokens:
