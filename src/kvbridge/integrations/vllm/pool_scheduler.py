@@ -68,7 +68,7 @@ class PoolScheduler:
         self.breaker = Breaker(1.0, s.max_backoff_s, on_change=announce(logger, s.master, "scheduler", self.tally))
         self._asked: dict[str, Call] = {}  # lookups in flight, by request
         self._prober = Prober(self._thread, self.breaker, self._probe_store, self.lookup_timeout)
-        self._pending: dict[str, tuple[list[list[bytes]], int]] = {}  # keys per group, tokens hit
+        self._pending: dict[str, tuple[list[list[bytes]], int]] = {}  # answered lookups: keys per group, tokens hit
         self._loaded: set[str] = set()  # requests a load was scheduled for (until they finish)
         # Tokens of each live request that an engine step has run on: its KV is in its blocks then.
         # A request finished before any step ran it (aborted while its KV was still arriving from a
@@ -128,6 +128,10 @@ class PoolScheduler:
         if usable * self.bt <= num_computed_tokens:
             self._forget_lookup(rid)
             return 0, False
+        if rid in self._pending:  # answered at an earlier step, and vLLM could not schedule it then
+            tokens_hit = self._pending[rid][1]
+            return (tokens_hit - num_computed_tokens, self.conn.settings.load_async) if (
+                tokens_hit > num_computed_tokens) else (0, False)
         call = self._asked.get(rid)
         if call is None:
             if not self.breaker.is_closed:
@@ -161,9 +165,12 @@ class PoolScheduler:
         hits = tokens_hit // self.bt
         logger.debug("KVBridgePoolConnector: %s: %d of %d pool blocks usable, %d tokens computed here", rid, hits,
                      per, num_computed_tokens)
+        # Kept until vLLM allocates the request's blocks: a request it cannot schedule yet (no free
+        # blocks, a LoRA slot) is asked about again at every step, and is answered from this, not
+        # with another round trip and another count.
+        self._pending[rid] = ([ks[:hits] for ks in keys], tokens_hit)
         if tokens_hit <= num_computed_tokens:
             return 0, False
-        self._pending[rid] = ([ks[:hits] for ks in keys], tokens_hit)
         self.tally.add(hit_tokens=tokens_hit - num_computed_tokens)
         # Synchronous by default: the worker loads at the start of the very step that computes the
         # rest of the prompt (an asynchronous load costs two more engine steps before the request
