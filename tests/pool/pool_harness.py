@@ -63,8 +63,8 @@ class Engine:
         ids = [f + j for f in firsts for j in range(self.factor)]
         return GPULoadStoreSpec(ids, [len(ids)], [0])
 
-    def store(self, gpu: GPULoadStoreSpec, keys) -> list[bool]:
-        results = [t.store(gpu, keys) for t in self.tiers]
+    def store(self, gpu: GPULoadStoreSpec, keys, skip_present: bool = False) -> list[bool]:
+        results = [t.store(gpu, keys, skip_present=skip_present) for t in self.tiers]
         return [all(r.done[i] for r in results) for i in range(len(keys))]
 
     def load(self, keys, gpu: GPULoadStoreSpec) -> list[bool]:

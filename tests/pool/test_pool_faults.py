@@ -217,6 +217,60 @@ def test_a_writer_killed_mid_store_never_serves_a_partial_or_broken_block(master
     time.sleep(2 * CLIENT_TTL_S)  # the dead writer's segment unmounted, so later puts do not land in it
 
 
+DEAD_WRITER = """
+import sys, time
+sys.path.insert(0, {here!r})
+from pool_harness import Engine, block_keys, config
+class M: address, metadata_url = {address!r}, {url!r}
+e = Engine(2, 4, seed=11, num_blocks=64).attach(M, config(staging=4))
+assert all(e.store(e.job(0, 8), block_keys(8, "dead")))
+print("stored", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_dead_writers_objects_are_replaced_by_the_next_store_of_their_blocks(tmp_path):
+    """A writer SIGKILLed after storing leaves objects the master lists (until the client's TTL,
+    minutes here) that nobody can read. A reader's load is refused with its device untouched, and
+    its store of the same blocks (`skip_present`, as the vLLM worker stores a recomputed prefix)
+    puts them again instead of skipping them as present: the next load takes them. Before, the
+    prefix was in nobody's memory once the master dropped the dead client (an outside trial)."""
+    master = MooncakeMaster.start(tmp_path / "master.log", extra=("-client_ttl=3600",))
+    proc = subprocess.Popen([sys.executable, "-c", DEAD_WRITER.format(here=str(HERE), address=master.address,
+                                                                    url=master.metadata_url)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "GLOG_minloglevel": "3"})
+    reader = None
+    try:
+        assert proc.stdout.readline().strip() == "stored", "the writer died on its own"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        keys = block_keys(8, "dead")
+        reader = Engine(1, 8, seed=3, num_blocks=64, kv_order="HND").attach(master, config(staging=4))
+        assert PoolIndex(SPEC, reader.clients[0], config()).hits(keys) == [True] * 8  # listed, unreadable
+        before = reader.clone()
+        assert reader.load(keys, reader.job(0, 8)) == [False] * 8
+        assert same(reader.caches, before)
+        # The reader recomputes the prefix (here: the writer's bytes, rebuilt from its seed) and stores it.
+        recomputed = Engine(2, 4, seed=11, num_blocks=64).attach(master, config(staging=4), reader.clients[0])
+        try:
+            assert all(recomputed.store(recomputed.job(0, 8), keys, skip_present=True))
+            assert sum(t.stats["objects_put"] for t in recomputed.tiers) > 0
+            expected = expected_load(recomputed, recomputed.job(0, 8), reader.caches, reader.layout,
+                                     reader.job(0, 8))
+        finally:
+            for t in recomputed.tiers:
+                t.close()
+        assert reader.load(keys, reader.job(0, 8)) == [True] * 8
+        assert same(reader.caches, expected)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if reader is not None:
+            reader.close()
+        master.stop()
+
+
 def test_two_engines_storing_one_prefix_at_once_leave_whole_valid_objects(master, lender, client):
     """First writer wins per object; the loaded bytes of every object are one writer's, sealed."""
     a = Engine(2, 4, seed=21).attach(master, config(), lender)

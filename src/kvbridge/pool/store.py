@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import bisect
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import msgspec
@@ -31,6 +33,9 @@ RPC_FAIL = -900
 RPC_CODES = (RPC_FAIL, -901)
 """Codes of calls the master did not answer: -900 at once when it is gone, -901 after Mooncake's
 30 s RPC timeout when it is stopped."""
+
+MAX_UNREADABLE = 1 << 16
+"""Names a client remembers as listed by the master but unreadable (oldest forgotten first)."""
 
 MIN_SEGMENT_BYTES = 16 << 20
 """Smallest segment a Mooncake client may lend (0.3.13 refuses less with code -600)."""
@@ -103,6 +108,11 @@ class StoreClient:
         except ImportError as e:
             raise ConfigError(f"the pool needs the Mooncake wheel (`pip install 'kvbridge[mooncake]'`): {e}") from None
         self.config = config
+        # Objects the master lists at their size that this client could not read: their replica
+        # is in a dead or unreachable client's memory until the master drops that client (its
+        # TTL). A store of this client replaces them rather than skipping them as present.
+        self._unreadable: OrderedDict[str, None] = OrderedDict()
+        self._unreadable_lock = threading.Lock()  # a rank's load and store threads share the client
         if not reachable(config.master):  # Mooncake would retry for 90 s before saying so
             raise PoolUnavailable(f"Mooncake Store master {config.master} does not accept connections")
         from mooncake.store import ReplicateConfig
@@ -204,6 +214,20 @@ class StoreClient:
                 n = -1
             out.append(n if n >= 0 else None)
         return out
+
+    def note_unreadable(self, keys: Sequence[str]) -> None:
+        """Remember `keys` as listed by the master but unreadable here (bounded: `MAX_UNREADABLE`)."""
+        with self._unreadable_lock:
+            for k in keys:
+                self._unreadable[k] = None
+                self._unreadable.move_to_end(k)
+            while len(self._unreadable) > MAX_UNREADABLE:
+                self._unreadable.popitem(last=False)
+
+    def take_unreadable(self, keys: Sequence[str]) -> list[str]:
+        """Those of `keys` noted unreadable, forgotten now (the caller replaces them)."""
+        with self._unreadable_lock:
+            return [k for k in keys if self._unreadable.pop(k, 0) is None]
 
     def answers(self) -> bool:
         """Whether the master answers a call now (one existence check: the breakers' probe)."""

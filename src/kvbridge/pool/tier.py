@@ -229,15 +229,21 @@ class PoolTier:
 
         `device_access` gates each read of the device (see `pool.background`); `skip_present`
         first asks the store which of this rank's objects exist and puts only the others (an
-        object is never overwritten: a bad one is removed by the load that finds it)."""
+        object is never overwritten: a bad one is removed by the load that finds it, and one this
+        rank's client could not read where the store lists it is removed and put again here)."""
         t0 = time.perf_counter()
         result = TierResult([])
         for chunk, chunk_keys in job_chunks(gpu, keys, self.layout, self.factor, self.config.staging_blocks):
             wanted = [[obj for obj in self.writes[self.layout.group_of(key)]] for key in chunk_keys]
             if skip_present:
                 flat = [self.layout.key(key, o) for key, objs in zip(chunk_keys, wanted) for o in objs]
-                there = iter(self.client.exists(flat))
-                wanted = [[o for o in objs if next(there) is not True] for objs in wanted]
+                listed = [n for n, e in zip(flat, self.client.exists(flat)) if e is True]
+                # Listed but unreadable when this rank last loaded them (a dead writer's memory): replaced.
+                if stale := self.client.take_unreadable(listed):
+                    self.stats["removed"] += sum(c == 0 for c in self.client.remove(stale))
+                present = set(listed) - set(stale)
+                there = iter(flat)
+                wanted = [[o for o in objs if next(there) not in present] for objs in wanted]
                 if not any(wanted):
                     result.done += [True] * len(chunk_keys)
                     continue
@@ -311,6 +317,7 @@ class PoolTier:
             if unreadable:  # missing, unreachable, or there with another size: only the last is garbage
                 sizes = self.client.sizes([names[i] for i in unreadable])
                 wrong = [names[i] for i, n in zip(unreadable, sizes) if n is not None and n != want[i]]
+                self.client.note_unreadable([names[i] for i, n in zip(unreadable, sizes) if n == want[i]])
                 self.stats["missing"] += len(unreadable) - len(wrong)
                 bad_objects += wrong
             trailers = bytes(self._seals[:len(names) * SEAL_BYTES].numpy())

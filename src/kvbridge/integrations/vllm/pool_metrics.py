@@ -46,8 +46,10 @@ COUNTERS = {
     "store_seconds": "Seconds ranks spent storing (device copy, seals, puts).",
     "load_seconds": "Seconds ranks spent loading (gets, seal checks, device copy).",
     "seal_failures": "Objects whose seal did not check (forged, damaged, another fleet's or moved): refused.",
-    "missing": "Objects a load needed that the store did not hold (evicted, never stored).",
-    "removed": "Objects removed because they were not what their name promised (the next writer stores them).",
+    "missing": "Objects a load needed that the store did not hold or could not hand over (evicted, never stored, "
+               "in a dead writer's memory).",
+    "removed": "Objects removed because they were not what their name promised, or replaced because this rank could "
+               "not read them where the store lists them (the next writer stores them).",
     "breaker_opened": "Times a breaker opened (the store down, hung or erring): the pool is skipped.",
     "breaker_closed": "Times a breaker closed again (opened minus closed: sides skipping the pool now).",
 }
