@@ -39,16 +39,14 @@ def main() -> int:
     import transformers
     import transformers.utils.logging as hf_logging
 
-    from kvbridge.proofs.model_sweep import SweepRow, causal_lm_types, parse_markdown, render_markdown, sweep_one
+    from kvbridge.proofs.model_sweep import (SweepRow, chosen_types, parse_markdown, render_markdown, sweep_one,
+                                             unknown_types_error)
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    known = causal_lm_types()
-    archs = [a for a in args.only.split(",") if a] or known
-    unknown = sorted(set(archs) - set(known))
+    archs, unknown = chosen_types(args.only)
     if unknown and not args.from_json:
-        print(f"error: --only names no causal-LM architecture of this transformers: {', '.join(unknown)[:200]}",
-              file=sys.stderr)
+        print(unknown_types_error(unknown), file=sys.stderr)
         return 2
     if not args.out:  # a few rows re-run never replace the whole table
         args.out = str(Path(__file__).resolve().parents[1] / "docs" / "models.md")

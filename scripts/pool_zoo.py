@@ -27,17 +27,14 @@ def main() -> int:
     import transformers.utils.logging as hf_logging
     from rich.progress import track
 
-    from kvbridge.proofs.model_sweep import causal_lm_types
+    from kvbridge.proofs.model_sweep import chosen_types, unknown_types_error
     from kvbridge.proofs.pool_sweep import pool_sweep_one
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    known = causal_lm_types()
-    archs = [a for a in args.only.split(",") if a] or known
-    unknown = sorted(set(archs) - set(known))
+    archs, unknown = chosen_types(args.only)
     if unknown:
-        print(f"error: --only names no causal-LM architecture of this transformers: {', '.join(unknown)[:200]}",
-              file=sys.stderr)
+        print(unknown_types_error(unknown), file=sys.stderr)
         return 2
     t0, rows = time.perf_counter(), []
     for arch in track(archs, description="pool zoo", transient=True, disable=not sys.stderr.isatty()):

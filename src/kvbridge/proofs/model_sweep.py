@@ -123,6 +123,19 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def chosen_types(only: str) -> tuple[list[str], list[str]]:
+    """The architectures a sweep's `--only` (comma-separated model types, empty: all) names, and
+    those of its names that are no causal LM of this transformers (the sweep scripts refuse them)."""
+    known = causal_lm_types()
+    archs = [a for a in only.split(",") if a] or known
+    return archs, sorted(set(archs) - set(known))
+
+
+def unknown_types_error(unknown: list[str]) -> str:
+    """The one line a sweep script prints for `chosen_types`'s unknown names."""
+    return f"error: --only names no causal-LM architecture of this transformers: {', '.join(unknown)[:200]}"
+
+
 def _shrink_list(values: list[Any], n: int) -> list[Any]:
     """A per-layer pattern cut to `n` layers, keeping every distinct entry it had (if n allows)."""
     seen: list[Any] = []
