@@ -226,6 +226,8 @@ class StoreClient:
 
     def take_unreadable(self, keys: Sequence[str]) -> list[str]:
         """Those of `keys` noted unreadable, forgotten now (the caller replaces them)."""
+        if not self._unreadable:  # nearly always: every load asks, and a dead writer is rare
+            return []
         with self._unreadable_lock:
             return [k for k in keys if self._unreadable.pop(k, 0) is None]
 

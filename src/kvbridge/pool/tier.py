@@ -249,8 +249,8 @@ class PoolTier:
             wanted = [[obj for obj in self.writes[self.layout.group_of(key)]] for key in chunk_keys]
             stale: dict[str, tuple[int, ObjectId]] = {}
             if skip_present:
-                flat = [(slot, o, self.layout.key(key, o)) for slot, (key, objs) in enumerate(zip(chunk_keys, wanted))
-                        for o in objs]
+                flat = [(slot, o, n) for slot, (key, objs) in enumerate(zip(chunk_keys, wanted))
+                        for o, n in zip(objs, self.layout.keys(key, objs))]  # one block name per block
                 names = [n for *_, n in flat]
                 listed = {n for n, e in zip(names, self.client.exists(names)) if e is True}
                 # Listed, but unreadable when this rank last loaded them (a dead writer's memory) and still
