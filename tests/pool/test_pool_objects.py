@@ -6,7 +6,7 @@
 * the objects a rank reads are exactly the heads and layers it holds, and what its load job reads
   from staging lies inside them;
 * a job cut into chunks moves the same device blocks to the same pool sub-blocks;
-* a seal catches any change of payload, length or key.
+* a sealed object holds no plaintext and opens only under its name, tenant and secret.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from kvbridge.offload.keys import make_offload_key
 from kvbridge.offload.spec import CPULoadStoreSpec, GPULoadStoreSpec, split_groups
 from kvbridge.offload.transfer import JobPlanner
 from kvbridge.pool.objects import ObjectId
-from kvbridge.pool.seal import SEAL_BYTES, check_seal, seal
+from kvbridge.pool.seal import SEAL_BYTES, open_into, seal_into, tenant_key
 from kvbridge.pool.store import StoreConfig
 from kvbridge.pool.tier import PoolConfig, job_chunks, object_layout
 
@@ -141,18 +141,55 @@ def test_chunks_move_the_same_blocks_to_the_same_sub_blocks(case, capacity, data
     assert got == want
 
 
-def test_a_seal_catches_payload_length_and_key_changes():
-    pieces = [torch.arange(10, dtype=torch.uint8), torch.arange(5, dtype=torch.uint8)]
-    s = seal(b"k", "kvb1/a", pieces)
-    assert len(s) == SEAL_BYTES and check_seal(b"k", "kvb1/a", pieces, s) == ""
-    assert "MAC" in check_seal(b"k", "kvb1/b", pieces, s)
-    assert "MAC" in check_seal(b"other", "kvb1/a", pieces, s)
-    assert "bytes" in check_seal(b"k", "kvb1/a", pieces[:1], s)
-    flipped = [pieces[0].clone(), pieces[1]]
-    flipped[0][3] ^= 1
-    assert "MAC" in check_seal(b"k", "kvb1/a", flipped, s)
-    assert "magic" in check_seal(b"k", "kvb1/a", pieces, bytes(SEAL_BYTES))
-    assert check_seal(b"k", "kvb1/a", pieces, s[:-1]).startswith("seal of 31 bytes")
+def _sealed(tkey: bytes, name: str, pieces: list[np.ndarray]) -> np.ndarray:
+    out = np.zeros(sum(p.nbytes for p in pieces) + SEAL_BYTES, dtype=np.uint8)
+    seal_into(tkey, name, pieces, out)
+    return out
+
+
+@pytest.mark.parametrize("split", [[64], [10, 54], [1, 30, 33]])
+def test_a_sealed_object_opens_only_as_itself_and_holds_no_plaintext(split):
+    rng = np.random.default_rng(len(split))
+    payload = rng.integers(0, 256, sum(split), dtype=np.uint8)
+    payload[:16] = np.frombuffer(b"the tenant prompt", dtype=np.uint8)[:16]
+    pieces = np.split(payload.copy(), np.cumsum(split)[:-1])
+    tkey = tenant_key(b"s" * 16, b"salt-a")
+    stored = _sealed(tkey, "kvb3/a", pieces)
+    assert b"the tenant promp" not in stored.tobytes() and not np.array_equal(stored[:64], payload)
+    out = [np.zeros_like(p) for p in pieces]
+    assert open_into(tkey, "kvb3/a", stored, out) == ""
+    assert np.array_equal(np.concatenate(out), payload)
+    refusals = {
+        "another name": open_into(tkey, "kvb3/b", stored, out),
+        "another tenant": open_into(tenant_key(b"s" * 16, b"salt-b"), "kvb3/a", stored, out),
+        "no tenant": open_into(tenant_key(b"s" * 16), "kvb3/a", stored, out),
+        "another secret": open_into(tenant_key(b"t" * 16, b"salt-a"), "kvb3/a", stored, out),
+        "truncated": open_into(tkey, "kvb3/a", stored[:-1], out),
+        "shorter payload": open_into(tkey, "kvb3/a", stored[1:], [o[1:] if i == 0 else o for i, o in enumerate(out)]),
+        "no seal": open_into(tkey, "kvb3/a", np.zeros_like(stored), out),
+    }
+    for at in (0, sum(split) - 1, sum(split) + 3, sum(split) + 20):  # payload, tag, synthetic value
+        bad = stored.copy()
+        bad[at] ^= 1
+        refusals[f"byte {at} flipped"] = open_into(tkey, "kvb3/a", bad, out)
+    assert all(refusals.values()), {k: v for k, v in refusals.items() if not v}
+    assert "magic" in refusals["no seal"] and "authentication" in refusals["another tenant"]
+
+
+def test_object_keys_are_derived_per_plaintext_never_repeated_on_other_bytes():
+    """Every (key, nonce) encrypts one plaintext: the same name over other bytes (another
+    engine's last bits, a rewrite after eviction) gets another synthetic value, so another key;
+    the same bytes give the same stored object (it says only that they are equal)."""
+    tkey = tenant_key(b"s" * 16)
+    a = np.arange(256, dtype=np.uint8)
+    b = a.copy()
+    b[200] ^= 1
+    sa, sa2, sb = _sealed(tkey, "kvb3/x", [a]), _sealed(tkey, "kvb3/x", [a.copy()]), _sealed(tkey, "kvb3/x", [b])
+    assert np.array_equal(sa, sa2)
+    synthetic = slice(256 + 16, 256 + 48)
+    assert not np.array_equal(sa[synthetic], sb[synthetic])
+    # Two ciphertexts under one key and nonce would XOR to the plaintexts' XOR: not so here.
+    assert not np.array_equal(sa[:256] ^ sb[:256], a ^ b)
 
 
 def test_engines_that_must_not_share_get_different_namespaces():

@@ -2,8 +2,10 @@
 
 The master keeps the object directory and leases; the memory itself is what clients mount
 (`StoreConfig.segment_bytes`). Clients find each other by Mooncake's P2P handshake, so the
-master runs no metadata server, and it binds its RPC and metrics ports on `host` only (the
-fleet's interface; Mooncake's defaults are every interface). Tests, `kvbridge serve --pool` and the
+master runs no metadata server. It binds its RPC port on `host` only (the fleet's interface;
+Mooncake's default is every interface), and its HTTP metrics/admin server on loopback whatever
+`host` is: that server lists every object's name (`/get_all_keys`, `/query_key`) to whoever
+asks, and Mooncake 0.3.13 has no switch to turn it off, so only this host's users reach it. Tests, `kvbridge serve --pool` and the
 benchmark start one with `MooncakeMaster.start()`; a fleet that runs its own names it by address.
 """
 
@@ -22,6 +24,10 @@ from pathlib import Path
 from kvbridge.errors import ConfigError
 from kvbridge.pool.store import P2P_METADATA
 from kvbridge.transport.ports import free_ports
+
+
+METRICS_HOST = "127.0.0.1"
+"""Where every master's HTTP metrics/admin server listens (see the module)."""
 
 
 def master_binary() -> str:
@@ -63,6 +69,11 @@ class MooncakeMaster:
         return P2P_METADATA
 
     @property
+    def metrics_url(self) -> str:
+        """The HTTP metrics/admin server: on loopback (see the module)."""
+        return f"http://{METRICS_HOST}:{self.metrics_port}"
+
+    @property
     def ports(self) -> tuple[int, int]:
         """Every port the master binds (RPC, metrics)."""
         return self.rpc_port, self.metrics_port
@@ -79,7 +90,7 @@ class MooncakeMaster:
         base = free_ports(2)
         m = cls(host, base, base + 1, Path(log_path))
         m.argv = [master_binary(), f"-rpc_address={host}", f"-rpc_port={m.rpc_port}", "-rpc_thread_num=2",
-                  "-enable_http_metadata_server=false", f"-metrics_host={host}", f"-metrics_port={m.metrics_port}",
+                  "-enable_http_metadata_server=false", f"-metrics_host={METRICS_HOST}", f"-metrics_port={m.metrics_port}",
                   f"-default_kv_lease_ttl={int(lease_ms)}", f"-eviction_ratio={eviction_ratio}", *extra]
         return m
 

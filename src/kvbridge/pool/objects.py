@@ -38,7 +38,7 @@ from kvbridge.offload.pool import CPUPool
 from kvbridge.pool.seal import mac_key
 
 KEY_PREFIX = "kvb2"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Bumped whenever the bytes of an object or the key derivation change: older objects become misses."""
 MAX_MODEL_ID = 256
 

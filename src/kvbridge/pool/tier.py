@@ -5,12 +5,16 @@ blocks, in group order), cut into chunks of at most `staging_blocks` pool blocks
 through this rank's canonical staging pool:
 
 * store: the offload worker copies the device blocks into staging slots (the planner writes the
-  bytes this rank is the source of), then every object this rank writes is sealed and put, zero
-  copy, straight from the staging slot;
-* load: the objects this rank reads are fetched into the staging slots with their seals; only
-  when every object of the chunk is present, of the right size and sealed under its key does the
-  offload worker copy the chunk into the device blocks. Anything else leaves the device untouched
-  and reports the chunk's blocks as not loaded, so the engine recomputes them.
+  bytes this rank is the source of), then every object this rank writes is encrypted and sealed
+  (`pool.seal`, under its tenant's key) into the rank's wire buffer, one run per object, and put
+  from there, zero copy;
+* load: the objects this rank reads are fetched into the wire buffer; only when every object of
+  the chunk is present, of the right size and opens under its tenant's key (decrypted straight
+  into the staging slots) does the offload worker copy the chunk into the device blocks.
+  Anything else leaves the device untouched and reports the chunk's blocks as not loaded, so the
+  engine recomputes them.
+
+Only the wire buffer is registered with the store: plaintext never leaves the process.
 
 The scheduler side (`PoolIndex.hits`) answers whether a block is complete in the store: every
 object of it exists. Objects appear one by one as ranks finish, and vanish one by one when the
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from functools import partial
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -37,7 +42,7 @@ from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.spec import CPULoadStoreSpec, GPULoadStoreSpec, split_groups
 from kvbridge.offload.worker import OffloadWorker
 from kvbridge.pool.objects import ObjectId, ObjectLayout, pool_namespace
-from kvbridge.pool.seal import SEAL_BYTES, check_many, seal_many
+from kvbridge.pool.seal import SEAL_BYTES, open_into, seal_all, seal_into, tenant_key
 from kvbridge.pool.store import RPC_CODES, StoreClient
 from kvbridge.transport.cache import RankCache
 
@@ -181,12 +186,14 @@ class PoolTier:
         self.reads = [sorted(s) for s in self.layout.read_by(self.device, self.rank)]
         self.worker = OffloadWorker([cache], self.staging, parallel=parallel)
         self._regions = self.staging.byte_regions()
-        per_block = max((len(g) for g in self.layout.group_objects), default=0)
-        self._seals = torch.zeros(max(1, config.staging_blocks * per_block * SEAL_BYTES), dtype=torch.uint8)
-        self._seal_base = self._seals.data_ptr()
+        # The wire buffer: a chunk's objects back to back as the store holds them (payload
+        # encrypted, then its seal), each one run; sized for a chunk of the largest group.
+        per_block = max((sum(self.layout.nbytes(o) + SEAL_BYTES for o in g) for g in self.layout.group_objects),
+                        default=0)
+        self._wire = torch.zeros(max(1, config.staging_blocks * per_block), dtype=torch.uint8)
+        self._wire_np, self._wire_base = self._wire.numpy(), self._wire.data_ptr()
         self._view_cache: dict[tuple[int, ObjectId], list[np.ndarray]] = {}
-        self._run_cache: dict[tuple[int, ObjectId], list[tuple[int, int]]] = {}
-        spans = [(t.data_ptr(), t.numel()) for t in [*self._regions, self._seals]]
+        spans = [(self._wire_base, self._wire.numel())]
         for address, nbytes in spans:
             client.register(address, nbytes)
         # Unregistered when the tier goes, closed or not: Mooncake refuses to register memory that
@@ -197,9 +204,9 @@ class PoolTier:
 
     # -- bytes of objects in staging ----------------------------------------------------------------------
     def _views(self, slot: int, obj: ObjectId) -> list[np.ndarray]:
-        """An object's bytes in staging slot `slot`, adjacent pieces merged (fewer transfer tasks),
-        built once per (slot, object): the staging layout never changes, and building views per
-        object and call was a third of a load's time."""
+        """An object's plaintext in staging slot `slot`, adjacent pieces merged, built once per
+        (slot, object): the staging layout never changes, and building views per object and call
+        was a third of a load's time."""
         cached = self._view_cache.get((slot, obj))
         if cached is not None:
             return cached
@@ -209,14 +216,20 @@ class PoolTier:
                 runs[-1][2] += n
             else:
                 runs.append([r, off, n])
-        views = [self._regions[r][off:off + n] for r, off, n in runs]
-        self._view_cache[(slot, obj)] = [v.numpy() for v in views]  # what seals hash: no conversion per call
-        self._run_cache[(slot, obj)] = [(v.data_ptr(), v.numel()) for v in views]
-        return self._view_cache[(slot, obj)]
+        views = self._view_cache[(slot, obj)] = [self._regions[r][off:off + n].numpy() for r, off, n in runs]
+        return views
 
-    def _runs(self, slot: int, obj: ObjectId, seal_index: int) -> list[tuple[int, int]]:
-        self._views(slot, obj)
-        return [*self._run_cache[(slot, obj)], (self._seal_base + seal_index * SEAL_BYTES, SEAL_BYTES)]
+    def _place(self, entries: Sequence[tuple[int, ObjectId]]) -> list[tuple[int, int]]:
+        """(wire offset, stored bytes) of each (slot, object) of one call, back to back."""
+        out, at = [], 0
+        for slot, obj in entries:
+            n = sum(int(v.nbytes) for v in self._views(slot, obj)) + SEAL_BYTES
+            out.append((at, n))
+            at += n
+        return out
+
+    def _wire_runs(self, spans: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+        return [[(self._wire_base + off, n)] for off, n in spans]
 
     def _run_worker(self, job) -> bool:
         job_id = self.worker.submit(job)
@@ -229,21 +242,23 @@ class PoolTier:
         keeps its objects. Not those the master did not answer about."""
         if not entries:
             return {}
-        runs = [self._runs(slot, o, i) for i, (slot, o, _) in enumerate(entries)]
-        codes = self.client.get([n for *_, n in entries], runs)
-        return {n: (slot, o) for (slot, o, n), c, r in zip(entries, codes, runs)
-                if c != sum(k for _, k in r) and c not in RPC_CODES}
+        spans = self._place([(slot, o) for slot, o, _ in entries])
+        codes = self.client.get([n for *_, n in entries], self._wire_runs(spans))
+        return {n: (slot, o) for (slot, o, n), c, (_, want) in zip(entries, codes, spans)
+                if c != want and c not in RPC_CODES}
 
     # -- store ---------------------------------------------------------------------------------------------
     def store(self, gpu: GPULoadStoreSpec, keys: Sequence[OffloadKey], device_access: DeviceAccess = _always,
-              skip_present: bool = False) -> TierResult:
+              skip_present: bool = False, tenant: bytes = b"") -> TierResult:
         """Put the objects this rank writes of every block of the job; `done[i]`: all of key i's are in.
 
         `device_access` gates each read of the device (see `pool.background`); `skip_present`
         first asks the store which of this rank's objects exist and puts only the others (an
         object is never overwritten: a bad one is removed by the load that finds it, and one this
-        rank's client could not read where the store lists it is removed and put again here)."""
+        rank's client could not read where the store lists it is removed and put again here).
+        `tenant` (vLLM's cache_salt) picks the key its objects are encrypted under."""
         t0 = time.perf_counter()
+        tkey = tenant_key(self.config.secret, tenant)
         result = TierResult([])
         for chunk, chunk_keys in job_chunks(gpu, keys, self.layout, self.factor, self.config.staging_blocks):
             wanted = [[obj for obj in self.writes[self.layout.group_of(key)]] for key in chunk_keys]
@@ -282,17 +297,16 @@ class PoolTier:
                 for n in kept:
                     slot, o = stale[n]
                     wanted[slot].remove(o)
-            names, runs, owner, views_of = [], [], [], []
+            names, owner, entries = [], [], []
             for slot, key in enumerate(chunk_keys):
-                block_names = self.layout.keys(key, wanted[slot])
-                for obj, name in zip(wanted[slot], block_names):
-                    runs.append(self._runs(slot, obj, len(names)))
+                for obj, name in zip(wanted[slot], self.layout.keys(key, wanted[slot])):
                     names.append(name)
-                    views_of.append(self._views(slot, obj))
+                    entries.append((slot, obj))
                     owner.append(slot)
-            if names:
-                seals = seal_many(self.config.secret, list(zip(names, views_of)))
-                self._seals[:len(seals) * SEAL_BYTES] = torch.frombuffer(bytearray(b"".join(seals)), dtype=torch.uint8)
+            spans = self._place(entries)
+            seal_all([partial(seal_into, tkey, name, self._views(slot, obj), self._wire_np[off:off + n])
+                      for name, (slot, obj), (off, n) in zip(names, entries, spans)], sum(n for _, n in spans))
+            runs = self._wire_runs(spans)
             codes = self.client.put(names, runs) if names else []
             bad = {owner[i] for i, c in enumerate(codes) if c != 0}
             self.stats["put_failures"] += sum(c != 0 for c in codes)
@@ -300,7 +314,7 @@ class PoolTier:
                 result.reasons.append(f"{sum(c != 0 for c in codes)} puts failed (Mooncake codes "
                                       f"{sorted({c for c in codes if c != 0})[:4]})")
             put = [i for i, c in enumerate(codes) if c == 0]
-            nbytes = sum(n for i in put for _, n in runs[i][:-1])  # payload only
+            nbytes = sum(spans[i][1] - SEAL_BYTES for i in put)  # payload only
             result.objects += len(put)
             result.bytes += nbytes
             self.stats["objects_put"] += len(put)
@@ -310,28 +324,28 @@ class PoolTier:
         return result
 
     # -- load ----------------------------------------------------------------------------------------------
-    def load(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec, device_access: DeviceAccess = _always
-             ) -> TierResult:
+    def load(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec, device_access: DeviceAccess = _always,
+             tenant: bytes = b"") -> TierResult:
         """Fetch, check and copy into the device; `done[i]`: key i's bytes are on the device.
 
         An object that exists but is not what its name promises (another size, a seal that does
         not check) is removed, so that the next writer stores it again: garbage put by anyone
         costs one recompute, never a blocked prefix. `device_access` gates the copy into the
-        device (see `pool.background`)."""
+        device (see `pool.background`); `tenant` as for `store`."""
         t0 = time.perf_counter()
+        tkey = tenant_key(self.config.secret, tenant)
         result = TierResult([])
         for chunk, chunk_keys in job_chunks(gpu, keys, self.layout, self.factor, self.config.staging_blocks):
-            names, runs, views_of, want, writes = [], [], [], [], []
+            names, entries, writes = [], [], []
             for slot, key in enumerate(chunk_keys):
                 objs = self.reads[self.layout.group_of(key)]
                 mine = self._writes_set[self.layout.group_of(key)]
                 for obj, name in zip(objs, self.layout.keys(key, objs)):
-                    run = self._runs(slot, obj, len(names))
                     writes.append(obj in mine)
                     names.append(name)
-                    runs.append(run)
-                    views_of.append(self._views(slot, obj))
-                    want.append(sum(n for _, n in run))
+                    entries.append((slot, obj))
+            spans = self._place(entries)
+            runs, want = self._wire_runs(spans), [n for _, n in spans]
             codes = self.client.get(names, runs) if names else []
             why = ""
             readable, unreadable, bad_objects = [], [], []
@@ -350,9 +364,9 @@ class PoolTier:
                 self.stats["missing"] += len(unreadable) - len(wrong)
                 bad_objects += wrong
             self.client.take_unreadable([names[i] for i in readable])  # readable again: no note of them stays
-            trailers = bytes(self._seals[:len(names) * SEAL_BYTES].numpy())
-            verdicts = check_many(self.config.secret, [
-                (names[i], views_of[i], trailers[i * SEAL_BYTES:(i + 1) * SEAL_BYTES]) for i in readable])
+            verdicts = seal_all([partial(open_into, tkey, names[i], self._wire_np[spans[i][0]:spans[i][0] + spans[i][1]],
+                                         self._views(*entries[i])) for i in readable],
+                                sum(spans[i][1] for i in readable))
             for i, bad in zip(readable, verdicts):
                 if bad:
                     self.stats["seal_failures"] += 1

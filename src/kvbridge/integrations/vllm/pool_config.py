@@ -180,6 +180,9 @@ class PoolJob:
     dropped if a step hands one of them out before it has read them (the request's final store
     puts what is missing)."""
 
+    tenant: bytes = b""
+    """The request's tenant (`pool_identity.tenant_of`): its objects are encrypted under that tenant's key."""
+
     def gpu(self) -> GPULoadStoreSpec:
         return GPULoadStoreSpec(self.block_ids, self.group_sizes, self.block_indices)
 

@@ -67,6 +67,14 @@ def request_group_keys(request: Request, tokens: list[int], block_tokens: int, n
     return [group_keys(hashes, g) for g in range(num_groups)]
 
 
+def tenant_of(request: Request) -> bytes:
+    """The tenant whose key encrypts the request's pool objects: its `cache_salt` (b"": none).
+    The salt already keys the request's block names (`block_extras`); this keeps tenants'
+    bytes apart too, so that one tenant's key opens no other tenant's objects."""
+    salt = getattr(request, "cache_salt", None)
+    return salt.encode() if isinstance(salt, str) and salt else b""
+
+
 def pool_model_id(vllm_config: VllmConfig, configured: str = "") -> str:
     """The model identity every instance of a pool must agree on: the configured id or the served
     model, with its revision when one was asked for (other weights, other KV)."""
@@ -83,4 +91,4 @@ def refuse_unkeyable(vllm_config: VllmConfig) -> None:
                                   "not proven through vLLM); serve this model without the pool")
 
 
-__all__ = ["block_extras", "pool_model_id", "refuse_unkeyable", "request_group_keys", "request_pool_keys"]
+__all__ = ["block_extras", "pool_model_id", "refuse_unkeyable", "request_group_keys", "request_pool_keys", "tenant_of"]

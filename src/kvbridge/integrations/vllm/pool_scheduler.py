@@ -26,7 +26,7 @@ from vllm.logger import init_logger
 
 from kvbridge.integrations.vllm.pool_config import PoolJob, PoolMetadata, announce, one_line, vllm_staging
 from kvbridge.errors import IncompatibleEngines
-from kvbridge.integrations.vllm.pool_identity import request_group_keys
+from kvbridge.integrations.vllm.pool_identity import request_group_keys, tenant_of
 from kvbridge.integrations.vllm.pool_metrics import StatsTally
 from kvbridge.integrations.vllm.registration import group_order
 from kvbridge.offload.lookup import group_windows, request_hits
@@ -213,7 +213,8 @@ class PoolScheduler:
         try:
             on_device = [[i < local // bs for i in range(len(t))] for t in tables]
             load_keys, gpu = load_job(tables, keys, tokens_hit, bs, self.factor, on_device, self.state)
-            job = PoolJob(request.request_id, load_keys, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices)
+            job = PoolJob(request.request_id, load_keys, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices,
+                          tenant=tenant_of(request))
         except Exception as e:  # noqa: BLE001 - vLLM counts these tokens as coming: the worker must fail them
             logger.warning("KVBridgePoolConnector: load of %s not planned, recomputing: %s", request.request_id,
                            one_line(e))
@@ -284,7 +285,8 @@ class PoolScheduler:
             sizes[g] += 1
             ids.append(block)
             want.append(keys[g][at // self.bt - 1])
-        self._meta.stores.append(PoolJob(request.request_id, want, ids, tuple(sizes), tuple(first), running))
+        self._meta.stores.append(PoolJob(request.request_id, want, ids, tuple(sizes), tuple(first), running,
+                                         tenant_of(request)))
         self._store_queued.add(request.request_id)
         if running:
             self.tally.add(running_blocks_queued=len(want))
@@ -315,7 +317,7 @@ class PoolScheduler:
         gpu = store_job(tables, keys, to_store, self.factor)
         rid = request.request_id
         self._meta.stores.append(PoolJob(rid, to_store, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices,
-                                         running))
+                                         running, tenant_of(request)))
         self._store_queued.add(rid)
         if running:
             self.tally.add(running_blocks_queued=len(to_store))

@@ -148,9 +148,9 @@ class PoolWorker:
         tier = self._ensure_tier(kind)
         before, counts = tier.client.unreachable, dict(tier.stats)
         if kind == "store":
-            res = tier.store(job.gpu(), job.keys, call.device_access, skip_present=True)
+            res = tier.store(job.gpu(), job.keys, call.device_access, skip_present=True, tenant=job.tenant)
         else:
-            res = tier.load(job.keys, job.gpu(), call.device_access)
+            res = tier.load(job.keys, job.gpu(), call.device_access, tenant=job.tenant)
         self.tally.add(**{k: tier.stats[k] - counts[k] for k in TIER_COUNTS}, **{f"{kind}_seconds": res.seconds})
         if tier.client.unreachable != before:  # the client is kept: see `StoreClient`
             raise PoolUnavailable(f"Mooncake Store at {self.conn.settings.master} stopped answering during a {kind}")
