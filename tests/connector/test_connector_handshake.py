@@ -10,6 +10,7 @@ from kvbridge.connector import messages as m
 from kvbridge.connector.consumer import Consumer
 from kvbridge.connector.handshake import make_hello, validate_peer
 from kvbridge.connector.transports import make_transport
+from kvbridge.core.kv_identity import KVIdentity
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.spec import LayerSpec, ModelSpec
 from kvbridge.core.topology import TransferTopology
@@ -141,3 +142,44 @@ def test_unresponsive_address_fails_within_the_handshake_timeout() -> None:
             assert time.monotonic() - t0 < 2.0
     finally:
         cl.close()
+
+
+def _identity(**values) -> KVIdentity:
+    base = {"weights": "a1b2", "dtype": "bfloat16", "config.rope_theta": 10000.0,
+            "config.rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}}
+    base.update(values)
+    return KVIdentity.of(base)
+
+
+@pytest.mark.parametrize("theirs, message", [
+    (_identity(**{"config.rope_theta": 500000.0}),
+     "KV identity differs in config.rope_theta: local 'decode' 10000.0, remote 'prefill' rank 0 500000.0"),
+    (_identity(weights="ffff"), 'KV identity differs in weights: local \'decode\' "a1b2", remote'),
+    (_identity(quantization="fp8"), "KV identity differs in quantization: local 'decode' (absent)"),
+    (None, "only local 'decode' states its KV identity"),
+])
+def test_a_peer_whose_kv_means_something_else_is_refused_naming_the_field(theirs, message) -> None:
+    """Same geometry, other meaning (weights, RoPE, quantization): refused before any byte moves."""
+    topo, _, peer = _pair(identity=theirs)
+    mine = make_hello("decode", 0, "decode", "pull", SPEC, D, "shm", "decode/0", b"", identity=_identity())
+    with pytest.raises(m.HandshakeRefused) as e:
+        validate_peer(topo, mine, peer)
+    assert message in str(e.value)
+    assert topo.remote_engine_ids == ()
+    same = make_hello("prefill", 0, "prefill", "pull", SPEC, P, "shm", "prefill/0", b"", identity=_identity())
+    assert validate_peer(TransferTopology("decode", SPEC, D, 0), mine, same).layout == P
+
+
+def test_a_kv_identity_is_bounded_and_shows_long_values_as_digests() -> None:
+    ident = _identity(**{"config.long": "x" * 10_000})
+    shown = dict(ident.fields)
+    assert shown["config.long"].startswith("sha256:") and len(shown["config.long"]) <= 56
+    assert shown["config.rope_scaling"].startswith("sha256:")  # its JSON is longer than 48 characters
+    assert ident.digest() != _identity().digest() and ident.digest() == _identity(**{"config.long": "x" * 10_000}).digest()
+    wire = msgspec.msgpack.encode(ident)
+    assert msgspec.msgpack.decode(wire, type=KVIdentity) == ident
+    with pytest.raises(msgspec.ValidationError):  # a peer cannot send an unbounded identity
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"fields": [["f", "v" * 100]]}), type=KVIdentity)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"fields": [[f"f{i}", "v"] for i in range(600)]}),
+                               type=KVIdentity)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from kvbridge.connector.messages import MAX_FRAME_BYTES
+from kvbridge.core.kv_identity import KVIdentity
 from kvbridge.core.secrets import resolve_secret
 from kvbridge.errors import ConfigError
 
@@ -66,6 +67,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Run the side channel unauthenticated: any host that reaches the port can act as a peer."""
     replay_window: float = 300.0
     """Seconds an authenticated frame's timestamp may differ from the receiver's clock."""
+    kv_identity: KVIdentity | None = None
+    """What this engine's KV means beyond its geometry (`core.kv_identity`): stated in its Hello,
+    a peer whose stated identity differs is refused at handshake, naming the field."""
 
     def __post_init__(self) -> None:
         for name in ("handshake_timeout", "transfer_timeout", "lease_seconds", "abort_timeout",

@@ -63,7 +63,8 @@ class RankEndpoint:
     @property
     def hello(self) -> m.Hello:
         return make_hello(self.engine_id, self.rank, self.role, self.mode, self.cache.spec, self.cache.layout,
-                          transport_kind(self.transport), self.agent_name, self._metadata, self._hello_addresses())
+                          transport_kind(self.transport), self.agent_name, self._metadata, self._hello_addresses(),
+                          self.config.kv_identity)
 
     def _hello_addresses(self) -> tuple[str, ...]:
         return ()

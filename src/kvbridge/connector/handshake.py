@@ -13,6 +13,7 @@ from __future__ import annotations
 from kvbridge.connector.peer_bounds import check_hello_bounds
 from kvbridge.connector.messages import Fingerprint, HandshakeRefused, Hello, Mode, Role, layout_name
 from kvbridge.errors import KVBridgeError
+from kvbridge.core.kv_identity import KVIdentity
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.spec import ModelSpec
 from kvbridge.core.topology import EngineTransferInfo, TransferTopology
@@ -20,10 +21,10 @@ from kvbridge.core.topology import EngineTransferInfo, TransferTopology
 
 def make_hello(engine_id: str, rank: int, role: Role, mode: Mode, spec: ModelSpec, layout: EngineLayout,
                transport_name: str, agent_name: str, transport_metadata: bytes,
-               peer_addresses: tuple[str, ...] = ()) -> Hello:
+               peer_addresses: tuple[str, ...] = (), identity: KVIdentity | None = None) -> Hello:
     return Hello(engine_id=engine_id, rank=rank, role=role, mode=mode, layout=layout, spec=spec,
                  transport=transport_name, agent_name=agent_name, transport_metadata=transport_metadata,
-                 fingerprint=Fingerprint.of(spec, layout), peer_addresses=peer_addresses)
+                 fingerprint=Fingerprint.of(spec, layout, identity), peer_addresses=peer_addresses)
 
 
 def validate_peer(topology: TransferTopology, mine: Hello, peer: Hello) -> EngineTransferInfo:

@@ -38,6 +38,7 @@ import msgspec
 from msgspec import Meta
 
 from kvbridge.errors import IncompatibleEngines, KVBridgeError
+from kvbridge.core.kv_identity import KVIdentity
 from kvbridge.core.layout import EngineLayout
 from kvbridge.core.spec import ModelSpec
 
@@ -101,11 +102,15 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_layout: Annotated[str, Meta(max_length=64)]
     kernel_block_size: Annotated[int, Meta(ge=1, lt=1 << 20)]
     kvbridge_version: Annotated[str, Meta(max_length=32)]
+    identity: KVIdentity | None = None
+    """What the engine's KV means beyond its geometry (weights, RoPE, overrides, dtypes:
+    `core.kv_identity`), as the integration states it; None where nobody states one (a library
+    user's engines). Two stated identities must be equal; one side alone stating one is refused."""
 
     @classmethod
-    def of(cls, spec: ModelSpec, layout: EngineLayout) -> Fingerprint:
+    def of(cls, spec: ModelSpec, layout: EngineLayout, identity: KVIdentity | None = None) -> Fingerprint:
         from kvbridge._version import __version__
-        return cls(spec.fingerprint(), spec.dtype, layout_name(layout), layout.kernel_size, __version__)
+        return cls(spec.fingerprint(), spec.dtype, layout_name(layout), layout.kernel_size, __version__, identity)
 
     def check_compatible(self, other: Fingerprint, mine: str = "local", theirs: str = "remote") -> None:
         """Raise `HandshakeRefused` naming the first field that must match and does not."""
@@ -114,6 +119,16 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
                 raise HandshakeRefused(f"{what} differs: {mine} {a}, {theirs} {b}")
+        if (self.identity is None) != (other.identity is None):
+            stated = mine if self.identity is not None else theirs
+            raise HandshakeRefused(f"only {stated} states its KV identity (weights, RoPE, overrides, dtypes): "
+                                   f"engines that may compute other KV are not paired")
+        if self.identity is not None and other.identity is not None:
+            differs = self.identity.first_difference(other.identity)
+            if differs is not None:
+                field, a, b = differs
+                raise HandshakeRefused(f"KV identity differs in {field}: {mine} {a}, {theirs} {b} (their KV "
+                                       f"is not interchangeable)")
 
 
 def layout_name(layout: EngineLayout) -> str:

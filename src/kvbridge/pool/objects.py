@@ -78,11 +78,13 @@ def block_name(secret: bytes, namespace: str, block_key: OffloadKey) -> str:
     return h.hexdigest()
 
 
-def pool_namespace(spec: ModelSpec, model_id: str, block_tokens: int, layout_tag: str | int) -> str:
+def pool_namespace(spec: ModelSpec, model_id: str, block_tokens: int, layout_tag: str | int,
+                   kv_identity: str = "") -> str:
     """The digest that keeps engines apart which must not read each other's objects.
 
     `model_id` names the weights (a path, a hub id with revision): two models of one geometry
     write different KV for the same tokens, and the geometry alone cannot tell them apart.
+    `kv_identity` (`core.kv_identity`'s digest) says the rest: weights' digest, RoPE, overrides, dtypes.
     """
     if not isinstance(model_id, str) or not 0 < len(model_id) <= MAX_MODEL_ID:
         raise NotCanonicalizable(f"the pool's model id must be 1..{MAX_MODEL_ID} characters, got "
@@ -91,7 +93,7 @@ def pool_namespace(spec: ModelSpec, model_id: str, block_tokens: int, layout_tag
     # under the same geometry fingerprint, and its canonical bytes then differ.
     classes = ",".join(sorted({type(layer).__name__ for layer in spec.layers}))
     payload = "\0".join((f"format {FORMAT_VERSION}", model_id, spec.fingerprint(), classes, str(block_tokens),
-                         str(layout_tag)))
+                         str(layout_tag), kv_identity))
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 

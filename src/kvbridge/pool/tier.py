@@ -69,6 +69,9 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     secret: bytes = b""
     insecure: bool = False
     byte_order: str = ""
+    kv_identity: str = ""
+    """The digest of what the engine's KV means beyond its geometry (`core.kv_identity`): part of the
+    namespace, so engines whose weights, RoPE, overrides or dtypes differ share no object."""
 
     def __post_init__(self) -> None:
         from kvbridge.core.secrets import check_secret
@@ -87,6 +90,9 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 self.byte_order.isprintable()):
             raise ConfigError(f"pool byte_order must be at most {MAX_BYTE_ORDER} printable ASCII characters, got "
                               f"{self.byte_order[:80]!r}")
+        if len(self.kv_identity) > 128 or not self.kv_identity.isascii():
+            raise ConfigError(f"pool kv_identity must be an ASCII digest of at most 128 characters, got "
+                              f"{self.kv_identity[:80]!r}")
         if not 1 <= self.staging_blocks <= MAX_STAGING_BLOCKS:
             raise ConfigError(f"pool staging_blocks must be in [1, {MAX_STAGING_BLOCKS}], got {self.staging_blocks}")
 
@@ -121,7 +127,8 @@ def object_layout(spec: ModelSpec, config: PoolConfig, slots: int = 1,
     tag = f"{type(lay).__name__}/{lay.kv_order}/{lay.kv_placement}/{lay.layer_placement}/{lay.kernel_size}"
     if config.byte_order:
         tag += f"/order {config.byte_order}"
-    return ObjectLayout(spec, pool, pool_namespace(spec, config.model_id, config.block_tokens, tag), config.secret)
+    namespace = pool_namespace(spec, config.model_id, config.block_tokens, tag, config.kv_identity)
+    return ObjectLayout(spec, pool, namespace, config.secret)
 
 
 def job_chunks(gpu: GPULoadStoreSpec, keys: Sequence[OffloadKey], layout: ObjectLayout, factor: int,

@@ -70,6 +70,7 @@ from vllm.logger import init_logger
 
 from kvbridge.connector.once import OnceEach
 from kvbridge.errors import ConfigError, IncompatibleEngines
+from kvbridge.integrations.vllm.kv_identity import vllm_kv_identity
 from kvbridge.integrations.vllm.cache_handles import share_tensors
 from kvbridge.integrations.vllm.idle_wake import IdleWait
 from kvbridge.integrations.vllm.registration import check_cpu_kv_layout, group_order, spec_and_layout
@@ -384,7 +385,7 @@ class _Worker:
         storages, regions = share_tensors(self._keep, f"vllm-{self.conn.engine_id[:24]}-r{self.rank}")
         shared_s = time.perf_counter() - t0
         init = Init(self.conn.engine_id, self.rank, self.conn.produces, self.conn.consumes, spec,
-                    layout.plain(), storages, regions, self.settings)
+                    layout.plain(), storages, regions, self.settings, vllm_kv_identity(self.conn._vllm_config))
         self.sidecar = SidecarClient(init)
         logger.info("KVBridgeConnector %s rank %d: %s%s; %s; %s (ISA %s) over %s (sidecar pid %d; cache of %d B "
                     "handed over in %.3f s%s)",

@@ -107,13 +107,13 @@ class PoolSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                            rdma_devices=self.rdma_devices, segment_bytes=(self.segment_mib << 20) if lend else 0,
                            local_memcpy=self.local_memcpy, prefer_own_segment=self.prefer_own_segment)
 
-    def pool_config(self, model_id: str) -> PoolConfig:
+    def pool_config(self, model_id: str, kv_identity: str = "") -> PoolConfig:
         try:
             secret = resolve_secret(None, self.secret_file or None, self.insecure)
         except ConfigError as e:
             raise ConfigError(f"KVBridgePoolConnector: {e}") from None
         return PoolConfig(model_id=model_id, block_tokens=self.block_tokens, staging_blocks=self.staging_blocks,
-                          secret=secret or b"", insecure=secret is None)
+                          secret=secret or b"", insecure=secret is None, kv_identity=kv_identity)
 
 
 def pool_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelSpec:

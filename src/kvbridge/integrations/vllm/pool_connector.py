@@ -67,6 +67,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.logger import init_logger
 
 from kvbridge.errors import ConfigError
+from kvbridge.integrations.vllm.kv_identity import vllm_kv_identity
 from kvbridge.integrations.vllm.pool_config import PoolJob, PoolMetadata, PoolSettings, pool_spec, vllm_staging
 from kvbridge.integrations.vllm.pool_identity import pool_model_id, refuse_unkeyable
 from kvbridge.integrations.vllm.pool_metrics import PoolPromMetrics, PoolStats
@@ -104,7 +105,8 @@ class KVBridgePoolConnector(KVConnectorBase_V1, SupportsHMA):
             self.settings = msgspec.structs.replace(self.settings, load_async=True)
             logger.info("KVBridgePoolConnector: %d KV-cache groups: loads take vLLM's asynchronous path",
                         len(self.spec.groups))
-        self.config = self.settings.pool_config(pool_model_id(vllm_config, self.settings.model_id))
+        self.config = self.settings.pool_config(pool_model_id(vllm_config, self.settings.model_id),
+                                                vllm_kv_identity(vllm_config).digest())
         order = cpu_byte_order(vllm_config, kv_cache_config)
         if order:  # see `cpu_byte_order`: engines of another order then miss, never misread
             self.config = msgspec.structs.replace(self.config, byte_order=order)

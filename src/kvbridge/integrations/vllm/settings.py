@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from kvbridge.connector.config import ConnectorConfig
+from kvbridge.core.kv_identity import KVIdentity
 from kvbridge.errors import ConfigError
 
 
@@ -43,7 +44,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError("KVBridgeConnector needs a side-channel secret: set kv_connector_extra_config "
                               "secret_file (or secret), the same on both engines, or insecure: true")
 
-    def connector_config(self) -> ConnectorConfig:
+    def connector_config(self, identity: KVIdentity | None = None) -> ConnectorConfig:
         # transport_notify=False: completion goes over the side channel only. The transport's
         # notification channel gives a peer 2 s to accept a message and fails the *transfer*
         # otherwise, after its bytes landed (seen on a loaded host: "accepted no message within
@@ -51,7 +52,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return ConnectorConfig(lease_seconds=self.lease_seconds, transfer_timeout=self.transfer_timeout,
                                handshake_timeout=self.handshake_timeout, side_channel_heartbeat=self.heartbeat_seconds,
                                transport_notify=False, secret=self.secret.encode() or None,
-                               secret_file=self.secret_file or None, insecure=self.insecure)
+                               secret_file=self.secret_file or None, insecure=self.insecure, kv_identity=identity)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:

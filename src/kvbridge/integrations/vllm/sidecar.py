@@ -37,6 +37,7 @@ from typing import Any, Union
 
 import msgspec
 
+from kvbridge.core.kv_identity import KVIdentity
 from kvbridge.connector.rank_host import (Failed, Peer, Stop, StreamChannel, report_failure, serve, stderr_logging,
                                           union_of, warm_copier)
 from kvbridge.errors import KVBridgeError
@@ -71,6 +72,7 @@ class Init(msgspec.Struct, tag="init"):
     storages: list[StorageHandle]  # the worker's cache memory (cache_handles.py)
     regions: list[Region]  # each layer's bytes in it, in layer order
     settings: Settings
+    identity: KVIdentity | None = None  # what the engine's KV means (stated in every Hello)
 
 
 class Send(msgspec.Struct, tag="send"):
@@ -152,7 +154,7 @@ class Sidecar:
             if r.nbytes != n:
                 raise KVBridgeError(f"a region of {r.nbytes} bytes where the layout has {n}")
         self.cache = RankCache(spec, layout, init.rank, open_regions(init.storages, init.regions))
-        cfg = s.connector_config()
+        cfg = s.connector_config(init.identity)
         eid, r = init.engine_id, init.rank
         self.producer = self.consumer = None
         self.address = ""
