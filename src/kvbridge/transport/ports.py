@@ -3,14 +3,14 @@ reservations that keep two launchers starting side by side from promising the sa
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import random
 import socket
 from collections.abc import Sequence
 
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.transport.private_dir import private_dir, runtime_dir
 
 
 class PortsExhausted(KVBridgeError, RuntimeError):
@@ -63,13 +63,20 @@ def port_free(host: str, port: int) -> bool:
             return False
 
 
-LOCK_DIR = "/tmp/kvbridge-ports"
+def default_lock_dir() -> str:
+    """This user's port lock directory: `ports` in its private kvbridge directory
+    (`private_dir.runtime_dir`), created 0700 and owner-checked; refused in one line otherwise."""
+    return private_dir(os.path.join(runtime_dir(), "ports"))
 
 
-def reserved(port: int, lock_dir: str = LOCK_DIR) -> bool:
-    """Whether a launcher holds `port`'s reservation (`PortReservations`) now."""
+def reserved(port: int, directory: str | None = None) -> bool:
+    """Whether a launcher of this user holds `port`'s reservation (`PortReservations`) now."""
     try:
-        fd = os.open(os.path.join(lock_dir, f"{port}.lock"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        directory = directory or default_lock_dir()
+    except ConfigError:  # no usable lock directory: nothing of ours is reserved in it
+        return False
+    try:
+        fd = os.open(os.path.join(directory, f"{port}.lock"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return False
     try:
@@ -83,14 +90,21 @@ def reserved(port: int, lock_dir: str = LOCK_DIR) -> bool:
 
 class PortReservations:
     """Ports one launcher will bind, each free on the interface it binds and held by an exclusive
-    `flock` on `LOCK_DIR/PORT.lock` until `release` (or this process's end: the kernel drops the
-    lock), so a second launcher starting beside it (another fleet, another user's) never promises
-    the same port. A port is reserved whatever the interface: two fleets on two addresses of one
-    host still get different ports."""
+    `flock` on `PORT.lock` in this user's lock directory (`default_lock_dir`) until `release`, or until
+    every process holding a copy of its descriptor has ended (the kernel drops the lock; a fleet's
+    watchdog holds copies, `descriptors`, so that a dead launcher's ports stay reserved until its
+    members are gone), so a second launcher of this user starting beside it never promises the
+    same port. A port is reserved whatever the interface: two fleets on two addresses of one host
+    still get different ports.
 
-    def __init__(self, lock_dir: str = LOCK_DIR):
-        self.lock_dir = lock_dir
+    Per user (issue 43 point 5): a directory every user could write let anyone hold every port.
+    Another user's launcher is kept off a port only by the check that it is free when reserved:
+    two users starting fleets in the same second may still be promised one port, and the second
+    server to bind it fails to start."""
+
+    def __init__(self, lock_dir: str | None = None):
         self._held: dict[int, int] = {}  # port -> descriptor of its locked file
+        self.lock_dir = private_dir(lock_dir) if lock_dir else default_lock_dir()
 
     @property
     def ports(self) -> set[int]:
@@ -99,17 +113,11 @@ class PortReservations:
     def _lock(self, port: int) -> bool:
         if port in self._held:
             return False
-        if not os.path.isdir(self.lock_dir):
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(self.lock_dir, 0o1777)
-                os.chmod(self.lock_dir, 0o1777)  # every user's launchers share it; sticky: nobody removes another's
         path = os.path.join(self.lock_dir, f"{port}.lock")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError:
             return False
-        with contextlib.suppress(OSError):
-            os.fchmod(fd, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -148,6 +156,10 @@ class PortReservations:
                 self.drop(p)
         raise PortsExhausted(f"no {count} consecutive free ports found")
 
+    def descriptors(self) -> dict[int, int]:
+        """port -> the descriptor holding its lock: a copy (sent to another process) holds it too."""
+        return dict(self._held)
+
     def drop(self, port: int) -> None:
         fd = self._held.pop(port, None)
         if fd is not None:
@@ -168,4 +180,4 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-__all__ = ["LOCK_DIR", "PortReservations", "PortsExhausted", "free_ports", "port_free", "reserved"]
+__all__ = ["PortReservations", "default_lock_dir", "PortsExhausted", "free_ports", "port_free", "reserved"]
