@@ -23,6 +23,7 @@ from pathlib import Path
 
 from kvbridge.errors import ConfigError
 from kvbridge.pool.store import P2P_METADATA
+from kvbridge.transport.parent_death import parent_death_command
 from kvbridge.transport.ports import free_ports
 
 
@@ -108,10 +109,14 @@ class MooncakeMaster:
 
     def spawn(self) -> subprocess.Popen:
         """Start the process on the master's ports and return at once (`accepts` says when it
-        listens): a fleet's supervisor restarts a dead master without waiting on it."""
+        listens): a fleet's supervisor restarts a dead master without waiting on it.
+
+        It gets SIGTERM when the thread that started it ends, however it ends (a crashed test or
+        CLI must not leave a master holding its ports): `transport.parent_death`'s exec wrapper,
+        not `preexec_fn`, which is unsafe in a parent with threads."""
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(parent_death_command(self.argv), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
         return self.proc
 
     def accepts(self) -> bool:
@@ -158,17 +163,6 @@ class MooncakeMaster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the process that started the master dies, however
-    it dies (a crashed test or CLI must not leave a master holding its ports)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:  # not glibc Linux: `stop` and the fleet's session kill still apply
-        pass
 
 
 def _accepts(host: str, port: int) -> bool:
