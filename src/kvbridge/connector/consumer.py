@@ -16,7 +16,10 @@ read from it finished (we post it once the source rank announced the request wit
 `WriteDone`. A read that fails, a source rank that aborts, a side channel that drops (the peer
 died or the network between them is cut), a plan that the request's block ids make invalid, or
 the request's deadline all end it as a failure; every failure has a reason naming the rank and
-the cause.
+the cause. A dropped side channel fails the requests still waiting on that source in the
+`progress` call that sees the drop (a waiting call wakes for it), but only after our reads were
+polled: a source that delivered and then exited (it may release on the transport's notification
+of our read before we polled it) leaves its requests done.
 
 A lost source rank is not given up for good: while it is lost, every request that needs it
 fails at once (no announcement or destination is sent to it), and the rank re-handshakes with
@@ -454,12 +457,8 @@ class Consumer(RankEndpoint):
         if req.request_id not in self._active:
             return
         eng = self._engines[req.engine]
-        if req.failure is None:
-            lost = sorted(s for s in req.sources if s in eng.lost and s not in req.done)
-            if lost:
-                req.quiet.update(lost)
-                self._fail(req, f"side channel to prefill {req.engine!r} rank(s) {lost} lost (peer closed, died or "
-                                f"unreachable; its transfers are presumed stopped)")
+        if req.failure is None and eng.lost:
+            self._judge_loss(req, eng)
         if req.failure is None and self.mode == "pull":
             self._start_reads(req, eng)
             self._poll_reads(req)
@@ -483,6 +482,20 @@ class Consumer(RankEndpoint):
                 self._fail(req, self._timeout_reason(req, now))
         if req.failure is not None:
             self._stop(req, eng)
+
+    def _judge_loss(self, req: _Pending, eng: SourceEngine) -> None:
+        """Fail `req` if a source it still needs is lost. Our reads are polled first: a prefill rank
+        may release on the transport's notification of a finished read and exit before we polled
+        that read, and bytes that landed count (push: a WriteDone received already counts)."""
+        if not eng.lost & (set(req.sources) - req.done):
+            return
+        if self.mode == "pull":
+            self._poll_reads(req)
+        lost = sorted(s for s in req.sources if s in eng.lost and s not in req.done)
+        if lost and req.failure is None:
+            req.quiet.update(lost)
+            self._fail(req, f"side channel to prefill {req.engine!r} rank(s) {lost} lost (peer closed, died or "
+                            f"unreachable; its transfers are presumed stopped)")
 
     def _start_reads(self, req: _Pending, eng: SourceEngine) -> None:
         for s in sorted(set(req.announced) - set(req.reads) - req.done):
@@ -524,7 +537,7 @@ class Consumer(RankEndpoint):
     def _read_done(self, req: _Pending, eng: SourceEngine, s: int) -> None:
         req.done.add(s)
         req.last_done = self.clock()
-        if not eng.clients[s].send(m.ReadDone(self.engine_id, self.rank, req.request_id)):
+        if s not in eng.lost and not eng.clients[s].send(m.ReadDone(self.engine_id, self.rank, req.request_id)):
             self.stats["send_failures"] += 1
 
     def _fail(self, req: _Pending, reason: str) -> None:

@@ -363,7 +363,7 @@ class SideChannelClient:
 
 
 def poll_clients(clients: Sequence[SideChannelClient], timeout: float) -> list[tuple[SideChannelClient, Received]]:
-    """Wait at most `timeout` s for any of `clients` to have a frame, then drain them all."""
+    """Wait at most `timeout` s for any of `clients` to have a frame or drop its link, then drain them all."""
     live = [c for c in clients if not c.closed]
     if not live:
         if timeout > 0:
@@ -372,6 +372,8 @@ def poll_clients(clients: Sequence[SideChannelClient], timeout: float) -> list[t
     poller = zmq.Poller()
     for c in live:
         poller.register(c.socket, zmq.POLLIN)
+        if c.connected_once and not c.lost:  # a link that drops ends the wait: its requests fail at once
+            poller.register(c.monitor, zmq.POLLIN)
     ready = dict(poller.poll(0 if any(c.has_held for c in live) else _timeout_ms(timeout)))
     out: list[tuple[SideChannelClient, Received]] = []
     for c in live:
