@@ -364,7 +364,7 @@ class Fleet:
         for leader in self.sessions:  # every incarnation's session: what `retire` or the stops left
             kill_seen(leader, self.ledger)
         end = time.monotonic() + 10
-        while set(_pids_in_groups(set(self.sessions), zombies=False)) & self.ledger.pids and time.monotonic() < end:
+        while self.ledger.live(_pids_in_groups(set(self.sessions), zombies=False)) and time.monotonic() < end:
             time.sleep(0.1)
         self.ledger.remove_unused()  # only the fleet's own (SegmentLedger): nothing by age
         if self._own_secret:

@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.errors import ConfigError
@@ -220,12 +221,10 @@ def retire_session(proc: subprocess.Popen, ledger: SegmentLedger) -> None:
 
 def kill_seen(leader: int, ledger: SegmentLedger) -> None:
     """SIGKILL the processes now in session `leader` that the ledger saw in it (a reaped leader's
-    pid can be reused: only processes the fleet saw are its)."""
-    for pid in set(_pids_in_groups({leader})) & ledger.pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    pid can be reused: only processes the fleet saw, the same processes, are its)."""
+    for pid in _pids_in_groups({leader}):
+        if (start := ledger.procs.get(pid)) is not None:
+            signal_process(pid, start, signal.SIGKILL)
 
 
 def stop_session(proc: subprocess.Popen | None, timeout: float = 20.0) -> None:
@@ -268,26 +267,125 @@ def segments_named_by(pids: set[int]) -> set[str]:
     return out
 
 
+def process_start(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks after boot (a zombie's too), None when there is
+    no process `pid`. A pid names one process only together with its start: pids are reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _wall(ticks: int) -> float:
+    """A process start (`process_start`) as seconds since the epoch, to a clock tick."""
+    return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def signal_process(pid: int, start: int, sig: int) -> bool:
+    """Send `sig` to process `pid` only if it is still the one that started at `start`; True when
+    sent. Through a pidfd where there is one (the check and the signal then name one process);
+    else a check just before the kill."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    try:
+        if process_start(pid) != start:
+            return False
+        if fd is not None:
+            signal.pidfd_send_signal(fd, sig)
+        else:
+            os.kill(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _segments_by_creator() -> dict[int, list[str]]:
+    """kvbridge segments in /dev/shm made in this PID namespace, by their creator's pid."""
+    from kvbridge.transport.shm import SHM_DIR, pid_namespace, segment_owner
+    ours, out = pid_namespace(), {}
+    for name in os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else ():
+        owner = segment_owner(name)
+        if owner is not None and owner[1] == ours:
+            out.setdefault(owner[0], []).append(name)
+    return out
+
+
+def _made_while(names: Iterable[str], start: int, until: int | None) -> set[str]:
+    """Those of `names` (/dev/shm files) made (their ctime) after process start `start` and before
+    `until` (another process's start), as seconds since the epoch to a clock tick."""
+    low, high = _wall(start), _wall(until) if until is not None else None
+    out = set()
+    for name in names:
+        try:
+            made = os.stat(f"/dev/shm/{name}").st_ctime
+        except OSError:
+            continue
+        if made >= low and (high is None or made < high):
+            out.add(name)
+    return out
+
+
 class SegmentLedger:
     """The shared-memory segments of one fleet's processes (issue 28 point 4): those they map
     (vLLM's TP channels, Python's multiprocessing blocks and semaphores, kvbridge's caches), seen
-    by `track` while they run, and kvbridge's segments named by any process the fleet's sessions
-    ever had. Killed processes leave theirs in /dev/shm; `remove_unused` unlinks exactly these,
-    once no live process maps them: nothing by age, nothing of another program or fleet."""
+    by `track` while they run, and the kvbridge segments its processes created (named by their
+    pid). Killed processes leave theirs in /dev/shm; `remove_unused` unlinks exactly these, once
+    no live process maps them: nothing by age, nothing of another program or fleet.
+
+    Pid-reuse-proof (issue 43 point 5): a process is its pid and its start (`procs`); a kvbridge
+    segment named by one of its pids is the fleet's only if the file was made (its ctime) while
+    that process lived: after its start and, once another process has the pid, before that one's
+    start. A process seen dead or replaced is settled (its segments noted) and pruned."""
 
     def __init__(self) -> None:
         self.segments: set[str] = set()
-        self.pids: set[int] = set()
+        self.procs: dict[int, int] = {}  # pid -> start (`process_start`) of the fleet's process with that pid
 
     def track(self, *leaders: int) -> None:
-        self.pids |= session_pids(*leaders)
-        self.segments |= session_segments(*leaders)
+        """Note the processes of these sessions and what they map; settle those that ended."""
+        made = _segments_by_creator()
+        if leaders:
+            for pid in session_pids(*leaders):
+                start = process_start(pid)
+                if start is None:
+                    continue
+                if (old := self.procs.get(pid)) is not None and old != start:
+                    self.segments |= _made_while(made.get(pid, ()), old, start)
+                self.procs[pid] = start
+            self.segments |= session_segments(*leaders)
+        for pid, start in list(self.procs.items()):
+            if (now := process_start(pid)) != start:  # ended, or its pid is another process's now
+                self.segments |= _made_while(made.get(pid, ()), start, now)
+                del self.procs[pid]
+
+    def live(self, pids: Iterable[int]) -> set[int]:
+        """Those of `pids` that are the fleet's processes (the same ones) now."""
+        return {pid for pid in pids if pid in self.procs and process_start(pid) == self.procs[pid]}
 
     def own(self) -> set[str]:
-        return self.segments | segments_named_by(self.pids)
+        self.track()
+        made = _segments_by_creator()
+        return self.segments | {name for pid, start in self.procs.items()
+                                for name in _made_while(made.get(pid, ()), start, None)}
 
     def remove_unused(self) -> int:
         return remove_unused_segments(self.own())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"segments": sorted(self.segments), "procs": sorted(self.procs.items())}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SegmentLedger:
+        ledger = cls()
+        ledger.segments = set(data.get("segments", ()))
+        ledger.procs = {int(pid): int(start) for pid, start in data.get("procs", ())}
+        return ledger
 
 
 def remove_unused_segments(names: set[str]) -> int:
@@ -304,5 +402,5 @@ def remove_unused_segments(names: set[str]) -> int:
 
 
 __all__ = ["Member", "PortsExhausted", "exit_status", "find_tool", "free_ports", "healthy", "kill_seen", "port_free",
-           "remove_unused_segments", "retire_session", "SegmentLedger", "segments_named_by", "session_pids",
-           "session_segments", "stop_session", "vllm_python", "vllm_serve_member"]
+           "process_start", "remove_unused_segments", "retire_session", "SegmentLedger", "segments_named_by",
+           "session_pids", "session_segments", "signal_process", "stop_session", "vllm_python", "vllm_serve_member"]
