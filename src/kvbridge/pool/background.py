@@ -46,10 +46,22 @@ class Call:
         with self._device:
             yield not self.abandoned
 
-    def abandon(self) -> None:
-        """The engine no longer waits: from now on the call leaves device memory alone."""
+    def abandon(self, wait: bool = True) -> None:
+        """The engine no longer waits: from now on the call leaves device memory alone.
+
+        `wait=False` for a call that only *reads* device memory (a store): the flag is set at
+        once, without waiting for a copy in progress, and the call checks it again after each
+        copy (`still_allowed`) and drops what it read if it was abandoned meanwhile: the engine
+        thread never waits on a lower-priority store thread's copy (priority inversion)."""
+        if not wait:
+            self.abandoned = True
+            return
         with self._device:
             self.abandoned = True
+
+    def still_allowed(self) -> bool:
+        """After a read of device memory: whether the call was not abandoned during it."""
+        return not self.abandoned
 
     def wait(self, timeout: float) -> bool:
         return self.done.wait(max(0.0, timeout))

@@ -117,7 +117,9 @@ class StoreClient:
             raise PoolUnavailable(f"Mooncake Store master {config.master} does not accept connections")
         from mooncake.store import ReplicateConfig
 
-        os.environ["MC_STORE_MEMCPY"] = "1" if config.local_memcpy else "0"
+        memcpy = "1" if config.local_memcpy else "0"
+        if os.environ.get("MC_STORE_MEMCPY") != memcpy:  # set by `prepare_process` on the engine's thread
+            os.environ["MC_STORE_MEMCPY"] = memcpy  # a process of kvbridge's own (tests, benches)
         self._store = MooncakeDistributedStore()
         rc = self._store.setup({"local_hostname": config.local_hostname, "metadata_server": config.metadata_url,
                                 "global_segment_size": config.segment_bytes,
@@ -131,10 +133,19 @@ class StoreClient:
             self._put_config.preferred_segment = self._store.get_hostname()
         self._registered: list[tuple[int, int]] = []
         self.closed = False
-        self.unreachable = 0
-        """Calls the master did not answer. The client itself is kept: Mooncake's clients find a
-        restarted master by themselves, and building a new one (`setup`) holds Python's GIL for as
-        long as a stopped master does not answer, which would stop every thread of an engine."""
+        self._per_thread = threading.local()
+
+    @property
+    def unreachable(self) -> int:
+        """Calls the master did not answer, made by the calling thread: a rank's load and store
+        threads share the client, and one's failed call must not fail the other's good one. The
+        client itself is kept: Mooncake's clients find a restarted master by themselves, and
+        building a new one (`setup`) holds Python's GIL for as long as a stopped master does not
+        answer, which would stop every thread of an engine."""
+        return getattr(self._per_thread, "unreachable", 0)
+
+    def _count_unreachable(self, n: int = 1) -> None:
+        self._per_thread.unreachable = self.unreachable + n
 
     def register(self, address: int, nbytes: int) -> None:
         """Make `[address, address + nbytes)` usable as put source and get destination (until
@@ -186,7 +197,7 @@ class StoreClient:
             except RuntimeError:  # the binding raises when the master cannot be reached at all
                 codes = [RPC_FAIL] * len(ks)
             codes = [int(c) for c in codes]
-            self.unreachable += any(c in RPC_CODES for c in codes)
+            self._count_unreachable(any(c in RPC_CODES for c in codes))
             out += codes
             start = stop
         return out
@@ -200,19 +211,22 @@ class StoreClient:
             except RuntimeError:
                 codes = [RPC_FAIL] * len(keys[i:i + MAX_BATCH])
             answer = [True if c == 1 else False if c == 0 else None for c in codes]
-            self.unreachable += None in answer
+            self._count_unreachable(None in answer)
             out += answer
         return out
 
     def sizes(self, keys: Sequence[str]) -> list[int | None]:
-        """Per key its object's size in bytes, or None when it is missing or the store did not answer."""
+        """Per key its object's size in bytes, or None when it is missing or the store did not
+        answer: one call per `MAX_BATCH` keys (a dead writer's chunk is thousands of them)."""
         out: list[int | None] = []
-        for k in keys:
+        for i in range(0, len(keys), MAX_BATCH):
+            batch = list(keys[i:i + MAX_BATCH])
             try:
-                n = int(self._store.get_size(k))
+                found = self._store.batch_get_replica_desc(batch)
             except RuntimeError:
-                n = -1
-            out.append(n if n >= 0 else None)
+                self._count_unreachable()
+                found = {}
+            out += [_replica_size(found.get(k)) for k in batch]
         return out
 
     def note_unreadable(self, keys: Sequence[str]) -> None:
@@ -240,7 +254,7 @@ class StoreClient:
         try:
             return [int(c) for c in self._store.batch_remove(list(keys), True)] if keys else []
         except RuntimeError:
-            self.unreachable += 1
+            self._count_unreachable()
             return [RPC_FAIL] * len(keys)
 
     def healthy(self) -> bool:
@@ -250,6 +264,24 @@ class StoreClient:
         if not self.closed:
             self.closed = True
             self._store.close()
+
+
+def prepare_process(config: StoreConfig) -> None:
+    """Set what Mooncake reads from the environment when a client is set up (`MC_STORE_MEMCPY`),
+    from the engine's own thread at the connector's start: glibc's `setenv` is not thread-safe,
+    and clients are built later on pool threads beside the engine's."""
+    os.environ["MC_STORE_MEMCPY"] = "1" if config.local_memcpy else "0"
+
+
+def _replica_size(replicas) -> int | None:
+    """An object's size from its replica descriptors (`batch_get_replica_desc`), None if none."""
+    for r in replicas or ():
+        try:
+            if r.is_memory_replica():
+                return int(r.get_memory_descriptor().buffer_descriptor.size)
+        except (AttributeError, RuntimeError, TypeError, ValueError):
+            continue
+    return None
 
 
 def reachable(address: str, timeout: float = 1.0) -> bool:
@@ -276,5 +308,5 @@ def close_all(clients: Sequence[StoreClient]) -> None:
         t.join()
 
 
-__all__ = ["MAX_BATCH", "P2P_METADATA", "close_all", "Pieces", "PoolUnavailable", "StoreClient", "StoreConfig",
+__all__ = ["MAX_BATCH", "P2P_METADATA", "close_all", "prepare_process", "Pieces", "PoolUnavailable", "StoreClient", "StoreConfig",
            "reachable"]

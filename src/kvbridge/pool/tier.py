@@ -105,6 +105,10 @@ def _always() -> AbstractContextManager[bool]:
     return nullcontext(True)
 
 
+def _yes() -> bool:
+    return True
+
+
 StagingLayout = Callable[[int, int], EngineLayout]
 """(block tokens, slots) -> the layout objects are cut from; every engine of a pool must use the same."""
 
@@ -256,14 +260,18 @@ class PoolTier:
 
     # -- store ---------------------------------------------------------------------------------------------
     def store(self, gpu: GPULoadStoreSpec, keys: Sequence[OffloadKey], device_access: DeviceAccess = _always,
-              skip_present: bool = False, tenant: bytes = b"") -> TierResult:
+              skip_present: bool = False, tenant: bytes = b"", still_allowed: Callable[[], bool] = _yes
+              ) -> TierResult:
         """Put the objects this rank writes of every block of the job; `done[i]`: all of key i's are in.
 
         `device_access` gates each read of the device (see `pool.background`); `skip_present`
         first asks the store which of this rank's objects exist and puts only the others (an
         object is never overwritten: a bad one is removed by the load that finds it, and one this
         rank's client could not read where the store lists it is removed and put again here).
-        `tenant` (vLLM's cache_salt) picks the key its objects are encrypted under."""
+        `tenant` (vLLM's cache_salt) picks the key its objects are encrypted under.
+        `still_allowed`, asked after each device read, says whether the caller kept waiting during
+        it (`Call.still_allowed`): one abandoned meanwhile may have read blocks being rewritten, so
+        nothing of that read is put."""
         t0 = time.perf_counter()
         tkey = tenant_key(self.config.secret, tenant)
         result = TierResult([])
@@ -292,6 +300,8 @@ class PoolTier:
                     r.zero_()
             with device_access() as allowed:
                 copied = allowed and self._run_worker((chunk, CPULoadStoreSpec(range(len(chunk_keys)))))
+            allowed = allowed and still_allowed()
+            copied = copied and allowed
             if not copied:
                 self.client.note_unreadable(list(stale))  # for the next store of them
                 result.done += [False] * len(chunk_keys)

@@ -27,9 +27,28 @@ import socket
 import time
 
 IDLE_WAIT_MIN_S = 0.002
-IDLE_WAIT_MAX_S = float(os.environ.get("KVBRIDGE_VLLM_IDLE_WAIT_S", "0.025"))
-"""The longest an idle step waits without a poke: a new request that arrives meanwhile (vLLM's
-input queue is not the connector's to watch) is scheduled at most this much later."""
+IDLE_WAIT_MAX_S = 0.025
+"""The longest an idle step waits without a poke (`KVBRIDGE_VLLM_IDLE_WAIT_S` sets another): a new
+request that arrives meanwhile (vLLM's input queue is not the connector's to watch) is scheduled
+at most this much later."""
+ENV = "KVBRIDGE_VLLM_IDLE_WAIT_S"
+
+
+def idle_wait_max_s() -> float:
+    """`IDLE_WAIT_MAX_S`, or the environment's value, read when a connector starts (never at
+    import: a bad value must be one line naming it, not a connector module that fails to load)."""
+    from kvbridge.errors import ConfigError
+
+    text = os.environ.get(ENV)
+    if text is None:
+        return IDLE_WAIT_MAX_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not IDLE_WAIT_MIN_S <= value <= 1.0:
+        raise ConfigError(f"{ENV} must be seconds in [{IDLE_WAIT_MIN_S}, 1], got {text[:40]!r}")
+    return value
 _MAX_DRAIN = 1024
 
 
@@ -43,6 +62,7 @@ class IdleWait:
 
     def __init__(self, engine_id: str):
         self._sock: socket.socket | None = None
+        self.max_s = idle_wait_max_s()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) if hasattr(socket, "AF_UNIX") else None
         if sock is None:
             return
@@ -58,8 +78,10 @@ class IdleWait:
     def wakeable(self) -> bool:
         return self._sock is not None
 
-    def wait(self, min_s: float = IDLE_WAIT_MIN_S, max_s: float = IDLE_WAIT_MAX_S) -> bool:
-        """Pause at least `min_s` and at most `max_s`; True when a poke ended the pause early."""
+    def wait(self, min_s: float = IDLE_WAIT_MIN_S, max_s: float | None = None) -> bool:
+        """Pause at least `min_s` and at most `max_s` (default `self.max_s`); True when a poke
+        ended the pause early."""
+        max_s = self.max_s if max_s is None else max_s
         time.sleep(min_s)
         if self._sock is None:
             return False
@@ -114,4 +136,4 @@ class IdleWaker:
             self._sock = None
 
 
-__all__ = ["IDLE_WAIT_MAX_S", "IDLE_WAIT_MIN_S", "IdleWait", "IdleWaker", "wake_address"]
+__all__ = ["IDLE_WAIT_MAX_S", "IDLE_WAIT_MIN_S", "idle_wait_max_s", "IdleWait", "IdleWaker", "wake_address"]

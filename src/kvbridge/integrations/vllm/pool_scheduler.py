@@ -33,7 +33,7 @@ from kvbridge.offload.lookup import group_windows, request_hits
 from kvbridge.offload.scheduling import NULL, load_job, storable_keys, store_job, whole_blocks
 from kvbridge.pool.background import Call, PoolThread, Prober
 from kvbridge.pool.breaker import Breaker
-from kvbridge.pool.store import PoolUnavailable, StoreClient
+from kvbridge.pool.store import PoolUnavailable, StoreClient, prepare_process
 from kvbridge.pool.tier import PoolIndex
 
 if TYPE_CHECKING:
@@ -66,6 +66,7 @@ class PoolScheduler:
             raise IncompatibleEngines(f"KVBridgePoolConnector needs every KV-cache group in blocks of {conn.block_size} "
                                       f"tokens; vLLM's {len(sizes)} groups use {sorted(set(sizes))}")
         self.lookup_timeout = s.lookup_timeout_ms / 1000
+        prepare_process(s.store_config(lend=False))  # on the engine's thread, before any pool thread
         self._client: StoreClient | None = None  # thread-only
         self._index: PoolIndex | None = None  # thread-only
         self._thread = PoolThread("kvbridge-pool-scheduler", max_queue=4096)
@@ -192,7 +193,23 @@ class PoolScheduler:
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Called for every request vLLM schedules from its waiting queue (new or resumed, in a
-        MultiConnector too): its blocks past the local prefix-cache hit are written from now on."""
+        MultiConnector too): its blocks past the local prefix-cache hit are written from now on.
+        Never raises: a load it cannot plan is one the worker fails (vLLM then recomputes)."""
+        try:
+            self._after_alloc(request, blocks, num_external_tokens)
+        except Exception as e:  # noqa: BLE001 - a cache's error must never reach the scheduler
+            logger.warning("KVBridgePoolConnector: %s not noted, its stores are off: %s", request.request_id,
+                           one_line(e))
+            self._stop_running_stores(e)
+            if num_external_tokens and request.request_id not in {j.request_id for j in self._meta.loads}:
+                # vLLM counts these tokens as coming: the worker fails every block of the request.
+                try:
+                    ids = [int(b) for group in blocks.get_block_ids() for b in group if int(b) != 0]
+                except Exception:  # noqa: BLE001 - nothing left to tell vLLM which blocks to recompute
+                    ids = []
+                self._meta.loads.append(PoolJob(request.request_id, [], ids, (), ()))
+
+    def _after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._live[request.request_id] = request
         fresh = self._local_hit.pop(request.request_id, 0) // self.conn.block_size  # not asked: all of them
         try:
@@ -326,7 +343,15 @@ class PoolScheduler:
     def scheduled(self, output: SchedulerOutput) -> None:
         """Note each scheduled request's blocks and how far its KV will be computed once this step
         has run; queue the stores of pool blocks earlier steps filled; tell the workers which
-        blocks this step hands out (`PoolMetadata.allocated`)."""
+        blocks this step hands out (`PoolMetadata.allocated`). Never raises: on an error, stores
+        while requests run are off and the workers drop those in flight (`drop_running`)."""
+        try:
+            self._scheduled(output)
+        except Exception as e:  # noqa: BLE001 - a cache's error must never reach the scheduler
+            self._stop_running_stores(e)
+            self._meta.drop_running = True
+
+    def _scheduled(self, output: SchedulerOutput) -> None:
         cached = output.scheduled_cached_reqs
         try:
             for r in output.scheduled_new_reqs:

@@ -36,7 +36,7 @@ from kvbridge.integrations.vllm.pool_metrics import StatsTally
 from kvbridge.integrations.vllm.registration import check_cpu_mla_layout, spec_and_layout
 from kvbridge.pool.background import Call, PoolThread, Prober
 from kvbridge.pool.breaker import Breaker
-from kvbridge.pool.store import PoolUnavailable, StoreClient
+from kvbridge.pool.store import PoolUnavailable, StoreClient, prepare_process
 from kvbridge.pool.tier import PoolTier, TierResult
 from kvbridge.transport.cache import RankCache
 
@@ -77,6 +77,7 @@ class PoolWorker:
         self._tiers: dict[str, PoolTier] = {}  # "load" and "store", each used by its own thread only
         self._client: StoreClient | None = None  # one per rank, shared by both threads
         self._client_lock = threading.Lock()
+        prepare_process(s.store_config(lend=s.segment_mib > 0))  # on the engine's thread, before any pool thread
         self._load_thread = PoolThread(f"kvbridge-pool-load{rank}", max_queue=1024)
         self._store_thread = PoolThread(f"kvbridge-pool-store{rank}", max_queue=1024)
         self.tally = StatsTally()
@@ -148,7 +149,8 @@ class PoolWorker:
         tier = self._ensure_tier(kind)
         before, counts = tier.client.unreachable, dict(tier.stats)
         if kind == "store":
-            res = tier.store(job.gpu(), job.keys, call.device_access, skip_present=True, tenant=job.tenant)
+            res = tier.store(job.gpu(), job.keys, call.device_access, skip_present=True, tenant=job.tenant,
+                             still_allowed=call.still_allowed)
         else:
             res = tier.load(job.keys, job.gpu(), call.device_access, tenant=job.tenant)
         self.tally.add(**{k: tier.stats[k] - counts[k] for k in TIER_COUNTS}, **{f"{kind}_seconds": res.seconds})
@@ -185,7 +187,7 @@ class PoolWorker:
                 if not blocks or (blocks.isdisjoint(written) and not drop_all):
                     keep.append((call, blocks))
                 else:
-                    call.abandon()  # waits for a copy in progress; from here on it leaves the blocks alone
+                    call.abandon(wait=False)  # a copy in progress is dropped (`still_allowed`), never waited for
                     self.tally.add(stores_dropped=1)
             self._set_stores(rid, keep)
 
@@ -283,7 +285,7 @@ class PoolWorker:
                 self.breaker.success()
                 self.tally.add(stores=1)
         elif call.age() > self.store_timeout:
-            call.abandon()  # it reads no device block from here on: they may go
+            call.abandon(wait=False)  # nothing it reads from here on is put: the blocks may go
             self.tally.add(timeouts=1, stores_dropped=1)
             self.breaker.failure(f"a store took over {self.conn.settings.store_timeout_ms} ms")
         else:
