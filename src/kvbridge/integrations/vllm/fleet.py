@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.integrations.vllm.fleet_config import FleetConfig, FleetError, InstanceShape, check_shapes
+from kvbridge.integrations.vllm.fleet_config import (FleetConfig, FleetError, InstanceShape, check_environment,
+                                                     check_shapes)
 from kvbridge.integrations.vllm.fleet_file import place_here
 from kvbridge.integrations.vllm.fleet_processes import (Member, _group_alive, _pids_in_groups, find_tool, healthy,
                                                         kill_seen, port_free, retire_session, SegmentLedger,
@@ -44,6 +45,7 @@ class Fleet:
 
     def __init__(self, config: FleetConfig):
         self.config = config
+        check_environment({**os.environ, **config.extra_env})  # what every member inherits
         self.python = vllm_python(config.vllm_python)
         config.vllm_python = self.python
         # A fleet across hosts (fleet_file.py): this launcher runs the members the file puts on

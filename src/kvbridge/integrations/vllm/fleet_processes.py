@@ -29,8 +29,12 @@ REPO = Path(__file__).resolve().parents[4]
 
 
 def vllm_python(python: str | os.PathLike | None = None) -> str:
-    """The interpreter that runs vLLM: `python`, $KVBRIDGE_VLLM_PYTHON, .venv-vllm, or this one."""
-    for cand in (python, os.environ.get("KVBRIDGE_VLLM_PYTHON"), REPO / ".venv-vllm" / "bin" / "python"):
+    """The interpreter that runs vLLM: `python`, $KVBRIDGE_VLLM_PYTHON, .venv-vllm, or this one; a
+    KVBRIDGE_VLLM_PYTHON that names no file is refused in one line (not passed over for another)."""
+    named = os.environ.get("KVBRIDGE_VLLM_PYTHON")
+    if not python and named and not Path(named).is_file():
+        raise ConfigError(f"KVBRIDGE_VLLM_PYTHON {named[:200]!r}: no such file (the vLLM environment's python)")
+    for cand in (python, named, REPO / ".venv-vllm" / "bin" / "python"):
         if cand and Path(cand).is_file():
             return str(cand)
     if importlib.util.find_spec("vllm") is not None:

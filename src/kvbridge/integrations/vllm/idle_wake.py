@@ -25,6 +25,7 @@ import os
 import select
 import socket
 import time
+from collections.abc import Mapping
 
 IDLE_WAIT_MIN_S = 0.002
 IDLE_WAIT_MAX_S = 0.025
@@ -34,12 +35,13 @@ at most this much later."""
 ENV = "KVBRIDGE_VLLM_IDLE_WAIT_S"
 
 
-def idle_wait_max_s() -> float:
+def idle_wait_max_s(environ: Mapping[str, str] | None = None) -> float:
     """`IDLE_WAIT_MAX_S`, or the environment's value, read when a connector starts (never at
-    import: a bad value must be one line naming it, not a connector module that fails to load)."""
+    import: a bad value must be one line naming it, not a connector module that fails to load);
+    `environ`: another environment's (a fleet's launcher checks its members' before they start)."""
     from kvbridge.errors import ConfigError
 
-    text = os.environ.get(ENV)
+    text = (os.environ if environ is None else environ).get(ENV)
     if text is None:
         return IDLE_WAIT_MAX_S
     try:
