@@ -23,9 +23,9 @@ START_S = 900.0
 @contextmanager
 def pool_fleet(vllm_env, work: Path, model: Path, shapes: Sequence[tuple[str, InstanceShape]], secret: bytes,
                dtype: str = "float32", extra_args: Sequence[str] = (), block_tokens: int = 64,
-               max_model_len: int = 1024) -> Iterator[tuple]:
+               max_model_len: int = 1024, member_args: dict[str, Sequence[str]] | None = None) -> Iterator[tuple]:
     """(master, member per shape in order), started; everything stopped on exit. `extra_args`
-    go to every `vllm serve`."""
+    go to every `vllm serve`, `member_args[name]` to that member's only."""
     (work / "pool.key").write_bytes(secret)
     (work / "pool.key").chmod(0o600)
     vllm = str(vllm_env.python.parent / "vllm")
@@ -40,8 +40,8 @@ def pool_fleet(vllm_env, work: Path, model: Path, shapes: Sequence[tuple[str, In
     ports = free_ports(len(shapes), set(master.ports))
     members = [vllm_serve_member(config, vllm, name, shape, ports + i, work, kv=kv)
                for i, (name, shape) in enumerate(shapes)]
-    for m in members:
-        m.argv += list(extra_args)
+    for (name, _), m in zip(shapes, members):
+        m.argv += list(extra_args) + list((member_args or {}).get(name, ()))
     try:
         with running(members, work, START_S):
             yield (master, *members)
