@@ -14,6 +14,7 @@ import torch
 from kvbridge import EngineLayout, LocalExecutor, RankCache, Request, plan_request
 from kvbridge.models.presets import PRESETS
 from kvbridge.models import spec_from_hf_config
+from kvbridge.proofs.verify import clone_caches, expected_destination, fill_source, mismatch_report, random_bytes
 
 SPEC = spec_from_hf_config(PRESETS["llama-3-8b"])
 TOKENS = 1024
@@ -59,8 +60,15 @@ def test_bench_plan_llama_4096_tp1_to_tp2(benchmark, templates, tokens):
 def test_bench_execute_vs_contiguous(benchmark, setup):
     src, dst, req = setup
     plan = plan_request(SPEC, src, dst, req)
-    ex = LocalExecutor(RankCache.allocate_engine(SPEC, src), RankCache.allocate_engine(SPEC, dst))
+    sources, dests = RankCache.allocate_engine(SPEC, src), RankCache.allocate_engine(SPEC, dst)
+    fill_source(sources, req.src_block_ids, req.num_tokens)
+    random_bytes(dests, 3)
+    want = clone_caches(dests)
+    expected_destination(want, req, src)
+    ex = LocalExecutor(sources, dests)
     benchmark(ex.execute, plan)
+    # What was timed moved the request's bytes exactly (a benchmark of a broken copy measures nothing).
+    assert not mismatch_report(dests, want)
 
 
 def test_bench_contiguous_copy_same_bytes(benchmark):

@@ -27,7 +27,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lease_seconds: float = 300.0
     transfer_timeout: float = 300.0
     handshake_timeout: float = 120.0
-    heartbeat_seconds: float = 10.0  # ZMQ heartbeats of the side channel; a peer silent 3x this long is lost
+    heartbeat_seconds: float = 10.0  # the side channel's TCP keepalive interval: a peer host silent 4x this long is lost
     stats_path: str = ""  # append one JSON line per transfer event (demos and benchmarks)
     # The side channel's shared secret (docs/security.md): a file (mode 0600) or the text itself,
     # the same on both engines; `insecure: true` runs it unauthenticated. One of them is required.
