@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.integrations.vllm.fleet import Fleet, FleetConfig, InstanceShape
+from kvbridge.transport.parent_death import parent_death_command
 
 WARMUP_SEED = 7  # other prompts (and prefixes) than the measured rounds' seeds 100, 101, ...
 DATASETS = {
@@ -167,7 +168,8 @@ def _bench_once(fleet: Fleet, model: Path, dataset: str, prompts: int, concurren
     host = _HostCpu(sessions)
     host.start()
     t0 = time.monotonic()
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    # the load generator dies with the benchmark (its fleets have their watchdogs: fleet.py)
+    res = subprocess.run(parent_death_command(cmd), capture_output=True, text=True, timeout=3600)
     window = (t0, time.monotonic())
     load = host.stop()
     steps: list[float] = []

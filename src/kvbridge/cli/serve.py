@@ -74,9 +74,10 @@ def _remove_if_empty(path: Path | None) -> None:
 @app.command("serve")
 @friendly_errors
 def serve(
-    model: Path = typer.Argument(..., help="A model directory vLLM can serve (config.json, weights, tokenizer), or "
-                                 f"a built-in tiny model to try a fleet with ({', '.join(TINY_SERVABLE)}: random "
-                                 "weights, made once in ~/.cache/kvbridge/serve-models; it answers garbage)."),
+    model: Optional[Path] = typer.Argument(None, help="A model directory vLLM can serve (config.json, weights, "
+                                           "tokenizer), or a built-in tiny model to try a fleet with "
+                                           f"({', '.join(TINY_SERVABLE)}: random weights, made once in "
+                                           "~/.cache/kvbridge/serve-models; it answers garbage)."),
     prefill: list[str] = typer.Option([], "--prefill", help="One prefill instance: key=value pairs of tp (1..256), "
                                       "pp (1..16), block (1..4096; vLLM CPU: multiples of 32), transport "
                                       f"(shm|nixl|mooncake), mode (pull|push); repeat per instance; {_EXAMPLE}."),
@@ -119,6 +120,10 @@ def serve(
     secret_file: Optional[Path] = typer.Option(None, help="The side channel's secret: a 0600 file of 16+ bytes "
                                                "this user owns, the same on every host of a fleet (needed with "
                                                "--fleet) [default: a new secret per run]."),
+    stop_dir: Optional[Path] = typer.Option(None, "--stop", help="Stop the fleet whose --log-dir this is, and "
+                                            "start nothing: through its launcher while that runs (SIGTERM), else "
+                                            "(its launcher and watchdog gone) every process, segment and secret "
+                                            "file it left. Takes no MODEL."),
 ) -> None:
     """Start P/D instances (`vllm serve` with KVBridgeConnector) and vLLM's router in front of them.
 
@@ -133,7 +138,21 @@ def serve(
 
     Across hosts: the same `--fleet FILE` and `--secret-file` on every host, and `--on HOST`;
     each host's command starts and supervises (and stops) only the members the file puts on it.
+
+    A fleet dies with its launcher: if `kvbridge serve` is killed (SIGKILL, an OOM kill), its
+    watchdog stops every member within seconds and releases its ports, segments and secret file.
+    `kvbridge serve --stop LOG_DIR` stops a fleet from another shell.
     """
+    if stop_dir is not None:
+        if model is not None:
+            raise ConfigError("--stop DIR stops a running fleet and starts none: give no MODEL with it")
+        from kvbridge.integrations.vllm.fleet_record import stop_dir as stop_recorded
+        for line in stop_recorded(stop_dir):
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
+        return
+    if model is None:
+        raise ConfigError("missing MODEL: a model directory vLLM can serve, or a built-in tiny model "
+                          f"({', '.join(TINY_SERVABLE)}); or --stop DIR to stop a running fleet")
     from kvbridge.integrations.vllm.fleet import Fleet, FleetConfig, FleetError, InstanceShape
     from kvbridge.integrations.vllm.fleet_config import check_model
     from kvbridge.integrations.vllm.fleet_supervisor import Supervisor

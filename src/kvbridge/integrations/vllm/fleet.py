@@ -10,6 +10,15 @@ failed), checks every shape against vLLM's and kvbridge's rules before anything 
 the processes each in its own session with its log in a file, waits for health, and stops them
 all, leaving no process, port or shared-memory segment behind.
 
+A fleet lives and dies with its launcher (issue 43 point 2): `start` writes what it starts in a
+record beside the logs (`fleet_record.py`) and starts a watchdog (`transport/launcher_watch.py`)
+holding copies of the port locks; a launcher that dies without `stop` (SIGKILL, an OOM kill)
+leaves the watchdog to stop every member's session, remove the segments and the secret file, and
+release the ports, within seconds. Why a watchdog and not a parent-death signal per member: that
+signal follows the thread that forked the member, reaches only the member's leading process (not
+vLLM's EngineCore, workers or kvbridge's sidecar), cannot wake a member SIGSTOPped by the
+benchmark, and removes no file and releases no port.
+
 Every instance is `kv_both` (it can serve either role; the router assigns them), runs vLLM with
 prefix caching on (vLLM's serving default) and takes its shape from an `InstanceShape`.
 
@@ -25,6 +34,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,8 +45,10 @@ from kvbridge.integrations.vllm.fleet_config import (FleetConfig, FleetError, In
                                                      check_shapes)
 from kvbridge.integrations.vllm.fleet_file import place_here
 from kvbridge.integrations.vllm.fleet_processes import (Member, _group_alive, _pids_in_groups, find_tool, healthy,
-                                                        kill_seen, port_free, retire_session, SegmentLedger,
-                                                        stop_session, vllm_python, vllm_serve_member)
+                                                        kill_seen, port_free, process_start, retire_session,
+                                                        SegmentLedger, stop_session, vllm_python, vllm_serve_member)
+from kvbridge.integrations.vllm.fleet_record import MARK, FleetRecord, Leader
+from kvbridge.transport.launcher_watch import LauncherWatch
 from kvbridge.transport.ports import PortReservations
 
 
@@ -64,6 +76,14 @@ class Fleet:
         if config.stats_path:
             config.stats_path = str(Path(config.stats_path).resolve())
         self.tag = os.urandom(4).hex()
+        # In every member's environment (KVBRIDGE_FLEET): what a reaper knows the fleet's processes
+        # by, the children of its members included, when its launcher is gone (fleet_record.py).
+        self.mark = os.urandom(16).hex()
+        self.record_path = self.log_dir / f"fleet-{self.tag}.json"
+        self.watch: LauncherWatch | None = None  # started by `start`, told `done` by `stop`
+        self._handed: set[int] = set()  # ports whose locks the watchdog holds copies of
+        self._starts: dict[int, int] = {}  # session leader -> its process start (`process_start`)
+        self._written: object = None  # the ledger as last recorded
         # Written by `start`, removed by `stop`; named by the fleet's tag, so two fleets sharing a
         # log directory never remove each other's. A given one (--secret-file: every host of a
         # fleet across hosts shares it) is only read.
@@ -204,20 +224,52 @@ class Fleet:
     def start_member(self, m: Member) -> None:
         with open(m.log_path, "ab") as log:
             m.proc = subprocess.Popen(m.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                      env=m.env, start_new_session=True, cwd=str(self.log_dir))
-        self.sessions[m.proc.pid] = m.name
+                                      env={**m.env, MARK: self.mark}, start_new_session=True, cwd=str(self.log_dir))
+        self._led(m.proc, m.name)
+
+    def _led(self, proc: subprocess.Popen, name: str) -> None:
+        """Note a session a member leads, in memory and in the record."""
+        self.sessions[proc.pid] = name
+        start = process_start(proc.pid)  # unreaped: the pid is still this process's
+        if start is not None:
+            self._starts[proc.pid] = start
+        self._record()
+
+    def _record(self) -> None:
+        """Write the record a reaper reads (`fleet_record.py`), once `start` has begun."""
+        if self.watch is None:
+            return
+        ledger = self.ledger.to_json()
+        FleetRecord(tag=self.tag, mark=self.mark, launcher_pid=os.getpid(), launcher_start=process_start(os.getpid()),
+                    secret_file=str(self.secret_file) if self._own_secret else "",
+                    leaders=[Leader(pid, self._starts[pid], name) for pid, name in self.sessions.items()
+                             if pid in self._starts],
+                    segments=ledger["segments"], procs=ledger["procs"]).write(self.record_path)
+        self._written = ledger
+
+    def _hand_ports(self) -> None:
+        """Give the watchdog copies of the port locks it does not hold yet."""
+        fresh = {p: fd for p, fd in self.port_locks.descriptors().items() if p not in self._handed}
+        if self.watch is not None and fresh:
+            self.watch.hold(fresh.values())
+            self._handed |= set(fresh)
 
     def start(self) -> None:
-        """Start every instance (together: their imports overlap), then the router."""
+        """Start every instance (together: their imports overlap), then the router; first the
+        record and the watchdog that stops them all if this process dies without `stop`."""
         from kvbridge.core.secrets import write_secret_file
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self._own_secret:
             if self.secret_file.exists():
                 self.secret_file.unlink()
             write_secret_file(self.secret_file)
+        self.watch = LauncherWatch([sys.executable, "-m", "kvbridge.integrations.vllm.fleet_record", "reap",
+                                    str(self.record_path)], self.log_dir / "watchdog.log", cwd=self.log_dir)
+        self._record()
+        self._hand_ports()
         if self.master is not None:
             self.master.launch()
-            self.sessions[self.master.proc.pid] = "master"
+            self._led(self.master.proc, "master")
         for m in self.everyone():
             self.start_member(m)
 
@@ -282,6 +334,7 @@ class Fleet:
         """Start one more instance (`role` prefill or decode); `restart_router` then routes to it."""
         count = sum(m.role == role for m in self.members)
         m = self._new_instance(f"{role}-{count}", role, shape)
+        self._hand_ports()
         self.members.append(m)
         self.start_member(m)
         return m
@@ -330,7 +383,7 @@ class Fleet:
         ports (its objects are gone; the instances' clients re-register by themselves)."""
         if name == "master" and self.master is not None:
             proc = self.master.spawn()
-            self.sessions[proc.pid] = "master"
+            self._led(proc, "master")
             return proc
         if name == "router":
             self.restart_router()
@@ -342,6 +395,8 @@ class Fleet:
         multiprocessing blocks and semaphores, kvbridge's caches): killed workers leave theirs in
         /dev/shm, and `stop` removes them. Called while waiting for health and by the CLI's watch."""
         self.ledger.track(*(m.proc.pid for m in self.everyone() if m.proc is not None))
+        if self.watch is not None and self.ledger.to_json() != self._written:
+            self._record()
 
     @property
     def segments(self) -> set[str]:
@@ -374,11 +429,17 @@ class Fleet:
                 self.secret_file.unlink()
             except OSError:
                 pass
+        if self.watch is not None:  # last: a launcher killed while stopping leaves the rest to it
+            with contextlib.suppress(OSError):
+                self.record_path.unlink()
+            self.watch.done()
+            self.watch = None
         self.port_locks.release()
 
     def summary(self) -> dict[str, Any]:
         """What `kvbridge serve --json` prints once the fleet is healthy."""
         return {"endpoint": self.endpoint, "model": "model", "log_dir": str(self.log_dir),
+                "watchdog": {"pid": self.watch.proc.pid if self.watch else None, "record": str(self.record_path)},
                 "ports": sorted(self.port_locks.ports),  # every port the fleet binds, held until it stops
                 "instances": [{"name": m.name, "url": m.url, "shape": m.shape.describe() if m.shape else None,
                                "engine_id": m.engine_id, "pid": m.proc.pid if m.proc else None,
