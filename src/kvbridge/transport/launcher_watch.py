@@ -24,8 +24,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 _DONE = b"done"
 _HOLD = b"hold"
@@ -95,7 +95,8 @@ def main(args: list[str]) -> int:
         return 0
     for fd in held:
         os.set_inheritable(fd, True)
-    print(f"launcher_watch: the launcher ended without cleaning up; running {Path(args[2]).name}", flush=True)
+    print(f"{time.strftime('%H:%M:%S')} launcher_watch: the launcher ended without cleaning up; running "
+          f"{' '.join(args[2:])}", flush=True)
     try:
         os.execvp(args[2], args[2:])
     except OSError as e:

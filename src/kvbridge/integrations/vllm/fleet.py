@@ -240,11 +240,16 @@ class Fleet:
         if self.watch is None:
             return
         ledger = self.ledger.to_json()
-        FleetRecord(tag=self.tag, mark=self.mark, launcher_pid=os.getpid(), launcher_start=process_start(os.getpid()),
-                    secret_file=str(self.secret_file) if self._own_secret else "",
-                    leaders=[Leader(pid, self._starts[pid], name) for pid, name in self.sessions.items()
-                             if pid in self._starts],
-                    segments=ledger["segments"], procs=ledger["procs"]).write(self.record_path)
+        record = FleetRecord(tag=self.tag, mark=self.mark, launcher_pid=os.getpid(),
+                             launcher_start=process_start(os.getpid()) or 0,
+                             secret_file=str(self.secret_file) if self._own_secret else "",
+                             leaders=[Leader(pid, self._starts[pid], name) for pid, name in self.sessions.items()
+                                      if pid in self._starts],
+                             segments=ledger["segments"], procs=ledger["procs"])
+        try:
+            record.write(self.record_path)
+        except OSError:  # the log directory went: the reaper still finds the members by their mark (its argument)
+            return
         self._written = ledger
 
     def _hand_ports(self) -> None:
@@ -259,14 +264,14 @@ class Fleet:
         record and the watchdog that stops them all if this process dies without `stop`."""
         from kvbridge.core.secrets import write_secret_file
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.watch = LauncherWatch([sys.executable, "-m", "kvbridge.integrations.vllm.fleet_record", "reap",
+                                    str(self.record_path), self.mark], self.log_dir / "watchdog.log", cwd=self.log_dir)
+        self._record()  # before the secret file: a launcher dying from here on leaves nothing behind
+        self._hand_ports()
         if self._own_secret:
             if self.secret_file.exists():
                 self.secret_file.unlink()
             write_secret_file(self.secret_file)
-        self.watch = LauncherWatch([sys.executable, "-m", "kvbridge.integrations.vllm.fleet_record", "reap",
-                                    str(self.record_path)], self.log_dir / "watchdog.log", cwd=self.log_dir)
-        self._record()
-        self._hand_ports()
         if self.master is not None:
             self.master.launch()
             self._led(self.master.proc, "master")

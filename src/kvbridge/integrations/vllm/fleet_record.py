@@ -1,7 +1,7 @@
 """What a running fleet started, on disk beside its logs, so that something other than its launcher
 can stop it (issue 43 point 2): the launcher's watchdog once the launcher died without stopping
 it (`transport/launcher_watch.py` execs `python -m kvbridge.integrations.vllm.fleet_record reap
-FILE`), and `kvbridge serve --stop DIR` (`stop_dir`), for a fleet whose launcher runs or whose
+FILE MARK`), and `kvbridge serve --stop DIR` (`stop_dir`), for a fleet whose launcher runs or whose
 launcher and watchdog are both gone.
 
 The record, `LOG_DIR/fleet-TAG.json` (0600, replaced by a rename at each change), names the
@@ -29,6 +29,7 @@ import signal
 import stat
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -133,8 +134,9 @@ def _alive(procs: dict[int, int]) -> dict[int, int]:
             and info[0] not in "ZX"}
 
 
-def reap(record: FleetRecord, path: Path) -> tuple[int, int]:
-    """Stop everything `record` names and remove what it left; (processes ended, segments removed)."""
+def reap(record: FleetRecord, path: Path, note: Callable[[str], None] = lambda line: None) -> tuple[int, int]:
+    """Stop everything `record` names and remove what it left; (processes ended, segments removed).
+    `note` gets a line per pass (the watchdog's log)."""
     ledger = SegmentLedger.from_json({"segments": record.segments, "procs": record.procs})
     procs, ended = fleet_processes(record), set()
     for _ in range(3):  # a process forked meanwhile (a worker starting) is found in the next pass
@@ -147,8 +149,10 @@ def reap(record: FleetRecord, path: Path) -> tuple[int, int]:
         end = time.monotonic() + GRACE_S
         while _alive(procs) and time.monotonic() < end:
             time.sleep(0.05)
-        for pid, start in _alive(procs).items():
+        stubborn = _alive(procs)
+        for pid, start in stubborn.items():
             signal_process(pid, start, signal.SIGKILL)
+        note(f"{len(procs)} processes sent SIGTERM, {len(stubborn)} of them SIGKILL after {GRACE_S:.0f} s")
         end = time.monotonic() + 10.0
         while _alive(procs) and time.monotonic() < end:
             time.sleep(0.05)
@@ -203,20 +207,23 @@ def stop_dir(directory: Path) -> list[str]:
 
 
 def main(args: list[str]) -> int:
-    """`reap FILE`: what the watchdog runs once the launcher died."""
-    if len(args) != 2 or args[0] != "reap":
-        print("usage: python -m kvbridge.integrations.vllm.fleet_record reap FILE", file=sys.stderr)
+    """`reap FILE MARK`: what the watchdog runs once the launcher died. Without the record (its
+    log directory removed meanwhile), the processes that carry MARK are still found and stopped."""
+    if len(args) not in (2, 3) or args[0] != "reap":  # MARK optional: a watchdog of an older kvbridge
+        print("usage: python -m kvbridge.integrations.vllm.fleet_record reap FILE MARK", file=sys.stderr)
         return 2
     path = Path(args[1])
-    if not path.exists():  # stopped already
+    if not path.exists() and len(args) == 2:
         return 0
     try:
-        record = read_record(path)
+        record = read_record(path) if path.exists() else FleetRecord(tag=path.stem.removeprefix("fleet-"),
+                                                                     mark=args[2], launcher_pid=0, launcher_start=0)
     except ConfigError as e:
         print(f"fleet_record: {e}", file=sys.stderr)
         return 1
-    ended, removed = reap(record, path)
-    print(f"fleet {record.tag}: its launcher died; {ended} processes ended, {removed} segments removed", flush=True)
+    ended, removed = reap(record, path, lambda line: print(line, flush=True))
+    print(f"{time.strftime('%H:%M:%S')} fleet {record.tag}: its launcher died; {ended} processes ended, {removed} "
+          "segments removed", flush=True)
     return 0
 
 
