@@ -166,8 +166,9 @@ def test_the_parent_death_wrapper_ends_its_command_when_the_parent_dies():
 def test_the_parent_death_wrapper_runs_nothing_once_its_parent_is_gone():
     r = subprocess.run([sys.executable, "-m", "kvbridge.transport.parent_death", "--parent", "1", "--",
                         "sh", "-c", "echo ran"], capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0 and "ran" not in r.stdout
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.returncode == 1 and "ran" not in r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "parent 1 already gone" in lines[0], r.stderr
 
 
 @pytest.fixture()
