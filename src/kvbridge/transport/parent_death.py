@@ -33,25 +33,28 @@ def parent_death_command(argv: list[str], sig: signal.Signals = signal.SIGTERM) 
 
 
 def main(args: list[str]) -> int:
-    if len(args) < 6 or args[0] != "--parent" or args[2] != "--signal" or args[4] != "--" or not args[1].isdigit():
-        print("usage: python -m kvbridge.transport.parent_death --parent PID --signal NAME -- COMMAND...",
+    opts: dict[str, str] = {}
+    while len(args) >= 2 and args[0] in ("--parent", "--signal"):
+        opts[args[0]], args = args[1], args[2:]
+    if not args or args[0] != "--" or len(args) < 2 or not opts.get("--parent", "").isdigit():
+        print("usage: python -m kvbridge.transport.parent_death --parent PID [--signal NAME] -- COMMAND...",
               file=sys.stderr)
         return 2
     try:
-        sig = signal.Signals[f"SIG{args[3]}"]
+        sig = signal.Signals[f"SIG{opts.get('--signal', 'TERM')}"]
     except KeyError:
-        print(f"parent_death: --signal {args[3][:20]!r} is no signal name (TERM, KILL, ...)", file=sys.stderr)
+        print(f"parent_death: --signal {opts['--signal'][:20]!r} is no signal name (TERM, KILL, ...)", file=sys.stderr)
         return 2
+    parent, command = int(opts["--parent"]), args[1:]
     try:
         import ctypes
         if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     except (OSError, AttributeError) as e:  # not Linux: the command runs without the signal
-        print(f"parent_death: no parent-death signal here ({e}); running {args[5]} without it", file=sys.stderr)
-    if os.getppid() != int(args[1]):
-        print(f"parent_death: parent {args[1]} already gone; not running {args[5]}", file=sys.stderr)
+        print(f"parent_death: no parent-death signal here ({e}); running {command[0]} without it", file=sys.stderr)
+    if os.getppid() != parent:
+        print(f"parent_death: parent {parent} already gone; not running {command[0]}", file=sys.stderr)
         return 1
-    command = args[5:]
     try:
         os.execvp(command[0], command)
     except OSError as e:
