@@ -6,7 +6,6 @@ key opens no other tenant's objects."""
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 
 import numpy as np
@@ -14,6 +13,7 @@ import pytest
 
 from kvbridge.pool.master import MooncakeMaster
 from kvbridge.pool.seal import SEAL_BYTES, open_into, tenant_key
+from kvbridge.pool.store import reachable
 from pool_harness import Engine, block_keys, config, expected_load, same
 
 FLEET_HOST = "127.0.0.2"
@@ -27,14 +27,6 @@ def fleet_master(tmp_path_factory):
     m.stop()
 
 
-def _accepts(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
 def _plain_client(address: str):
     """What an outsider runs: Mooncake's own client, no kvbridge, no secret."""
     from mooncake.store import MooncakeDistributedStore
@@ -46,7 +38,7 @@ def _plain_client(address: str):
 
 def test_an_outsider_lists_nothing_from_the_network_and_reads_no_kv(fleet_master):
     assert fleet_master.accepts()
-    assert not _accepts(FLEET_HOST, fleet_master.metrics_port), "the admin server answers on the fleet's interface"
+    assert not reachable(f"{FLEET_HOST}:{fleet_master.metrics_port}"), "the admin server answers on the fleet's interface"
     src = Engine(1, 8, seed=7).attach(fleet_master, config(staging=8))
     dst = Engine(2, 4, seed=8).attach(fleet_master, config(staging=8))
     other = Engine(2, 4, seed=8).attach(fleet_master, config(staging=8))

@@ -68,10 +68,6 @@ def tenant_key(secret: bytes, tenant: bytes = b"") -> bytes:
     return blake3.blake3(b"tenant\0" + tenant, key=root).digest()
 
 
-Piece = "np.ndarray"
-"""A 1-D uint8 run of an object's plaintext in staging, in object order."""
-
-
 def _object_key(tkey: bytes, name: bytes, synthetic: bytes) -> AESGCM:
     return AESGCM(blake3.blake3(b"key\0" + synthetic + name, key=tkey).digest())
 
