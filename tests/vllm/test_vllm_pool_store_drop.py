@@ -2,8 +2,9 @@
 blocks fill): `vllm_pool_store_drop_probe.py` drives a real `PoolWorker` in .venv-vllm (see there).
 
 * a running request's store reading a block the step hands out, or a load writes, is dropped
-  before the step goes on, after the device copy it is in the middle of (that copy still reads,
-  the next one does not);
+  before the step goes on, without waiting for the device copy it is in the middle of: what that
+  copy read is thrown away and the next copy does not read (the engine thread never waits on the
+  nice +10 store thread, issue 43.3);
 * a finished request's store is never dropped, though its blocks are in the step's list (a
   prefix-cache hit on blocks vLLM holds for the store);
 * a store whose blocks the step leaves alone runs to its end;
@@ -23,9 +24,10 @@ def seen(run_probe) -> dict:
     return run_probe("vllm_pool_store_drop_probe.py")
 
 
-def test_a_running_requests_store_is_dropped_after_the_copy_in_progress(seen):
+def test_a_running_requests_store_is_dropped_without_waiting_for_the_copy_in_progress(seen):
     assert seen["running_reads"] == [True, False]
-    assert seen["drop_waited_s"] >= 0.25  # the copy in progress (held 0.3 s past the drop) ended first
+    assert seen["drop_returned_during_copy"] is True  # the copy was still held when the drop returned
+    assert seen["held_copy_kept"] is False  # and what it read is never put
 
 
 def test_a_finished_requests_store_is_never_dropped(seen):
