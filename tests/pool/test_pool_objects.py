@@ -168,7 +168,7 @@ def test_a_sealed_object_opens_only_as_itself_and_holds_no_plaintext(split):
         "shorter payload": open_into(tkey, "kvb3/a", stored[1:], [o[1:] if i == 0 else o for i, o in enumerate(out)]),
         "no seal": open_into(tkey, "kvb3/a", np.zeros_like(stored), out),
     }
-    for at in (0, sum(split) - 1, sum(split) + 3, sum(split) + 20):  # payload, tag, synthetic value
+    for at in (0, sum(split) - 1, sum(split) + 3, sum(split) + 20):  # payload, tag, derivation value
         bad = stored.copy()
         bad[at] ^= 1
         refusals[f"byte {at} flipped"] = open_into(tkey, "kvb3/a", bad, out)
@@ -176,20 +176,36 @@ def test_a_sealed_object_opens_only_as_itself_and_holds_no_plaintext(split):
     assert "magic" in refusals["no seal"] and "authentication" in refusals["another tenant"]
 
 
-def test_object_keys_are_derived_per_plaintext_never_repeated_on_other_bytes():
-    """Every (key, nonce) encrypts one plaintext: the same name over other bytes (another
-    engine's last bits, a rewrite after eviction) gets another synthetic value, so another key;
-    the same bytes give the same stored object (it says only that they are equal)."""
+def test_object_keys_are_derived_per_seal_never_repeated():
+    """Every (key, nonce) encrypts one plaintext: each seal of a process derives its key from the
+    process's writer id and a count that never repeats, so the same name sealed again (another
+    engine's last bits, a rewrite after eviction, or the same bytes) gets another key; a forked
+    child draws a writer id of its own instead of repeating its parent's counts."""
+    import os
+
     tkey = tenant_key(b"s" * 16)
     a = np.arange(256, dtype=np.uint8)
     b = a.copy()
     b[200] ^= 1
-    sa, sa2, sb = _sealed(tkey, "kvb3/x", [a]), _sealed(tkey, "kvb3/x", [a.copy()]), _sealed(tkey, "kvb3/x", [b])
-    assert np.array_equal(sa, sa2)
-    synthetic = slice(256 + 16, 256 + 48)
-    assert not np.array_equal(sa[synthetic], sb[synthetic])
+    sa, sa2, sb = _sealed(tkey, "kvb4/x", [a]), _sealed(tkey, "kvb4/x", [a.copy()]), _sealed(tkey, "kvb4/x", [b])
+    derivation = slice(256 + 16, 256 + 48)
+    values = {bytes(s[derivation]) for s in (sa, sa2, sb)}
+    assert len(values) == 3
+    assert len({v[:16] for v in values}) == 1  # one writer id per process, counts differ
     # Two ciphertexts under one key and nonce would XOR to the plaintexts' XOR: not so here.
     assert not np.array_equal(sa[:256] ^ sb[:256], a ^ b)
+    out = [np.empty(256, dtype=np.uint8)]
+    assert open_into(tkey, "kvb4/x", sa2, out) == "" and np.array_equal(out[0], a)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child's seal: its derivation value to the parent
+        os.write(w, bytes(_sealed(tkey, "kvb4/x", [a])[derivation]))
+        os._exit(0)
+    os.close(w)
+    child = os.read(r, 64)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert len(child) == 32 and child[:16] != next(iter(values))[:16]
 
 
 def test_engines_that_must_not_share_get_different_namespaces():

@@ -38,7 +38,7 @@ from kvbridge.offload.pool import CPUPool
 from kvbridge.pool.seal import mac_key
 
 KEY_PREFIX = "kvb2"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Bumped whenever the bytes of an object or the key derivation change: older objects become misses."""
 MAX_MODEL_ID = 256
 
@@ -150,6 +150,10 @@ class ObjectLayout:
     # -- keys -----------------------------------------------------------------------------------------
     def key(self, block_key: OffloadKey, obj: ObjectId) -> str:
         return f"{KEY_PREFIX}/{block_name(self._secret, self.namespace, block_key)}/{obj.suffix}"
+
+    def block(self, block_key: OffloadKey) -> str:
+        """The block's name (40 hex digits), which its objects' keys extend."""
+        return block_name(self._secret, self.namespace, block_key)
 
     def keys(self, block_key: OffloadKey, objs: Sequence[ObjectId] | None = None) -> list[str]:
         """Keys of `objs` (default: every object) of one offloaded block."""

@@ -3,20 +3,24 @@
 Why encrypt, not only authenticate: anyone who reaches the store (a plain Mooncake client with
 the master's address) can list names and `get` objects, and KV in clear discloses the prompt
 that made it (KV inversion). So an object's bytes in the store are its payload encrypted,
-followed by a 64-byte seal: the GCM tag (16), the synthetic value the object key derives from
-(32), magic `KVB3`, the payload length (8) and 4 reserved zero bytes.
+followed by a 64-byte seal: the GCM tag (16), the derivation value the object key comes from
+(32: the writer's id, 16, and its write count, 8, then 8 zero bytes), magic `KVB4`, the payload
+length (8) and 4 reserved zero bytes.
 
 Keys. The fleet's secret and a request's tenant (vLLM's `cache_salt`, empty for none) give the
 tenant key (keyed BLAKE3: one tenant's key opens no other tenant's objects). An object is
-encrypted under a key of its own: the synthetic value is a keyed BLAKE3 of the object's name,
-length and plaintext under the tenant key, and the object key a keyed BLAKE3 of the name and
-that value, so the nonce can be a constant zero.
+encrypted under a key of its own, a keyed BLAKE3 of the derivation value and the object's name
+under the tenant key, so the nonce can be a constant zero.
 
 Why nonces are derived, never drawn: an object name is written again and again (by engines of
 other shapes, whose bytes differ in the last bits; again after an eviction), and a GCM key and
-nonce used twice on different bytes leak both plaintexts and the key's authenticator. Here a
-(key, nonce) pair is used twice only for the same name and the same bytes (then the ciphertext
-is the same too, and says only that); any other repeat is a 256-bit BLAKE3 collision.
+nonce used twice on different bytes leak both plaintexts and the key's authenticator. Here every
+seal a process makes has a derivation value of its own: its writer id (128 bits, drawn once per
+process and again in a forked child) and a count of its seals that never goes back. Two seals
+share an object key only when two processes drew the same writer id (2^-128 per pair) and wrote
+the same name at the same count. This costs no pass over the payload (the previous format hashed
+every plaintext to derive its key: a third of a store's time); the price is that two writers of
+the same bytes store different ciphertexts, which the pool never needed to be equal.
 
 The name and length are the GCM tag's associated data: an object moved to another name, cut,
 or written by anyone without the tenant key fails its check, compared in constant time by
@@ -25,15 +29,16 @@ compute them, so objects are only checked against damage (as a checksum would). 
 under another personalisation names the objects (`mac_key`, `objects.block_name`), so names say
 nothing without it.
 
-Cost: a store hashes and encrypts each payload (two passes, BLAKE3 and AES-GCM with VAES), a
-load decrypts it (one pass, straight into staging). `cryptography` 50 releases the GIL in its
-AEAD calls (48 did not: measured, two threads no faster than one), and BLAKE3 does for large
-inputs, so a call's objects are sealed and opened on `SEAL_THREADS` threads (`seal_all`).
+Cost: a store encrypts each payload once (AES-GCM with VAES, straight into where it is stored), a
+load decrypts it once (straight into staging). `cryptography` 50 releases the GIL in its AEAD
+calls (48 did not: measured, two threads no faster than one), so a call's objects are sealed and
+opened on `SEAL_THREADS` threads (`seal_all`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import struct
 from collections.abc import Callable, Sequence
@@ -45,12 +50,13 @@ import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-MAGIC = b"KVB3"
+MAGIC = b"KVB4"
 TAG_BYTES = 16
 SEAL_BYTES = 64
-"""Bytes an object has beyond its payload: tag, synthetic value, magic, length, reserved."""
-_CONTEXT = "kvbridge 2026-11 pool object key v3"
-_TAIL = struct.Struct("<16s32s4sQ4x")  # tag, synthetic value, magic, payload length
+"""Bytes an object has beyond its payload: tag, derivation value, magic, length, reserved."""
+_CONTEXT = "kvbridge 2026-11 pool object key v4"
+_TAIL = struct.Struct("<16s32s4sQ4x")  # tag, derivation value, magic, payload length
+_DERIVATION = struct.Struct("<16sQ8x")  # writer id, write count
 _NONCE = bytes(12)  # every object key encrypts one plaintext: see the module
 assert _TAIL.size == SEAL_BYTES
 
@@ -68,8 +74,26 @@ def tenant_key(secret: bytes, tenant: bytes = b"") -> bytes:
     return blake3.blake3(b"tenant\0" + tenant, key=root).digest()
 
 
-def _object_key(tkey: bytes, name: bytes, synthetic: bytes) -> AESGCM:
-    return AESGCM(blake3.blake3(b"key\0" + synthetic + name, key=tkey).digest())
+class _Writer:
+    """This process's writer id and seal count (see the module); drawn again in a forked child,
+    which would otherwise repeat its parent's counts."""
+
+    def __init__(self) -> None:
+        self.renew()
+
+    def renew(self) -> None:
+        self.id, self.count = os.urandom(16), itertools.count()
+
+    def next(self) -> bytes:
+        return _DERIVATION.pack(self.id, next(self.count))  # next() of a count is atomic under the GIL
+
+
+_writer = _Writer()
+os.register_at_fork(after_in_child=_writer.renew)
+
+
+def _object_key(tkey: bytes, name: bytes, derivation: bytes) -> AESGCM:
+    return AESGCM(blake3.blake3(b"key\0" + derivation + name, key=tkey).digest())
 
 
 def _aad(name: bytes, length: int) -> bytes:
@@ -82,10 +106,7 @@ def seal_into(tkey: bytes, name: str, pieces: Sequence[np.ndarray], out: np.ndar
     if out.nbytes != length + SEAL_BYTES:
         raise ValueError(f"an object of {length} payload bytes seals into {length + SEAL_BYTES}, got {out.nbytes}")
     key = name.encode()
-    h = blake3.blake3(b"siv\0" + _aad(key, length), key=tkey)
-    for p in pieces:
-        h.update(p)  # hashed in place, no copy
-    synthetic = h.digest()
+    derivation = _writer.next()
     if len(pieces) == 1:
         data = pieces[0]
     else:  # gathered into the output, then encrypted where it lies
@@ -94,8 +115,8 @@ def seal_into(tkey: bytes, name: str, pieces: Sequence[np.ndarray], out: np.ndar
             out[at:at + p.nbytes] = p
             at += p.nbytes
         data = out[:length]
-    _object_key(tkey, key, synthetic).encrypt_into(_NONCE, data, _aad(key, length), out[:length + TAG_BYTES])
-    out[length:] = np.frombuffer(_TAIL.pack(bytes(out[length:length + TAG_BYTES]), synthetic, MAGIC, length),
+    _object_key(tkey, key, derivation).encrypt_into(_NONCE, data, _aad(key, length), out[:length + TAG_BYTES])
+    out[length:] = np.frombuffer(_TAIL.pack(bytes(out[length:length + TAG_BYTES]), derivation, MAGIC, length),
                                  dtype=np.uint8)
 
 
@@ -105,13 +126,13 @@ def open_into(tkey: bytes, name: str, sealed: np.ndarray, pieces: Sequence[np.nd
     length = sum(int(p.nbytes) for p in pieces)
     if sealed.nbytes != length + SEAL_BYTES:
         return f"object of {sealed.nbytes} bytes, expected {length + SEAL_BYTES}"
-    _, synthetic, magic, sealed_length = _TAIL.unpack(bytes(sealed[length:]))
+    _, derivation, magic, sealed_length = _TAIL.unpack(bytes(sealed[length:]))
     if magic != MAGIC:
         return "no kvbridge seal (magic differs)"
     if sealed_length != length:
         return f"sealed payload of {sealed_length} bytes, expected {length}"
     key = name.encode()
-    aead = _object_key(tkey, key, synthetic)
+    aead = _object_key(tkey, key, derivation)
     try:
         if len(pieces) == 1:
             aead.decrypt_into(_NONCE, sealed[:length + TAG_BYTES], _aad(key, length), pieces[0])
@@ -128,7 +149,7 @@ def open_into(tkey: bytes, name: str, sealed: np.ndarray, pieces: Sequence[np.nd
 
 
 SEAL_THREADS = max(1, min(4, os.cpu_count() or 1))
-"""Threads that seal or open one call's objects side by side (AES-GCM and BLAKE3 release the GIL)."""
+"""Threads that seal or open one call's objects side by side (AES-GCM releases the GIL)."""
 _MIN_SPLIT_BYTES = 1 << 20
 """Below this many payload bytes a call stays on the caller's thread: a hand-off costs more."""
 _pool: ThreadPoolExecutor | None = None

@@ -41,6 +41,7 @@ from kvbridge.offload.keys import OffloadKey
 from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.spec import CPULoadStoreSpec, GPULoadStoreSpec, split_groups
 from kvbridge.offload.worker import OffloadWorker
+from kvbridge.pool.host_tier import MAX_HOST_BYTES, MIN_HOST_BYTES, HostTier, HostWrite
 from kvbridge.pool.objects import ObjectId, ObjectLayout, pool_namespace
 from kvbridge.pool.seal import SEAL_BYTES, open_into, seal_all, seal_into, tenant_key
 from kvbridge.pool.store import RPC_CODES, StoreClient
@@ -72,6 +73,11 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_identity: str = ""
     """The digest of what the engine's KV means beyond its geometry (`core.kv_identity`): part of the
     namespace, so engines whose weights, RoPE, overrides or dtypes differ share no object."""
+    host_bytes: int = 0
+    """Shared memory of this host's tier (`pool.host_arena`), split over the model's groups; 0: none,
+    every object goes through the store. Every engine of the host maps the same arenas."""
+    host_dir: str = ""
+    """Where the host tier's arenas are (default: this user's private `/dev/shm/kvbridge-UID/pool`)."""
 
     def __post_init__(self) -> None:
         from kvbridge.core.secrets import check_secret
@@ -93,6 +99,12 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if len(self.kv_identity) > 128 or not self.kv_identity.isascii():
             raise ConfigError(f"pool kv_identity must be an ASCII digest of at most 128 characters, got "
                               f"{self.kv_identity[:80]!r}")
+        if self.host_bytes and not MIN_HOST_BYTES <= self.host_bytes <= MAX_HOST_BYTES:
+            raise ConfigError(f"pool host_bytes must be 0 (no host tier) or in [{MIN_HOST_BYTES}, {MAX_HOST_BYTES}], got "
+                              f"{self.host_bytes}")
+        if self.host_dir and (len(self.host_dir) > 1024 or not self.host_dir.startswith("/") or "\0" in self.host_dir):
+            raise ConfigError(f"pool host_dir must be an absolute path of at most 1024 characters, got "
+                              f"{self.host_dir[:80]!r}")
         if not 1 <= self.staging_blocks <= MAX_STAGING_BLOCKS:
             raise ConfigError(f"pool staging_blocks must be in [1, {MAX_STAGING_BLOCKS}], got {self.staging_blocks}")
 
@@ -184,8 +196,12 @@ class PoolTier:
 
     `parallel=False` inside an engine process (see `OffloadWorker`): copies stay in one thread."""
 
-    def __init__(self, cache: RankCache, client: StoreClient, config: PoolConfig, parallel: bool = True,
+    def __init__(self, cache: RankCache, client: StoreClient | None, config: PoolConfig, parallel: bool = True,
                  staging: StagingLayout | None = None):
+        from kvbridge.errors import ConfigError
+
+        if client is None and not config.host_bytes:
+            raise ConfigError("a pool tier needs a store client, a host tier (host_bytes), or both")
         self.spec, self.device, self.rank = cache.spec, cache.layout, cache.rank
         self.config, self.client = config, client
         self.layout = object_layout(self.spec, config, config.staging_blocks, staging)
@@ -197,21 +213,22 @@ class PoolTier:
         self.reads = [sorted(s) for s in self.layout.read_by(self.device, self.rank)]
         self.worker = OffloadWorker([cache], self.staging, parallel=parallel)
         self._regions = self.staging.byte_regions()
+        self.host = HostTier(self.layout, config.secret, config.host_bytes, config.host_dir) if config.host_bytes else None
         # The wire buffer: a chunk's objects back to back as the store holds them (payload
         # encrypted, then its seal), each one run; sized for a chunk of the largest group.
         per_block = max((sum(self.layout.nbytes(o) + SEAL_BYTES for o in g) for g in self.layout.group_objects),
                         default=0)
-        self._wire = torch.zeros(max(1, config.staging_blocks * per_block), dtype=torch.uint8)
+        self._wire = torch.zeros(max(1, config.staging_blocks * per_block if client else 1), dtype=torch.uint8)
         self._wire_np, self._wire_base = self._wire.numpy(), self._wire.data_ptr()
         self._view_cache: dict[tuple[int, ObjectId], list[np.ndarray]] = {}
-        spans = [(self._wire_base, self._wire.numel())]
+        spans = [(self._wire_base, self._wire.numel())] if client else []
         for address, nbytes in spans:
             client.register(address, nbytes)
         # Unregistered when the tier goes, closed or not: Mooncake refuses to register memory that
         # overlaps a stale registration, and freed staging is soon reused.
         self._unregister = weakref.finalize(self, _unregister, client, spans)
         self.stats = {"objects_put": 0, "objects_got": 0, "bytes_put": 0, "bytes_got": 0, "seal_failures": 0,
-                      "missing": 0, "put_failures": 0, "removed": 0}
+                      "missing": 0, "put_failures": 0, "removed": 0, "host_objects_put": 0, "host_objects_got": 0}
 
     # -- bytes of objects in staging ----------------------------------------------------------------------
     def _views(self, slot: int, obj: ObjectId) -> list[np.ndarray]:
@@ -262,8 +279,11 @@ class PoolTier:
     def store(self, gpu: GPULoadStoreSpec, keys: Sequence[OffloadKey], device_access: DeviceAccess = _always,
               skip_present: bool = False, tenant: bytes = b"", still_allowed: Callable[[], bool] = _yes
               ) -> TierResult:
-        """Put the objects this rank writes of every block of the job; `done[i]`: all of key i's are in.
+        """Put the objects this rank writes of every block of the job; `done[i]`: all of key i's are in
+        (in the host tier, or in the store).
 
+        With a host tier, objects are sealed straight into it (those another engine of the host
+        holds or is writing are left to it), and the store gets a copy of what this call sealed.
         `device_access` gates each read of the device (see `pool.background`); `skip_present`
         first asks the store which of this rank's objects exist and puts only the others (an
         object is never overwritten: a bad one is removed by the load that finds it, and one this
@@ -276,9 +296,10 @@ class PoolTier:
         tkey = tenant_key(self.config.secret, tenant)
         result = TierResult([])
         for chunk, chunk_keys in job_chunks(gpu, keys, self.layout, self.factor, self.config.staging_blocks):
-            wanted = [[obj for obj in self.writes[self.layout.group_of(key)]] for key in chunk_keys]
+            mine = [self.writes[self.layout.group_of(key)] for key in chunk_keys]
+            wanted = [list(objs) for objs in mine] if self.client is not None else [[] for _ in chunk_keys]
             stale: dict[str, tuple[int, ObjectId]] = {}
-            if skip_present:
+            if skip_present and self.client is not None:
                 flat = [(slot, o, n) for slot, (key, objs) in enumerate(zip(chunk_keys, wanted))
                         for o, n in zip(objs, self.layout.keys(key, objs))]  # one block name per block
                 names = [n for *_, n in flat]
@@ -291,19 +312,32 @@ class PoolTier:
                 for slot, o, n in flat:
                     if n not in listed or n in stale:
                         wanted[slot].append(o)
-                if not any(wanted):
+                if not any(wanted) and self.host is None:
                     result.done += [True] * len(chunk_keys)
                     continue
+            host = self.host.claim(chunk_keys, mine) if self.host is not None else None
+            if host is not None and not host.targets and not any(wanted):  # the host's engines hold it all
+                HostTier.publish(host)
+                result.done += [c is not None for c in host.claims]
+                continue
             if any(f % self.factor for g, f in enumerate(chunk.block_indices) if g not in self._state_groups):
                 # a skipped head: no stale bytes in objects
                 for r in self._regions:
                     r.zero_()
-            with device_access() as allowed:
-                copied = allowed and self._run_worker((chunk, CPULoadStoreSpec(range(len(chunk_keys)))))
-            allowed = allowed and still_allowed()
+            try:
+                with device_access() as allowed:
+                    copied = allowed and self._run_worker((chunk, CPULoadStoreSpec(range(len(chunk_keys)))))
+                allowed = allowed and still_allowed()
+            except BaseException:
+                if host is not None:
+                    HostTier.publish(host, frozenset((i, o) for i, o, _ in host.targets))
+                raise
             copied = copied and allowed
             if not copied:
-                self.client.note_unreadable(list(stale))  # for the next store of them
+                if host is not None:
+                    HostTier.publish(host, frozenset((i, o) for i, o, _ in host.targets))
+                if self.client is not None:
+                    self.client.note_unreadable(list(stale))  # for the next store of them
                 result.done += [False] * len(chunk_keys)
                 result.reasons.append("device -> staging copy failed" if allowed else "abandoned (deadline)")
                 continue
@@ -314,17 +348,17 @@ class PoolTier:
                 for n in kept:
                     slot, o = stale[n]
                     wanted[slot].remove(o)
-            names, owner, entries = [], [], []
-            for slot, key in enumerate(chunk_keys):
-                for obj, name in zip(wanted[slot], self.layout.keys(key, wanted[slot])):
-                    names.append(name)
-                    entries.append((slot, obj))
-                    owner.append(slot)
-            spans = self._place(entries)
-            seal_all([partial(seal_into, tkey, name, self._views(slot, obj), self._wire_np[off:off + n])
-                      for name, (slot, obj), (off, n) in zip(names, entries, spans)], sum(n for _, n in spans))
-            runs = self._wire_runs(spans)
-            codes = self.client.put(names, runs) if names else []
+            try:
+                sealed = self._seal_chunk(tkey, chunk_keys, host, wanted)
+            except BaseException:
+                if host is not None:
+                    HostTier.publish(host, frozenset((i, o) for i, o, _ in host.targets))
+                raise
+            if host is not None:
+                HostTier.publish(host)  # visible to the host's engines before the store's round trip
+                self.stats["host_objects_put"] += len(host.targets)
+            names, owner, spans = sealed
+            codes = self.client.put(names, self._wire_runs(spans)) if names else []
             bad = {owner[i] for i, c in enumerate(codes) if c != 0}
             self.stats["put_failures"] += sum(c != 0 for c in codes)
             if bad:
@@ -336,63 +370,64 @@ class PoolTier:
             result.bytes += nbytes
             self.stats["objects_put"] += len(put)
             self.stats["bytes_put"] += nbytes
-            result.done += [slot not in bad for slot in range(len(chunk_keys))]
+            on_host = [host is not None and host.claims[i] is not None for i in range(len(chunk_keys))]
+            result.done += [on_host[slot] or slot not in bad for slot in range(len(chunk_keys))]
         result.seconds = time.perf_counter() - t0
         return result
+
+    def _seal_chunk(self, tkey: bytes, chunk_keys: Sequence[OffloadKey], host: HostWrite | None,
+                    wanted: list[list[ObjectId]]) -> tuple[list[str], list[int], list[tuple[int, int]]]:
+        """Seal a chunk's objects from staging: those `host` claimed into the host tier, those
+        `wanted` by the store into the wire buffer (a copy of the host's bytes where both want
+        one). Returns the store's names, their blocks and wire spans."""
+        work, nbytes = [], 0
+        in_host: dict[tuple[int, ObjectId], np.ndarray] = {}
+        if host is not None:
+            for i, obj, view in host.targets:
+                key = chunk_keys[i]
+                name = self.layout.keys(key, [obj])[0]
+                work.append(partial(seal_into, tkey, name, self._views(i, obj), view))
+                nbytes += view.nbytes
+                in_host[(i, obj)] = view
+        names, owner, entries = [], [], []
+        for slot, key in enumerate(chunk_keys):
+            for obj, name in zip(wanted[slot], self.layout.keys(key, wanted[slot])):
+                names.append(name)
+                entries.append((slot, obj))
+                owner.append(slot)
+        spans = self._place(entries)
+        for name, (slot, obj), (off, n) in zip(names, entries, spans):
+            if (slot, obj) not in in_host:
+                work.append(partial(seal_into, tkey, name, self._views(slot, obj), self._wire_np[off:off + n]))
+                nbytes += n
+        seal_all(work, nbytes)
+        for (slot, obj), (off, n) in zip(entries, spans):
+            view = in_host.get((slot, obj))
+            if view is not None:
+                self._wire_np[off:off + n] = view
+        return names, owner, spans
 
     # -- load ----------------------------------------------------------------------------------------------
     def load(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec, device_access: DeviceAccess = _always,
              tenant: bytes = b"") -> TierResult:
         """Fetch, check and copy into the device; `done[i]`: key i's bytes are on the device.
 
-        An object that exists but is not what its name promises (another size, a seal that does
-        not check) is removed, so that the next writer stores it again: garbage put by anyone
-        costs one recompute, never a blocked prefix. `device_access` gates the copy into the
-        device (see `pool.background`); `tenant` as for `store`."""
+        Blocks the host tier holds are opened straight out of it; the rest come from the store,
+        and what came is put into the host tier for the host's next reader. An object that exists
+        but is not what its name promises (another size, a seal that does not check) is removed,
+        so that the next writer stores it again: garbage put by anyone costs one recompute, never
+        a blocked prefix. `device_access` gates the copy into the device (see `pool.background`);
+        `tenant` as for `store`."""
         t0 = time.perf_counter()
         tkey = tenant_key(self.config.secret, tenant)
         result = TierResult([])
         for chunk, chunk_keys in job_chunks(gpu, keys, self.layout, self.factor, self.config.staging_blocks):
-            names, entries, writes = [], [], []
-            for slot, key in enumerate(chunk_keys):
-                objs = self.reads[self.layout.group_of(key)]
-                mine = self._writes_set[self.layout.group_of(key)]
-                for obj, name in zip(objs, self.layout.keys(key, objs)):
-                    writes.append(obj in mine)
-                    names.append(name)
-                    entries.append((slot, obj))
-            spans = self._place(entries)
-            runs, want = self._wire_runs(spans), [n for _, n in spans]
-            codes = self.client.get(names, runs) if names else []
-            why = ""
-            readable, unreadable, bad_objects = [], [], []
-            for i, (name, code) in enumerate(zip(names, codes)):
-                if code != want[i]:
-                    unreadable.append(i)
-                    why = why or f"object {name} unreadable (Mooncake code {code}, expected {want[i]} bytes)"
-                else:
-                    readable.append(i)
-            if unreadable:  # missing, unreachable, or there with another size: only the last is garbage
-                sizes = self.client.sizes([names[i] for i in unreadable])
-                wrong = [names[i] for i, n in zip(unreadable, sizes) if n is not None and n != want[i]]
-                # Listed at their size, yet unreadable: this rank's next store of those it writes replaces them.
-                self.client.note_unreadable([names[i] for i, n in zip(unreadable, sizes)
-                                             if n == want[i] and writes[i] and codes[i] not in RPC_CODES])
-                self.stats["missing"] += len(unreadable) - len(wrong)
-                bad_objects += wrong
-            self.client.take_unreadable([names[i] for i in readable])  # readable again: no note of them stays
-            verdicts = seal_all([partial(open_into, tkey, names[i], self._wire_np[spans[i][0]:spans[i][0] + spans[i][1]],
-                                         self._views(*entries[i])) for i in readable],
-                                sum(spans[i][1] for i in readable))
-            for i, bad in zip(readable, verdicts):
-                if bad:
-                    self.stats["seal_failures"] += 1
-                    bad_objects.append(names[i])
-                    why = why or f"object {names[i]} refused: {bad}"
-            if bad_objects:
-                self.stats["removed"] += sum(c == 0 for c in self.client.remove(bad_objects))
-            got = sum(1 for i, c in enumerate(codes) if c == want[i])
-            self.stats["objects_got"] += got
+            reads = [self.reads[self.layout.group_of(key)] for key in chunk_keys]
+            why, remote = self._open_from_host(tkey, chunk_keys, reads)
+            if remote and self.client is None:
+                why = f"{len(remote)} of {len(chunk_keys)} blocks not in the host tier (no store behind it)"
+            elif remote:
+                why = self._load_remote(tkey, chunk_keys, reads, remote)
             if not why:
                 with device_access() as allowed:
                     if not allowed:
@@ -403,47 +438,157 @@ class PoolTier:
                 result.done += [False] * len(chunk_keys)
                 result.reasons.append(why)
                 continue
-            nbytes = sum(w - SEAL_BYTES for w in want)  # payload only
+            nbytes = sum(self.layout.nbytes(o) for objs in reads for o in objs)  # payload only
             result.done += [True] * len(chunk_keys)
-            result.objects += len(names)
+            result.objects += sum(len(objs) for objs in reads)
             result.bytes += nbytes
             self.stats["bytes_got"] += nbytes
         result.seconds = time.perf_counter() - t0
         return result
 
+    def _open_from_host(self, tkey: bytes, chunk_keys: Sequence[OffloadKey], reads: list[list[ObjectId]]
+                        ) -> tuple[str, list[int]]:
+        """Open into staging every block of the chunk the host tier holds whole; returns ('', the
+        slots left for the store). An object that fails its tag is forgotten by the host tier and
+        its block left for the store."""
+        if self.host is None:
+            return "", list(range(len(chunk_keys)))
+        found = self.host.find(chunk_keys, reads)
+        work, items, nbytes = [], [], 0
+        for slot, (key, hit) in enumerate(zip(chunk_keys, found)):
+            if hit is None:
+                continue
+            _, aslot, _ = hit
+            names = self.layout.keys(key, reads[slot])
+            for obj, name, view in zip(reads[slot], names, self.host.views(key, aslot, reads[slot])):
+                work.append(partial(open_into, tkey, name, view, self._views(slot, obj)))
+                items.append((slot, obj))
+                nbytes += view.nbytes
+        verdicts = seal_all(work, nbytes)
+        failed: dict[int, list[ObjectId]] = {}
+        for (slot, obj), bad in zip(items, verdicts):
+            if bad:
+                failed.setdefault(slot, []).append(obj)
+        for slot, objs in failed.items():
+            _, aslot, gen = found[slot]
+            self.host.forget(chunk_keys[slot], aslot, gen, objs)
+            self.stats["seal_failures"] += len(objs)
+        self.stats["host_objects_got"] += len(items) - sum(len(v) for v in failed.values())
+        return "", [slot for slot, hit in enumerate(found) if hit is None or slot in failed]
+
+    def _load_remote(self, tkey: bytes, chunk_keys: Sequence[OffloadKey], reads: list[list[ObjectId]],
+                     slots: list[int]) -> str:
+        """Get the blocks `slots` of the chunk from the store into staging; '' or why not. What
+        opened is put into the host tier (its sealed bytes, as got)."""
+        assert self.client is not None
+        names, entries, writes = [], [], []
+        for slot in slots:
+            key = chunk_keys[slot]
+            mine = self._writes_set[self.layout.group_of(key)]
+            for obj, name in zip(reads[slot], self.layout.keys(key, reads[slot])):
+                writes.append(obj in mine)
+                names.append(name)
+                entries.append((slot, obj))
+        spans = self._place(entries)
+        runs, want = self._wire_runs(spans), [n for _, n in spans]
+        codes = self.client.get(names, runs) if names else []
+        why = ""
+        readable, unreadable, bad_objects = [], [], []
+        for i, (name, code) in enumerate(zip(names, codes)):
+            if code != want[i]:
+                unreadable.append(i)
+                why = why or f"object {name} unreadable (Mooncake code {code}, expected {want[i]} bytes)"
+            else:
+                readable.append(i)
+        if unreadable:  # missing, unreachable, or there with another size: only the last is garbage
+            sizes = self.client.sizes([names[i] for i in unreadable])
+            wrong = [names[i] for i, n in zip(unreadable, sizes) if n is not None and n != want[i]]
+            # Listed at their size, yet unreadable: this rank's next store of those it writes replaces them.
+            self.client.note_unreadable([names[i] for i, n in zip(unreadable, sizes)
+                                         if n == want[i] and writes[i] and codes[i] not in RPC_CODES])
+            self.stats["missing"] += len(unreadable) - len(wrong)
+            bad_objects += wrong
+        self.client.take_unreadable([names[i] for i in readable])  # readable again: no note of them stays
+        verdicts = seal_all([partial(open_into, tkey, names[i], self._wire_np[spans[i][0]:spans[i][0] + spans[i][1]],
+                                     self._views(*entries[i])) for i in readable],
+                            sum(spans[i][1] for i in readable))
+        opened = set()
+        for i, bad in zip(readable, verdicts):
+            if bad:
+                self.stats["seal_failures"] += 1
+                bad_objects.append(names[i])
+                why = why or f"object {names[i]} refused: {bad}"
+            else:
+                opened.add(i)
+        if bad_objects:
+            self.stats["removed"] += sum(c == 0 for c in self.client.remove(bad_objects))
+        self.stats["objects_got"] += len(readable)
+        if self.host is not None and opened:
+            self._keep_on_host(chunk_keys, entries, spans, opened)
+        return why
+
+    def _keep_on_host(self, chunk_keys: Sequence[OffloadKey], entries: list[tuple[int, ObjectId]],
+                      spans: list[tuple[int, int]], opened: set[int]) -> None:
+        """Put objects got from the store (sealed, in the wire buffer) into the host tier."""
+        assert self.host is not None
+        at = {entries[i]: spans[i] for i in opened}
+        slots = sorted({entries[i][0] for i in opened})
+        host = self.host.claim([chunk_keys[s] for s in slots],
+                               [[o for (s2, o) in at if s2 == s] for s in slots])
+        for j, obj, view in host.targets:
+            off, n = at[(slots[j], obj)]
+            view[:] = self._wire_np[off:off + n]
+        HostTier.publish(host)
+
     def close(self) -> None:
-        """Stop the worker and unregister the staging memory (the client may serve other tiers)."""
+        """Stop the worker, unregister the wire buffer (the client may serve other tiers) and unmap
+        the host tier (its arenas stay for the host's other engines)."""
         self.worker.shutdown()
         self._unregister()
+        self._view_cache.clear()
+        if self.host is not None:
+            self.host.close()
 
 
-def _unregister(client: StoreClient, spans: list[tuple[int, int]]) -> None:
+def _unregister(client: StoreClient | None, spans: list[tuple[int, int]]) -> None:
     for address, nbytes in spans:
         client.unregister(address, nbytes)
 
 
 class PoolIndex:
-    """The scheduler's view: which blocks are complete in the store (no device, no staging)."""
+    """The scheduler's view: which blocks are complete in the pool (no device, no staging): in this
+    host's tier first, then in the store."""
 
-    def __init__(self, spec: ModelSpec, client: StoreClient, config: PoolConfig,
+    def __init__(self, spec: ModelSpec, client: StoreClient | None, config: PoolConfig,
                  staging: StagingLayout | None = None):
         self.layout = object_layout(spec, config, 1, staging)
         self.client = client
+        self.host = HostTier(self.layout, config.secret, config.host_bytes, config.host_dir) if config.host_bytes else None
 
     def hits(self, keys: Sequence[OffloadKey]) -> list[bool | None]:
         """Per block key: every object present (True), one missing (False), store unreachable (None)."""
+        answer: list[bool | None] = [True] * len(keys)
+        on_host = self.host.complete(keys) if self.host is not None else [False] * len(keys)
+        rest = [i for i, hit in enumerate(on_host) if not hit]
+        if self.client is None:
+            for i in rest:
+                answer[i] = False
+            return answer
         names, owner = [], []
-        for i, key in enumerate(keys):
-            ks = self.layout.keys(key)
+        for i in rest:
+            ks = self.layout.keys(keys[i])
             names += ks
             owner += [i] * len(ks)
-        answer: list[bool | None] = [True] * len(keys)
-        for i, e in zip(owner, self.client.exists(names)):
+        for i, e in zip(owner, self.client.exists(names) if names else []):
             if e is None:
                 answer[i] = None
             elif not e and answer[i] is not None:
                 answer[i] = False
         return answer
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
 
 
 __all__ = ["DeviceAccess", "PoolConfig", "PoolIndex", "PoolTier", "TierResult", "job_chunks", "object_layout"]
