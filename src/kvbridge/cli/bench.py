@@ -90,9 +90,11 @@ def bench(
                                "vllm-router against a fleet of one prefill and one decode instance of the "
                                "--prefill-/--decode- TP and block sizes (block default 32), with KVBridgeConnector "
                                "and with vLLM's NixlConnector in turns; needs `make vllm-env`."),
-    pool: bool = typer.Option(False, help="The shared pool (Mooncake Store, a master started here): store from TP 2 "
-                              "/ block 16 and load into TP 1 / block 64, sealing and checking included, beside a "
-                              "contiguous copy of the same bytes (serving figures: `make pool-bench`)."),
+    pool: bool = typer.Option(False, help="The shared pool: store from TP 2 / block 16 and load into TP 1 / block 64 "
+                              "from another process through this host's shared-memory tier (64- and 1024-token pool "
+                              "blocks), then through a Mooncake Store (a master started here), sealing and checking "
+                              "included, each beside a contiguous copy of the same bytes (serving figures: `make "
+                              "pool-bench`)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Our copies vs a plain contiguous copy of the same bytes, side by side in one run."""
@@ -105,12 +107,18 @@ def bench(
             raise ConfigError(f"--tokens for --pool must be a multiple of the 64-token pool block in [64, 65536], "
                               f"got {tokens}")
         from kvbridge.bench.pool import bench_pool_transfer
+        from kvbridge.bench.pool_host import bench_host_transfer
+        with console.status("storing into this host's tier, loading from another process", spinner="dots") \
+                if not as_json else _nothing():
+            host = bench_host_transfer(tokens=tokens, rounds=min(max(repeats, 3), 20),
+                                       block_sizes=tuple(b for b in (64, 1024) if b <= tokens))
         with console.status("storing and loading through a Mooncake Store", spinner="dots") \
                 if not as_json else _nothing():
             out = bench_pool_transfer(tokens=tokens, rounds=min(repeats, 20))
         if as_json:
-            print_json(out)
+            print_json({"host_tier": host, "mooncake": out})
         else:
+            host_table(host)
             pool_table(out)
         return
     if serve:
@@ -221,6 +229,18 @@ class _nothing:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def host_table(out: dict[str, Any]) -> None:
+    table = Table(title=f"pool host tier: {out['store_engine']} stores, {out['load_engine']} loads, {out['model']}; "
+                        f"each side beside a copy of the same bytes in its own process, median of the rounds")
+    for col in ("pool block", "MiB", "store GB/s", "store vs copy", "load GB/s", "load vs copy", "copy GB/s"):
+        table.add_column(col, justify="right")
+    for r in out["rows"]:
+        table.add_row(f"{r['pool_block_tokens']} tokens", f"{r['bytes'] / 2**20:.0f}", f"{r['store_gb_s']:.2f}",
+                      f"{r['store_vs_copy']:.3f}", f"{r['load_gb_s']:.2f}", f"{r['load_vs_copy']:.3f}",
+                      f"{r['copy_gb_s_store_side']:.1f} / {r['copy_gb_s_load_side']:.1f}")
+    console.print(table)
 
 
 def pool_table(out: dict[str, Any]) -> None:
