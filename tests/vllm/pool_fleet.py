@@ -23,9 +23,11 @@ START_S = 900.0
 @contextmanager
 def pool_fleet(vllm_env, work: Path, model: Path, shapes: Sequence[tuple[str, InstanceShape]], secret: bytes,
                dtype: str = "float32", extra_args: Sequence[str] = (), block_tokens: int = 64,
-               max_model_len: int = 1024, member_args: dict[str, Sequence[str]] | None = None) -> Iterator[tuple]:
+               max_model_len: int = 1024, member_args: dict[str, Sequence[str]] | None = None,
+               member_kv: dict[str, dict] | None = None) -> Iterator[tuple]:
     """(master, member per shape in order), started; everything stopped on exit. `extra_args`
-    go to every `vllm serve`, `member_args[name]` to that member's only."""
+    go to every `vllm serve`, `member_args[name]` to that member's only, `member_kv[name]` into
+    that member's connector settings."""
     (work / "pool.key").write_bytes(secret)
     (work / "pool.key").chmod(0o600)
     vllm = str(vllm_env.python.parent / "vllm")
@@ -38,7 +40,13 @@ def pool_fleet(vllm_env, work: Path, model: Path, shapes: Sequence[tuple[str, In
               "lookup_timeout_ms": 60_000, "load_timeout_ms": 120_000, "store_timeout_ms": 120_000,
               "max_backoff_s": 5}}
     ports = free_ports(len(shapes), set(master.ports))
-    members = [vllm_serve_member(config, vllm, name, shape, ports + i, work, kv=kv)
+    def own(name: str) -> dict:
+        mine = (member_kv or {}).get(name)
+        if not mine:
+            return kv
+        return {**kv, "kv_connector_extra_config": {**kv["kv_connector_extra_config"], **mine}}
+
+    members = [vllm_serve_member(config, vllm, name, shape, ports + i, work, kv=own(name))
                for i, (name, shape) in enumerate(shapes)]
     for (name, _), m in zip(shapes, members):
         m.argv += list(extra_args) + list((member_args or {}).get(name, ()))

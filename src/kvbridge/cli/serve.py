@@ -104,6 +104,9 @@ def serve(
     pool: str = typer.Option("", help="A prefix cache every instance shares (Mooncake Store): 'start' runs a "
                              "mooncake_master of the fleet's, host:port names a running one [default: none]."),
     pool_block_tokens: int = typer.Option(64, help="Tokens per pool block; every instance's block size divides it."),
+    pool_host_mib: int = typer.Option(0, help="Each host's shared-memory tier of the pool, MiB (0: none): its "
+                                      "instances store into and load from it as memory copies; what it does not "
+                                      "hold comes from the master's store."),
     pool_secret_file: Optional[Path] = typer.Option(None, help="The pool's secret (a 0600 file of 16+ bytes, the "
                                                     "same for every fleet that shares the pool): keeps what the "
                                                     "pool stored usable across restarts [default: a new secret per "
@@ -176,7 +179,7 @@ def serve(
         log_dir=log_dir or made or Path(tempfile.gettempdir()) / "kvbridge-serve-DRY-RUN", host=host, port=port,
         side_channel_host=side_channel_host, max_model_len=max_model_len, dtype=dtype, kv_cache_gib=kv_cache_gib,
         router_policy=router_policy, vllm_python=str(vllm_python) if vllm_python else None,
-        stats_path=str(stats_path.resolve()) if stats_path else "", pool=pool, pool_block_tokens=pool_block_tokens,
+        stats_path=str(stats_path.resolve()) if stats_path else "", pool=pool, pool_block_tokens=pool_block_tokens, pool_host_mib=pool_host_mib,
         pool_secret_file=str(pool_secret_file) if pool_secret_file else "",
         secret_file=str(secret_file) if secret_file else "", fleet_file=across, on=on)
     try:

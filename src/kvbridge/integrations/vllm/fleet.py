@@ -193,7 +193,8 @@ class Fleet:
             pool = {"kv_connector": "KVBridgePoolConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
                     "kv_role": "kv_both", "kv_connector_extra_config": {
                         "master": self.pool_address, "secret_file": str(self.pool_secret_file),
-                        "block_tokens": c.pool_block_tokens, "model_id": str(Path(c.model).resolve())}}
+                        "block_tokens": c.pool_block_tokens, "model_id": str(Path(c.model).resolve()),
+                        "host_mib": c.pool_host_mib}}
             children = [{k: v for k, v in kv.items() if k != "engine_id"}, pool]
             kv = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": engine_id,
                   "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"connectors": children}}

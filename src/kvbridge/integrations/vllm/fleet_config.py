@@ -94,6 +94,7 @@ class FleetConfig:
     connector: str = "kvbridge"  # or "nixl": vLLM's own NixlConnector (kv_buffer_device cpu), for benchmarks
     pool: str = ""  # "" none; "start": a mooncake_master of the fleet's; "host:port": a running one (issue 23)
     pool_block_tokens: int = 64  # the shared pool's block; every instance's block size divides it
+    pool_host_mib: int = 0  # each host's shared-memory tier of the pool (0: none), shared by its instances
     pool_secret_file: str = ""  # the pool's secret, kept across restarts (default: the fleet's own, new per run)
     secret_file: str = ""  # the side channel's secret, a 0600 file every host shares (default: the fleet's own, new)
     fleet_file: Any = None  # a FleetFile (fleet_file.py): a fleet across hosts, of which this launcher runs...
@@ -177,14 +178,16 @@ def check_shapes(config: FleetConfig) -> list[str]:
                                   f"{config.pool[:80]!r}")
         if not 1 <= config.pool_block_tokens <= 1 << 16:
             raise ConfigError(f"--pool-block-tokens must be in 1..65536, got {config.pool_block_tokens}")
+        if not 0 <= config.pool_host_mib <= 1 << 24:
+            raise ConfigError(f"--pool-host-mib must be in 0..16777216, got {config.pool_host_mib}")
         if config.pool_secret_file:
             config.pool_secret_file = _checked_secret(config.pool_secret_file, "--pool-secret-file")
         for s in everyone:
             if config.pool_block_tokens % s.block:
                 raise ConfigError(f"instance {s.describe()}: block {s.block} does not divide the pool's "
                                   f"{config.pool_block_tokens}-token block (--pool-block-tokens)")
-    elif config.pool_secret_file or config.pool_block_tokens != 64:
-        raise ConfigError("--pool-secret-file and --pool-block-tokens need --pool (start or HOST:PORT)")
+    elif config.pool_secret_file or config.pool_block_tokens != 64 or config.pool_host_mib:
+        raise ConfigError("--pool-secret-file, --pool-block-tokens and --pool-host-mib need --pool (start or HOST:PORT)")
     if config.secret_file:
         config.secret_file = _checked_secret(config.secret_file, "--secret-file")
     elif config.fleet_file is not None:

@@ -79,6 +79,13 @@ class PoolSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     load_timeout_ms: int = 10_000
     store_timeout_ms: int = 30_000
     max_backoff_s: float = 30.0
+    host_mib: int = 0
+    """This host's shared-memory tier (`pool.host_arena`), MiB; 0: none. Every instance of the host
+    with the same pool maps the same arenas, so a prefix one stores is a memory copy away from the
+    others; what the host tier does not hold comes from the master's store."""
+
+    host_dir: str = ""
+    """Where the host tier's arenas are (default: this user's private `/dev/shm/kvbridge-UID/pool`)."""
 
     def __post_init__(self) -> None:
         if not (self.secret_file or self.insecure):
@@ -89,6 +96,9 @@ class PoolSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("lookup_timeout_ms", "load_timeout_ms", "store_timeout_ms"):
             if not 1 <= getattr(self, name) <= 3_600_000:
                 raise ConfigError(f"KVBridgePoolConnector {name} must be in [1, 3600000], got {getattr(self, name)}")
+        if self.host_mib and not 1 <= self.host_mib <= 1 << 24:
+            raise ConfigError(f"KVBridgePoolConnector host_mib must be 0 (no host tier) or in [1, 2^24], got "
+                              f"{self.host_mib}")
         if not 1.0 <= self.max_backoff_s <= 3600.0:
             raise ConfigError(f"KVBridgePoolConnector max_backoff_s must be in [1, 3600], got {self.max_backoff_s}")
 
@@ -113,7 +123,8 @@ class PoolSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         except ConfigError as e:
             raise ConfigError(f"KVBridgePoolConnector: {e}") from None
         return PoolConfig(model_id=model_id, block_tokens=self.block_tokens, staging_blocks=self.staging_blocks,
-                          secret=secret or b"", insecure=secret is None, kv_identity=kv_identity)
+                          secret=secret or b"", insecure=secret is None, kv_identity=kv_identity,
+                          host_bytes=self.host_mib << 20, host_dir=self.host_dir)
 
 
 def pool_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelSpec:

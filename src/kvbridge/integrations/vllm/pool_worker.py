@@ -48,7 +48,8 @@ MAX_FINISHED_IDS = 1 << 16
 STORE_NICE = 10
 """How far the store thread steps aside (nice +10: about a tenth of a forward thread's share of a
 contended core; an idle core it takes whole)."""
-TIER_COUNTS = ("objects_put", "objects_got", "bytes_put", "bytes_got", "seal_failures", "missing", "removed")
+TIER_COUNTS = ("objects_put", "objects_got", "bytes_put", "bytes_got", "seal_failures", "missing", "removed",
+               "host_objects_put", "host_objects_got")
 
 
 def layer_region(t: torch.Tensor, nbytes: int) -> torch.Tensor:
