@@ -38,6 +38,7 @@ def pool_fleet(vllm_env, work: Path, model: Path, shapes: Sequence[tuple[str, In
               "master": master.address, "secret_file": str(work / "pool.key"), "block_tokens": block_tokens,
               "segment_mib": 32, "staging_blocks": 16,
               "lookup_timeout_ms": 60_000, "load_timeout_ms": 120_000, "store_timeout_ms": 120_000,
+              "release_ms": 120_000,
               "max_backoff_s": 5}}
     ports = free_ports(len(shapes), set(master.ports))
     def own(name: str) -> dict:

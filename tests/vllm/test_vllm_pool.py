@@ -72,7 +72,7 @@ class Pool:
 DOC = Path(__file__).resolve().parents[2] / "docs" / "pool.md"
 MARK = "<!-- the standalone example: tests/vllm/test_vllm_pool.py"
 FAST = {"staging_blocks": 16, "lookup_timeout_ms": 1000, "load_timeout_ms": 5000, "store_timeout_ms": 5000,
-        "max_backoff_s": 5}  # deadlines of minutes' worth of outage tests, not of production
+        "release_ms": 5000, "max_backoff_s": 5}  # deadlines of minutes' worth of outage tests, not of production
 
 
 def _kv(master: MooncakeMaster, secret_file: Path) -> dict:

@@ -9,7 +9,9 @@ blocks fill): `vllm_pool_store_drop_probe.py` drives a real `PoolWorker` in .ven
   prefix-cache hit on blocks vLLM holds for the store);
 * a store whose blocks the step leaves alone runs to its end;
 * a request's blocks are reported free (`finished_sending`) only once it finished and none of its
-  stores is still in flight, whether they ended or were dropped.
+  stores is still in flight, whether they ended or were dropped;
+* whatever the store does, a finished request's blocks are free within `release_ms` (issue 42.3):
+  at once when its store has read them all (it goes on putting), else its store is dropped.
 """
 
 from __future__ import annotations
@@ -45,3 +47,10 @@ def test_blocks_are_released_only_when_finished_and_no_store_is_in_flight(seen):
     assert seen["finished_sending_2"] == ["a", "b"]
     assert seen["finished_sending_3"] == []
     assert seen["finished_sending_4"] == ["c"]
+
+
+def test_a_finished_requests_blocks_are_free_once_read_or_within_the_release_bound(seen):
+    assert seen["released_after_its_copy"] == ["early"] and seen["early_still_putting"] is True
+    assert seen["released_while_queued"] == ["queued"] and seen["queued_never_read"] is True
+    assert seen["queued_read_after_drop"] in (False, "never run")  # dropped: it read nothing once the thread got to it
+    assert seen["release_dropped"] == 1

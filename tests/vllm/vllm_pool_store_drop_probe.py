@@ -36,6 +36,7 @@ starved host slows the probe down without changing what it sees."""
 
 def main() -> dict:
     settings = PoolSettings(master="127.0.0.1:1", insecure=True, store_timeout_ms=3_600_000,
+                            release_ms=3_600_000,
                             load_timeout_ms=3_600_000)  # no store or load times out while the host is starved
     worker = PoolWorker(SimpleNamespace(settings=settings), rank=0, tp_size=1)
     worker._caches = {"layer": torch.zeros(1)}  # registered: jobs are submitted
@@ -114,6 +115,55 @@ def main() -> dict:
     out["finished_sending_3"] = sorted(worker.results(set()).finished_sending)
     out["finished_sending_4"] = sorted(worker.results({"c"}).finished_sending)
     out["dropped"] = worker.tally.take().data.get("stores_dropped", 0)
+    out.update(release_bound())
+    return out
+
+
+def release_bound() -> dict:
+    """Issue 42.3: a finished request's blocks go within `release_ms` whatever its store does. A
+    store hung in the store's call (a hung master) keeps the thread; the finished request queued
+    behind it is reported free once the bound passed, its store dropped; a store that read every
+    block (into the host tier) lets its request go while it still puts."""
+    settings = PoolSettings(master="127.0.0.1:1", insecure=True, store_timeout_ms=3_600_000, release_ms=200)
+    worker = PoolWorker(SimpleNamespace(settings=settings), rank=0, tp_size=1)
+    worker._caches = {"layer": torch.zeros(1)}
+    hang, copied, reads = threading.Event(), threading.Event(), {}
+
+    def job(call, kind, pj: PoolJob):
+        rid = pj.request_id
+        with call.device_access() as ok:
+            reads[rid] = ok
+        if rid == "early":
+            call.device_released.set()  # its blocks read: now it puts
+            copied.set()
+        hang.wait(WAIT_S)  # the master does not answer
+        return SimpleNamespace(ok=True, reasons=[], seconds=0.0)
+
+    worker._job = job
+    out: dict = {}
+
+    def until_free(rids: set[str]) -> set[str]:
+        seen = set(worker.results(rids).finished_sending)
+        end = time.monotonic() + WAIT_S
+        while not rids <= seen and time.monotonic() < end:
+            time.sleep(0.01)
+            seen |= worker.results(set()).finished_sending
+        return seen
+
+    worker.run(PoolMetadata(stores=[PoolJob("early", [b"k"], [40], (1,), (0,), False)]))
+    copied.wait(WAIT_S)
+    out["released_after_its_copy"] = sorted(until_free({"early"}))
+    out["early_still_putting"] = not hang.is_set()
+    worker.run(PoolMetadata(stores=[PoolJob("queued", [b"k"], [41], (1,), (0,), False)]))  # behind the hung one
+    out["released_while_queued"] = sorted(until_free({"queued"}))
+    out["queued_never_read"] = "queued" not in reads
+    hang.set()
+    worker.run(PoolMetadata(stores=[PoolJob("after", [b"k"], [42], (1,), (0,), False)]))  # queued behind it
+    end = time.monotonic() + WAIT_S
+    while "after" not in reads and time.monotonic() < end:  # the thread went past the dropped store
+        time.sleep(0.01)
+    out["queued_read_after_drop"] = reads.get("queued", "never run")
+    out["release_dropped"] = worker.tally.take().data.get("stores_dropped", 0)
     return out
 
 

@@ -39,6 +39,8 @@ class Call:
         self.submitted = time.monotonic()
         self.started: float | None = None
         self._device = threading.Lock()
+        self.device_released = threading.Event()
+        """Set by a call that reads no more device memory (a store putting what it already copied)."""
 
     @contextlib.contextmanager
     def device_access(self) -> Iterator[bool]:

@@ -37,7 +37,7 @@ from kvbridge.offload.keys import OffloadKey
 from kvbridge.offload.spec import CPULoadStoreSpec, GPULoadStoreSpec
 from kvbridge.offload.worker import OffloadWorker
 from kvbridge.pool.config import PoolConfig, StagingLayout, job_chunks, object_layout
-from kvbridge.pool.host_tier import HostTier, HostWrite
+from kvbridge.pool.host_tier import HostTier
 from kvbridge.pool.index import PoolIndex
 from kvbridge.pool.objects import ObjectId
 from kvbridge.pool.seal import SEAL_BYTES, open_into, seal_all, seal_into, tenant_key
@@ -54,6 +54,10 @@ def _always() -> AbstractContextManager[bool]:
 
 def _yes() -> bool:
     return True
+
+
+def _nothing() -> None:
+    return None
 
 
 @dataclass
@@ -157,10 +161,11 @@ class PoolTier:
 
     # -- store ---------------------------------------------------------------------------------------------
     def store(self, gpu: GPULoadStoreSpec, keys: Sequence[OffloadKey], device_access: DeviceAccess = _always,
-              skip_present: bool = False, tenant: bytes = b"", still_allowed: Callable[[], bool] = _yes
-              ) -> TierResult:
+              skip_present: bool = False, tenant: bytes = b"", still_allowed: Callable[[], bool] = _yes,
+              device_done: Callable[[], None] = _nothing) -> TierResult:
         """Put the objects this rank writes of every block of the job; `done[i]`: all of key i's are in
-        (in the host tier, or in the store).
+        (in the host tier, or in the store). `device_done()` is called once the job reads no more
+        device memory (its blocks may be released while it goes on putting).
 
         With a host tier, objects are sealed straight into it (those another engine of the host
         holds or is writing are left to it), and the store gets a copy of what this call sealed.
@@ -172,14 +177,24 @@ class PoolTier:
         `still_allowed`, asked after each device read, says whether the caller kept waiting during
         it (`Call.still_allowed`): one abandoned meanwhile may have read blocks being rewritten, so
         nothing of that read is put."""
+        if self.host is not None:
+            return self._store_via_host(gpu, keys, device_access, skip_present, tenant, still_allowed, device_done)
+        try:
+            return self._store_direct(gpu, keys, device_access, skip_present, tenant, still_allowed)
+        finally:
+            device_done()
+
+    def _store_direct(self, gpu: GPULoadStoreSpec, keys: Sequence[OffloadKey], device_access: DeviceAccess,
+                      skip_present: bool, tenant: bytes, still_allowed: Callable[[], bool]) -> TierResult:
+        """Without a host tier: chunk by chunk, device -> staging -> seal -> put."""
         t0 = time.perf_counter()
         tkey = tenant_key(self.config.secret, tenant)
         result = TierResult([])
         for chunk, chunk_keys in job_chunks(gpu, keys, self.layout, self.factor, self.config.staging_blocks):
             mine = [self.writes[self.layout.group_of(key)] for key in chunk_keys]
-            wanted = [list(objs) for objs in mine] if self.client is not None else [[] for _ in chunk_keys]
+            wanted = [list(objs) for objs in mine]
             stale: dict[str, tuple[int, ObjectId]] = {}
-            if skip_present and self.client is not None:
+            if skip_present:
                 flat = [(slot, o, n) for slot, (key, objs) in enumerate(zip(chunk_keys, wanted))
                         for o, n in zip(objs, self.layout.keys(key, objs))]  # one block name per block
                 names = [n for *_, n in flat]
@@ -192,32 +207,19 @@ class PoolTier:
                 for slot, o, n in flat:
                     if n not in listed or n in stale:
                         wanted[slot].append(o)
-                if not any(wanted) and self.host is None:
+                if not any(wanted):
                     result.done += [True] * len(chunk_keys)
                     continue
-            host = self.host.claim(chunk_keys, mine) if self.host is not None else None
-            if host is not None and not host.targets and not any(wanted):  # the host's engines hold it all
-                HostTier.publish(host)
-                result.done += [c is not None for c in host.claims]
-                continue
             if any(f % self.factor for g, f in enumerate(chunk.block_indices) if g not in self._state_groups):
                 # a skipped head: no stale bytes in objects
                 for r in self._regions:
                     r.zero_()
-            try:
-                with device_access() as allowed:
-                    copied = allowed and self._run_worker((chunk, CPULoadStoreSpec(range(len(chunk_keys)))))
-                allowed = allowed and still_allowed()
-            except BaseException:
-                if host is not None:
-                    HostTier.publish(host, frozenset((i, o) for i, o, _ in host.targets))
-                raise
+            with device_access() as allowed:
+                copied = allowed and self._run_worker((chunk, CPULoadStoreSpec(range(len(chunk_keys)))))
+            allowed = allowed and still_allowed()
             copied = copied and allowed
             if not copied:
-                if host is not None:
-                    HostTier.publish(host, frozenset((i, o) for i, o, _ in host.targets))
-                if self.client is not None:
-                    self.client.note_unreadable(list(stale))  # for the next store of them
+                self.client.note_unreadable(list(stale))  # for the next store of them
                 result.done += [False] * len(chunk_keys)
                 result.reasons.append("device -> staging copy failed" if allowed else "abandoned (deadline)")
                 continue
@@ -228,16 +230,7 @@ class PoolTier:
                 for n in kept:
                     slot, o = stale[n]
                     wanted[slot].remove(o)
-            try:
-                sealed = self._seal_chunk(tkey, chunk_keys, host, wanted)
-            except BaseException:
-                if host is not None:
-                    HostTier.publish(host, frozenset((i, o) for i, o, _ in host.targets))
-                raise
-            if host is not None:
-                HostTier.publish(host)  # visible to the host's engines before the store's round trip
-                self.stats["host_objects_put"] += len(host.targets)
-            names, owner, spans = sealed
+            names, owner, spans = self._seal_chunk(tkey, chunk_keys, wanted)
             codes = self.client.put(names, self._wire_runs(spans)) if names else []
             bad = {owner[i] for i, c in enumerate(codes) if c != 0}
             self.stats["put_failures"] += sum(c != 0 for c in codes)
@@ -250,25 +243,107 @@ class PoolTier:
             result.bytes += nbytes
             self.stats["objects_put"] += len(put)
             self.stats["bytes_put"] += nbytes
-            on_host = [host is not None and host.claims[i] is not None for i in range(len(chunk_keys))]
-            result.done += [on_host[slot] or slot not in bad for slot in range(len(chunk_keys))]
+            result.done += [slot not in bad for slot in range(len(chunk_keys))]
         result.seconds = time.perf_counter() - t0
         return result
 
-    def _seal_chunk(self, tkey: bytes, chunk_keys: Sequence[OffloadKey], host: HostWrite | None,
-                    wanted: list[list[ObjectId]]) -> tuple[list[str], list[int], list[tuple[int, int]]]:
-        """Seal a chunk's objects from staging: those `host` claimed into the host tier, those
-        `wanted` by the store into the wire buffer (a copy of the host's bytes where both want
-        one). Returns the store's names, their blocks and wire spans."""
-        work, nbytes = [], 0
-        in_host: dict[tuple[int, ObjectId], np.ndarray] = {}
-        if host is not None:
-            for i, obj, view in host.targets:
-                key = chunk_keys[i]
-                name = self.layout.keys(key, [obj])[0]
-                work.append(partial(seal_into, tkey, name, self._views(i, obj), view))
-                nbytes += view.nbytes
-                in_host[(i, obj)] = view
+    def _store_via_host(self, gpu: GPULoadStoreSpec, keys: Sequence[OffloadKey], device_access: DeviceAccess,
+                        skip_present: bool, tenant: bytes, still_allowed: Callable[[], bool],
+                        device_done: Callable[[], None]) -> TierResult:
+        """With a host tier: first every chunk device -> staging -> sealed into the host tier (no
+        call to the store, so a hung master never holds the device blocks), then `device_done()`,
+        then what this call sealed is put into the store from the host tier, for the other hosts."""
+        t0 = time.perf_counter()
+        tkey = tenant_key(self.config.secret, tenant)
+        result = TierResult([])
+        sealed: list[tuple[int, OffloadKey, ObjectId, int, int]] = []  # (block, key, object, slot, generation)
+        assert self.host is not None
+        try:
+            for chunk, chunk_keys in job_chunks(gpu, keys, self.layout, self.factor, self.config.staging_blocks):
+                base = len(result.done)
+                mine = [self.writes[self.layout.group_of(key)] for key in chunk_keys]
+                host = self.host.claim(chunk_keys, mine)
+                if not host.targets:  # the host's engines hold it all, or no slot is free of a writer
+                    HostTier.publish(host)
+                    result.done += [c is not None for c in host.claims]
+                    continue
+                everything = frozenset((i, o) for i, o, _ in host.targets)
+                if any(f % self.factor for g, f in enumerate(chunk.block_indices) if g not in self._state_groups):
+                    for r in self._regions:  # a skipped head: no stale bytes in objects
+                        r.zero_()
+                try:
+                    with device_access() as allowed:
+                        copied = allowed and self._run_worker((chunk, CPULoadStoreSpec(range(len(chunk_keys)))))
+                    allowed = allowed and still_allowed()
+                    if not (copied and allowed):
+                        HostTier.publish(host, everything)
+                        result.done += [False] * len(chunk_keys)
+                        result.reasons.append("device -> staging copy failed" if allowed else "abandoned (deadline)")
+                        continue
+                    seal_all([partial(seal_into, tkey, self.layout.keys(chunk_keys[i], [o])[0], self._views(i, o), view)
+                              for i, o, view in host.targets], sum(v.nbytes for *_, v in host.targets))
+                except BaseException:
+                    HostTier.publish(host, everything)
+                    raise
+                HostTier.publish(host)
+                self.stats["host_objects_put"] += len(host.targets)
+                result.done += [c is not None for c in host.claims]
+                sealed += [(base + i, chunk_keys[i], o, host.claims[i].slot, host.claims[i].gen)
+                           for i, o, _ in host.targets]
+        finally:
+            device_done()
+        if self.client is not None and sealed:
+            self._put_from_host(sealed, skip_present, result)
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    def _put_from_host(self, sealed: list[tuple[int, OffloadKey, ObjectId, int, int]], skip_present: bool,
+                       result: TierResult) -> None:
+        """Put objects this call sealed into the host tier into the store too, copied from the host
+        tier through the wire buffer a buffer's worth at a time; one the host tier evicted
+        meanwhile is not put (its slot no longer holds it)."""
+        assert self.client is not None and self.host is not None
+        names = [self.layout.keys(key, [o])[0] for _, key, o, _, _ in sealed]
+        if skip_present:
+            listed = {n for n, e in zip(names, self.client.exists(names)) if e is True}
+            stale = [n for n in self.client.take_unreadable(names) if n in listed]  # a dead writer's: replaced
+            if stale:
+                self.stats["removed"] += sum(c == 0 for c in self.client.remove(stale))
+            listed -= set(stale)
+            keep = [i for i, n in enumerate(names) if n not in listed]
+            sealed, names = [sealed[i] for i in keep], [names[i] for i in keep]
+        capacity = self._wire.numel()
+        at = 0
+        while at < len(sealed):
+            batch, used, spans = [], 0, []
+            while at < len(sealed):
+                _, key, o, slot, gen = sealed[at]
+                view = self.host.views(key, slot, [o])[0]
+                if used + view.nbytes > capacity and batch:
+                    break
+                self._wire_np[used:used + view.nbytes] = view
+                if self.host.arena(key).still(slot, gen):
+                    batch.append(at)
+                    spans.append((used, view.nbytes))
+                    used += view.nbytes
+                at += 1
+            codes = self.client.put([names[i] for i in batch], self._wire_runs(spans)) if batch else []
+            failed = sum(c != 0 for c in codes)
+            self.stats["put_failures"] += failed
+            if failed:
+                result.reasons.append(f"{failed} puts failed (Mooncake codes {sorted({c for c in codes if c != 0})[:4]}); "
+                                      f"the host tier holds them")
+            ok = [i for i, c in zip(batch, codes) if c == 0]
+            nbytes = sum(self.layout.nbytes(sealed[i][2]) for i in ok)
+            result.objects += len(ok)
+            result.bytes += nbytes
+            self.stats["objects_put"] += len(ok)
+            self.stats["bytes_put"] += nbytes
+
+    def _seal_chunk(self, tkey: bytes, chunk_keys: Sequence[OffloadKey], wanted: list[list[ObjectId]]
+                    ) -> tuple[list[str], list[int], list[tuple[int, int]]]:
+        """Seal the objects `wanted` of a chunk from staging into the wire buffer, back to back;
+        returns their names, their blocks and their wire spans."""
         names, owner, entries = [], [], []
         for slot, key in enumerate(chunk_keys):
             for obj, name in zip(wanted[slot], self.layout.keys(key, wanted[slot])):
@@ -276,15 +351,8 @@ class PoolTier:
                 entries.append((slot, obj))
                 owner.append(slot)
         spans = self._place(entries)
-        for name, (slot, obj), (off, n) in zip(names, entries, spans):
-            if (slot, obj) not in in_host:
-                work.append(partial(seal_into, tkey, name, self._views(slot, obj), self._wire_np[off:off + n]))
-                nbytes += n
-        seal_all(work, nbytes)
-        for (slot, obj), (off, n) in zip(entries, spans):
-            view = in_host.get((slot, obj))
-            if view is not None:
-                self._wire_np[off:off + n] = view
+        seal_all([partial(seal_into, tkey, name, self._views(slot, obj), self._wire_np[off:off + n])
+                  for name, (slot, obj), (off, n) in zip(names, entries, spans)], sum(n for _, n in spans))
         return names, owner, spans
 
     # -- load ----------------------------------------------------------------------------------------------

@@ -78,6 +78,9 @@ class PoolSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lookup_timeout_ms: int = 1000
     load_timeout_ms: int = 10_000
     store_timeout_ms: int = 30_000
+    release_ms: int = 1000
+    """A finished request's blocks are released at most this long after it ends (plus a step):
+    its store then has read them into the host tier or staging, or is dropped (issue 42.3)."""
     max_backoff_s: float = 30.0
     host_mib: int = 0
     """This host's shared-memory tier (`pool.host_arena`), MiB; 0: none. Every instance of the host
@@ -93,7 +96,7 @@ class PoolSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                               "file, the same on every instance), or insecure: true")
         if not 0 <= self.segment_mib <= 1 << 20:
             raise ConfigError(f"KVBridgePoolConnector segment_mib must be in [0, 2^20], got {self.segment_mib}")
-        for name in ("lookup_timeout_ms", "load_timeout_ms", "store_timeout_ms"):
+        for name in ("lookup_timeout_ms", "load_timeout_ms", "store_timeout_ms", "release_ms"):
             if not 1 <= getattr(self, name) <= 3_600_000:
                 raise ConfigError(f"KVBridgePoolConnector {name} must be in [1, 3600000], got {getattr(self, name)}")
         if self.host_mib and not 1 <= self.host_mib <= 1 << 24:

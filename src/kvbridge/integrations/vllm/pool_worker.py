@@ -21,6 +21,7 @@ forwards instead of a core from the forward's threads (a store that falls behind
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -74,6 +75,9 @@ class PoolWorker:
         self.conn, self.rank, self.tp_size = conn, rank, tp_size
         s = conn.settings
         self.load_timeout, self.store_timeout = s.load_timeout_ms / 1000, s.store_timeout_ms / 1000
+        self.release_s = s.release_ms / 1000
+        self._putting: list[tuple[str, Call]] = []  # stores that released their blocks, still putting
+
         self._caches: dict[str, torch.Tensor] = {}
         self._tiers: dict[str, PoolTier] = {}  # "load" and "store", each used by its own thread only
         self._client: StoreClient | None = None  # one per rank, shared by both threads
@@ -87,7 +91,7 @@ class PoolWorker:
         self._stores: dict[str, list[tuple[Call, frozenset[int]]]] = {}  # in flight, with the blocks each reads
         self._loads: dict[str, tuple[Call, PoolJob]] = {}  # asynchronous loads in flight
         self._stored: set[str] = set()  # stores done, dropped or given up: their blocks may go
-        self._finished: OrderedDict[str, None] = OrderedDict()  # recent finished ids (bounded)
+        self._finished: OrderedDict[str, float] = OrderedDict()  # recent finished ids (bounded): when each ended
         self._res = KVConnectorTransferResults()
         self._failed_blocks: set[int] = set()
 
@@ -151,7 +155,7 @@ class PoolWorker:
         before, counts = tier.client.unreachable, dict(tier.stats)
         if kind == "store":
             res = tier.store(job.gpu(), job.keys, call.device_access, skip_present=True, tenant=job.tenant,
-                             still_allowed=call.still_allowed)
+                             still_allowed=call.still_allowed, device_done=call.device_released.set)
         else:
             res = tier.load(job.keys, job.gpu(), call.device_access, tenant=job.tenant)
         self.tally.add(**{k: tier.stats[k] - counts[k] for k in TIER_COUNTS}, **{f"{kind}_seconds": res.seconds})
@@ -273,7 +277,25 @@ class PoolWorker:
 
     def _settle_stores(self) -> None:
         for rid, calls in list(self._stores.items()):
-            self._set_stores(rid, [(c, b) for c, b in calls if not self._settled(rid, c)])
+            self._set_stores(rid, [(c, b) for c, b in calls if not self._settled(rid, c) and not self._released(rid, c)])
+        self._putting = [(rid, c) for rid, c in self._putting if not self._settled(rid, c)]
+
+    def _released(self, rid: str, call: Call) -> bool:
+        """Whether a finished request's store no longer needs its blocks (issue 42.3): it read them
+        all (it goes on putting into the store from the host tier: settled later, `_putting`), or
+        it did not within `release_ms` of its request's end (it is dropped: whatever the master
+        does, a finished request's blocks are released within that bound)."""
+        if call.device_released.is_set():
+            self._putting.append((rid, call))
+            return True
+        if rid not in self._finished:  # a running request's blocks are not held for its stores
+            return False
+        ended = self._finished[rid] or time.monotonic()
+        if time.monotonic() - max(ended, call.submitted) <= self.release_s:
+            return False
+        call.abandon(wait=False)  # nothing it reads from here on is put: the blocks may go
+        self.tally.add(stores_dropped=1)
+        return True
 
     def _settled(self, rid: str, call: Call) -> bool:
         if call.done.is_set():
@@ -295,7 +317,7 @@ class PoolWorker:
 
     def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         for rid in finished_req_ids:
-            self._finished[rid] = None
+            self._finished[rid] = time.monotonic()  # when it ended: its stores' release bound runs from here
         while len(self._finished) > MAX_FINISHED_IDS:
             self._finished.popitem(last=False)
         try:
