@@ -303,6 +303,7 @@ def _load(pool: Pool, seconds: float, seed: int) -> list[tuple[float, Answer]]:
     return out
 
 
+@pytest.mark.fleet  # a minute of outage under load: `make fleet-tests`; CI keeps the killed master below
 def test_a_master_stopped_for_a_minute_costs_requests_only_the_deadlines(pool):
     os.kill(pool.master.proc.pid, signal.SIGSTOP)
     try:

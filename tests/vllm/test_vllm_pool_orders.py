@@ -40,6 +40,7 @@ def _amx_fleet(vllm_env, tmp_path_factory, shapes):
     return pool_fleet(vllm_env, work, model, shapes, b"a" * 32, dtype="bfloat16")
 
 
+@pytest.mark.fleet  # two bf16 instance starts (77 s of CI); tests/pool/test_pool_faults.py keeps vLLM CPU's orders
 def test_a_fresh_bfloat16_amx_instance_starts_from_a_pool_hit_exactly(vllm_env, tmp_path_factory):
     shapes = (("x", InstanceShape(tp=1, block=64)), ("y", InstanceShape(tp=1, block=64)))
     with _amx_fleet(vllm_env, tmp_path_factory, shapes) as (master, x, y):

@@ -16,7 +16,7 @@ import pytest
 from kvbridge.proofs.vllm.cluster import free_ports
 from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.fleet]  # a fleet start that fails: `make fleet-tests`
 
 
 def test_an_instance_that_dies_at_start_is_reported_with_its_logs_cause(vllm_env, tmp_path):

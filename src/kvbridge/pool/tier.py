@@ -6,19 +6,24 @@ through this rank's canonical staging pool:
 
 * store: the offload worker copies the device blocks into staging slots (the planner writes the
   bytes this rank is the source of), then every object this rank writes is encrypted and sealed
-  (`pool.seal`, under its tenant's key) into the rank's wire buffer, one run per object, and put
-  from there, zero copy;
-* load: the objects this rank reads are fetched into the wire buffer; only when every object of
-  the chunk is present, of the right size and opens under its tenant's key (decrypted straight
-  into the staging slots) does the offload worker copy the chunk into the device blocks.
-  Anything else leaves the device untouched and reports the chunk's blocks as not loaded, so the
-  engine recomputes them.
+  (`pool.seal`, under its tenant's key): with a host tier straight into this host's shared
+  memory (`pool.host_tier`), every chunk before any call to the store, and then put into the
+  store from there; without one into the rank's wire buffer, one run per object, and put from
+  there, zero copy;
+* load: blocks the host tier holds whole are opened straight out of it into staging; the others'
+  objects are fetched into the wire buffer (and kept on the host tier for its next reader). Only
+  when every object of the chunk is present, of the right size and opens under its tenant's key
+  does the offload worker copy the chunk into the device blocks. Anything else leaves the device
+  untouched and reports the chunk's blocks as not loaded, so the engine recomputes them.
 
 Only the wire buffer is registered with the store: plaintext never leaves the process.
 
-The scheduler side (`PoolIndex.hits`) answers whether a block is complete in the store: every
-object of it exists. Objects appear one by one as ranks finish, and vanish one by one when the
-store evicts them, so a block is complete only when all are there.
+The scheduler side (`pool.index.PoolIndex`) answers whether a block is complete in the pool:
+every object of it exists. Objects appear one by one as ranks finish, and vanish one by one when
+the store evicts them, so a block is complete only when all are there.
+
+Length: a rank's store and load through both tiers share its staging views, wire buffer, chunking
+and counters; split in two, each half would reach into the other's state.
 """
 
 from __future__ import annotations
