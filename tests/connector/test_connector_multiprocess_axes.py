@@ -39,7 +39,7 @@ def test_pp_and_cp_over_real_transports(case: str) -> None:
     if transport != "shm":
         require(transport)
     result = run_multiprocess_demo(transport, model, prompt_len=30, new_tokens=3, seed=5, prefill=prefill,
-                                   decode=decode, mode=mode, timeout=90)
+                                   decode=decode, mode=mode, timeout=300)  # ten rank processes on two cores
     d = result.to_dict()
     assert result.match and result.cache_equal and result.replicas_equal, result.cache_differences
     assert result.requests_ok == 1 and result.released_exactly_once, result.releases
