@@ -42,7 +42,7 @@ from kvbridge.offload.keys import OffloadKey
 from kvbridge.offload.spec import CPULoadStoreSpec, GPULoadStoreSpec
 from kvbridge.offload.worker import OffloadWorker
 from kvbridge.pool.config import PoolConfig, StagingLayout, job_chunks, object_layout
-from kvbridge.pool.host_tier import HostTier
+from kvbridge.pool.host_tier import HostTier, HostWrite
 from kvbridge.pool.index import PoolIndex
 from kvbridge.pool.objects import ObjectId
 from kvbridge.pool.seal import SEAL_BYTES, open_into, seal_all, seal_into, tenant_key
@@ -272,7 +272,9 @@ class PoolTier:
                     HostTier.publish(host)
                     result.done += [c is not None for c in host.claims]
                     continue
-                everything = frozenset((i, o) for i, o, _ in host.targets)
+                def everything(host=host) -> frozenset:
+                    return frozenset((i, o) for i, o, _ in host.targets)
+
                 if any(f % self.factor for g, f in enumerate(chunk.block_indices) if g not in self._state_groups):
                     for r in self._regions:  # a skipped head: no stale bytes in objects
                         r.zero_()
@@ -281,14 +283,16 @@ class PoolTier:
                         copied = allowed and self._run_worker((chunk, CPULoadStoreSpec(range(len(chunk_keys)))))
                     allowed = allowed and still_allowed()
                     if not (copied and allowed):
-                        HostTier.publish(host, everything)
+                        HostTier.publish(host, everything())
                         result.done += [False] * len(chunk_keys)
                         result.reasons.append("device -> staging copy failed" if allowed else "abandoned (deadline)")
                         continue
-                    seal_all([partial(seal_into, tkey, self.layout.keys(chunk_keys[i], [o])[0], self._views(i, o), view)
-                              for i, o, view in host.targets], sum(v.nbytes for *_, v in host.targets))
+                    names = self._host_names(chunk_keys, host)
+                    seal_all([partial(seal_into, tkey, name, self._views(i, o), view)
+                              for name, (i, o, view) in zip(names, host.targets)],
+                             sum(v.nbytes for *_, v in host.targets))
                 except BaseException:
-                    HostTier.publish(host, everything)
+                    HostTier.publish(host, everything())
                     raise
                 HostTier.publish(host)
                 self.stats["host_objects_put"] += len(host.targets)
@@ -301,6 +305,12 @@ class PoolTier:
             self._put_from_host(sealed, skip_present, result)
         result.seconds = time.perf_counter() - t0
         return result
+
+    def _host_names(self, chunk_keys: Sequence[OffloadKey], host: HostWrite) -> list[str]:
+        """Store names of `host.targets`, one block name per block (a MAC each)."""
+        per_block = {i: dict(zip(objs, self.layout.keys(chunk_keys[i], objs))) for i, objs in enumerate(host.objects)
+                     if objs}
+        return [per_block[i][o] for i, o, _ in host.targets]
 
     def _put_from_host(self, sealed: list[tuple[int, OffloadKey, ObjectId, int, int]], skip_present: bool,
                        result: TierResult) -> None:
