@@ -90,6 +90,7 @@ def test_a_damaged_object_in_the_arena_is_refused_forgotten_and_stored_again(tmp
         keys = block_keys(2, "damage")
         assert all(src.store(src.job(3, 2), keys))
         arena = src.tiers[0].host.arenas[0]
+        assert all(t.host.arenas[0] is arena for t in src.tiers + dst.tiers)  # one map per process
         slot = arena.present([bytes.fromhex(src.tiers[0].layout.block(keys[1]))], [[0]])[0][0]
         with open(_arena_file(tmp_path), "r+b") as f:  # anyone with the file: one byte of object 0 of block 1
             at = arena._data + slot * arena.slot_bytes + 5

@@ -38,6 +38,7 @@ import hashlib
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -97,6 +98,7 @@ class HostArena:
         slots = min(MAX_SLOTS, capacity // self.slot_bytes)
         if slots < 1:
             raise ConfigError(f"host tier of {capacity} bytes holds no pool block of {self.slot_bytes} bytes")
+        self._threads = threading.Lock()
         self.fd = self._open_or_create(slots)
         size = os.fstat(self.fd).st_size
         # Populated at once: an engine maps its arena at start, and a page first touched in a store
@@ -164,11 +166,14 @@ class HostArena:
 
     @contextmanager
     def _locked(self):
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        """Other processes (`flock`) and this process's other threads: a `flock` is per open
+        file, and the tiers of one process share this arena's (`open_arena`)."""
+        with self._threads:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def _next_tick(self) -> int:
         self._clock[0] += 1
@@ -312,17 +317,52 @@ def _rows(names: Sequence[bytes]) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint64).reshape(len(names), 3)
 
 
+_mapped: dict[str, list] = {}  # path -> [arena, users]: one map per arena and process
+_mapped_lock = threading.Lock()
+
+
+def _forget_mapped() -> None:
+    """In a forked child: its own maps and locks (a `flock` is per open file, so an inherited fd
+    would not exclude the parent)."""
+    _mapped.clear()
+
+
+os.register_at_fork(after_in_child=_forget_mapped)
+
+
 def open_arena(path: str, object_bytes: Sequence[int], capacity: int) -> HostArena | None:
-    """`HostArena`, or None (with the reason logged) where this host cannot give it: the tier is a
-    cache, so an engine without it still serves through Mooncake."""
+    """The arena at `path`, mapped once per process however many tiers use it (a rank's load and
+    store tiers, the scheduler's index: each map is populated at once), or None (with the reason
+    logged) where this host cannot give it: the tier is a cache, so an engine without it still
+    serves through Mooncake. Each caller gives it back with `release_arena`."""
     import logging
 
-    try:
-        return HostArena(path, object_bytes, capacity)
-    except (ConfigError, OSError) as e:
-        msg = str(e) if isinstance(e, ConfigError) else f"{path}: {os.strerror(e.errno or errno.EIO)}"
-        logging.getLogger("kvbridge.pool").warning("the pool's host tier is off: %s", msg)
-        return None
+    with _mapped_lock:
+        held = _mapped.get(path)
+        if held is not None:
+            held[1] += 1
+            return held[0]
+        try:
+            arena = HostArena(path, object_bytes, capacity)
+        except (ConfigError, OSError) as e:
+            msg = str(e) if isinstance(e, ConfigError) else f"{path}: {os.strerror(e.errno or errno.EIO)}"
+            logging.getLogger("kvbridge.pool").warning("the pool's host tier is off: %s", msg)
+            return None
+        _mapped[path] = [arena, 1]
+        return arena
 
 
-__all__ = ["Claim", "HostArena", "LEASE_S", "arena_dir", "arena_name", "open_arena"]
+def release_arena(arena: HostArena) -> None:
+    """One user of `arena` fewer; the last one unmaps it."""
+    with _mapped_lock:
+        held = _mapped.get(arena.path)
+        if held is None or held[0] is not arena:
+            return
+        held[1] -= 1
+        if held[1]:
+            return
+        del _mapped[arena.path]
+    arena.close()
+
+
+__all__ = ["Claim", "HostArena", "LEASE_S", "arena_dir", "arena_name", "open_arena", "release_arena"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvbridge.offload.keys import OffloadKey
-from kvbridge.pool.host_arena import Claim, HostArena, arena_dir, arena_name, open_arena
+from kvbridge.pool.host_arena import Claim, HostArena, arena_dir, arena_name, open_arena, release_arena
 from kvbridge.pool.objects import ObjectId, ObjectLayout
 from kvbridge.pool.seal import SEAL_BYTES
 
@@ -120,9 +120,10 @@ class HostTier:
         write.arena.publish(write.claims, written)
 
     def close(self) -> None:
-        for a in self.arenas:
+        arenas, self.arenas = self.arenas, [None] * len(self.arenas)
+        for a in arenas:
             if a is not None:
-                a.close()
+                release_arena(a)
 
 
 __all__ = ["MAX_HOST_BYTES", "MIN_HOST_BYTES", "HostTier", "HostWrite"]
