@@ -7,13 +7,15 @@ reader's host tier for its next reader: tests/pool/test_pool_host_tier.py)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pool_fleet import greedy_logprobs, pool_fleet, stored_prompt
 
 from kvbridge.integrations.vllm.fleet import InstanceShape
 from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
-from kvbridge.testing.serving import metric_total
+from kvbridge.testing.serving import metric_total, prompt_text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.fleet]
 HITS = "vllm:external_prefix_cache_hits_total"
@@ -21,6 +23,18 @@ HITS = "vllm:external_prefix_cache_hits_total"
 
 def _count(m, name: str) -> float:
     return metric_total(m.url, f"vllm:kvbridge_pool_{name}_total")
+
+
+def _reported(m, name: str, timeout_s: float = 300.0) -> float:
+    """`name` once the instance reported it: a rank's counts reach /metrics with an engine step,
+    and a store ends after its request's last step, so short requests drive steps until it shows."""
+    end = time.monotonic() + timeout_s
+    seed = 900
+    while _count(m, name) == 0 and time.monotonic() < end:
+        greedy_logprobs(m.url, prompt_text(seed, 8), max_tokens=1)
+        seed += 1
+        time.sleep(0.5)
+    return _count(m, name)
 
 
 def test_instances_of_one_host_share_through_its_tier_and_another_host_through_the_store(vllm_env, tmp_path_factory):
@@ -35,7 +49,7 @@ def test_instances_of_one_host_share_through_its_tier_and_another_host_through_t
              "z": {"host_mib": 64, "host_dir": str(there)}}
     with pool_fleet(vllm_env, work, model, shapes, b"h" * 32, member_kv=tiers) as (master, x, y, z):
         text, reference, stored = stored_prompt(master, x, seed=7, length=300)
-        assert stored > 0 and _count(x, "host_objects_put") > 0
+        assert stored > 0 and _reported(x, "host_objects_put") > 0
         hits, from_store = metric_total(y.url, HITS), _count(y, "objects_got")
         assert [t for t, _ in greedy_logprobs(y.url, text)] == [t for t, _ in reference]
         assert metric_total(y.url, HITS) - hits >= 256, "Y did not load X's prefix"
