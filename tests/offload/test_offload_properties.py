@@ -225,3 +225,36 @@ def test_canonical_pool_loads_into_another_tp_block_size_and_layout(data):
         run(wx, (gx, cpu))
         run(wy, (cpu, gy))
     assert_same(dst, expected)
+
+
+def byte_map(runs) -> tuple[np.ndarray, ...]:
+    """(destination region, byte, source region, byte) of every byte a run list moves, sorted."""
+    rep = np.repeat(np.arange(len(runs)), runs.length)
+    within = np.arange(int(runs.length.sum())) - np.repeat(np.cumsum(runs.length) - runs.length, runs.length)
+    cols = (runs.dst_region[rep], runs.dst_offset[rep] + within, runs.src_region[rep], runs.src_offset[rep] + within)
+    order = np.lexsort(cols[1::-1])
+    return tuple(c[order] for c in cols)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_per_block_tables_move_the_bytes_the_whole_plan_moves(data):
+    """Jobs are built from one device block's runs moved by its ids (`JobPlanner._by_unit`): for
+    any layout pair and job, the same bytes from the same bytes as a plan of the whole job, and
+    the tables are used (a layout of another form would silently cost a plan per job)."""
+    spec = data.draw(models())
+    layout = data.draw(layouts(spec))
+    factor = data.draw(st.integers(1, 4))
+    gpu, cpu, slots = data.draw(jobs(spec, layout, factor))
+    pool = (CPUPool.canonical(spec, layout.block_size * factor, slots, pin_memory=False)
+            if data.draw(st.booleans()) else CPUPool.mirror(spec, layout, factor, slots, pin_memory=False))
+    device = RankCache.allocate_engine(spec, layout, fill=None)
+    ranks = data.draw(st.sampled_from([[c.rank] for c in device] + [[c.rank for c in device]]))
+    with OffloadWorker([device[r] for r in ranks], pool) as w:
+        for store in (True, False):
+            fast, whole = (w.planner.plan(gpu, cpu, store, by_unit=b) for b in (True, False))
+            assert all(np.array_equal(a, b) for a, b in zip(byte_map(fast), byte_map(whole)))
+            assert fast.num_device_blocks == whole.num_device_blocks
+    for s in split_groups(gpu, cpu, factor, len(spec.groups)):
+        assert all(w.planner._unit_tables(s.group, k, store) is not None
+                   for k in range(len(w.planner._parts[s.group])) for store in (True, False))

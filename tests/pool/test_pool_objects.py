@@ -176,11 +176,11 @@ def test_a_sealed_object_opens_only_as_itself_and_holds_no_plaintext(split):
     assert "magic" in refusals["no seal"] and "authentication" in refusals["another tenant"]
 
 
-def test_object_keys_are_derived_per_seal_never_repeated():
-    """Every (key, nonce) encrypts one plaintext: each seal of a process derives its key from the
-    process's writer id and a count that never repeats, so the same name sealed again (another
-    engine's last bits, a rewrite after eviction, or the same bytes) gets another key; a forked
-    child draws a writer id of its own instead of repeating its parent's counts."""
+def test_nonces_are_derived_per_seal_never_repeated():
+    """Every (key, nonce) encrypts one plaintext: each seal of a process takes the process's writer
+    key and the next of its counts as the nonce, so the same name sealed again (another engine's
+    last bits, a rewrite after eviction, or the same bytes) gets another nonce; a forked child draws
+    a writer id (so a key) of its own instead of repeating its parent's counts."""
     import os
 
     tkey = tenant_key(b"s" * 16)
@@ -206,6 +206,29 @@ def test_object_keys_are_derived_per_seal_never_repeated():
     os.close(r)
     os.waitpid(pid, 0)
     assert len(child) == 32 and child[:16] != next(iter(values))[:16]
+
+
+def test_a_writer_draws_a_new_key_after_its_last_nonce_and_threads_never_share_one(monkeypatch):
+    """After `_ROTATE` seals the writer draws another id, so its counts start again under another
+    key; threads sealing at once (the seal pool) never get the same (id, count)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvbridge.pool import seal
+
+    monkeypatch.setattr(seal, "_ROTATE", 50)
+    monkeypatch.setattr(seal, "_writer", seal._Writer())
+    tkey, a = tenant_key(b"s" * 16), np.arange(64, dtype=np.uint8)
+    derivation = slice(64 + 16, 64 + 48)
+    with ThreadPoolExecutor(4) as pool:
+        values = list(pool.map(lambda i: bytes(_sealed(tkey, f"kvb5/{i}", [a])[derivation]), range(400)))
+    assert len(set(values)) == 400
+    writers: dict[bytes, list[int]] = {}
+    for v in values:
+        writers.setdefault(v[:16], []).append(int.from_bytes(v[16:24], "little"))
+    assert len(writers) >= 8 and all(max(c) < 50 for c in writers.values())
+    out = [np.empty(64, dtype=np.uint8)]
+    sealed = _sealed(tkey, "kvb5/x", [a])
+    assert open_into(tkey, "kvb5/x", sealed, out) == "" and np.array_equal(out[0], a)
 
 
 def test_engines_that_must_not_share_get_different_namespaces():

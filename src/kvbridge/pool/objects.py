@@ -38,7 +38,7 @@ from kvbridge.offload.pool import CPUPool
 from kvbridge.pool.seal import mac_key
 
 KEY_PREFIX = "kvb2"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """Bumped whenever the bytes of an object or the key derivation change: older objects become misses."""
 MAX_MODEL_ID = 256
 
@@ -118,6 +118,7 @@ class ObjectLayout:
         self.spec, self.pool, self.namespace, self._secret = spec, pool, namespace, secret
         self.addr = pool.caches[0].addr
         self.kernel_per_block = pool.layout.kernel_blocks_per_block
+        self._nbytes: dict[ObjectId, int] = {}
         self.group_objects: list[list[ObjectId]] = []
         for g, layers in enumerate(spec.groups):
             objs = []
@@ -190,7 +191,11 @@ class ObjectLayout:
         return out
 
     def nbytes(self, obj: ObjectId) -> int:
-        return sum(n for _, _, n in self.pieces(0, obj))
+        """Payload bytes of `obj` (asked per object of every call: kept once computed)."""
+        known = self._nbytes.get(obj)
+        if known is None:
+            known = self._nbytes[obj] = sum(n for _, _, n in self.pieces(0, obj))
+        return known
 
     # -- which rank writes and reads what -----------------------------------------------------------------
     def written_by(self, device: EngineLayout, rank: int) -> list[set[ObjectId]]:
