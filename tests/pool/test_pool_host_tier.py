@@ -198,3 +198,34 @@ def test_a_load_from_the_store_is_kept_on_the_host_for_its_next_reader(master, l
     finally:
         src.close()
         dst.close()
+
+
+def test_with_the_store_away_the_host_tier_goes_on_and_a_client_attached_later_puts_again(master, lender, tmp_path):
+    """`remote=False` (the integration's breaker open): stores and loads touch the host tier only,
+    lookups answer from it, and a tier that started without a client (the master down at start)
+    takes one later and puts into the store from then on."""
+    cfg = host_config(tmp_path)
+    src = host_only(Engine(2, 4, seed=1), cfg)  # started while the master was down
+    dst = Engine(1, 8, seed=2, kv_order="HND")
+    dst.tiers = [PoolTier(c, lender, cfg) for c in dst.caches]
+    index = PoolIndex(SPEC, lender, cfg)
+    try:
+        away, later = block_keys(3, "away"), block_keys(2, "later")
+        assert all(all(t.store(src.job(3, 3), away, remote=False).done) for t in src.tiers)
+        assert index.hits(away + later, remote=False) == [True] * 3 + [False] * 2
+        expected = expected_load(src, src.job(3, 3), dst.caches, dst.layout, dst.job(20, 3))
+        assert all(dst.tiers[0].load(away, dst.job(20, 3), remote=False).done)
+        assert same(dst.caches, expected)
+        res = dst.tiers[0].load(later, dst.job(20, 2), remote=False)  # nowhere on the host: no store asked
+        assert not any(res.done) and "no store behind it now" in res.reasons[0]
+        assert dst.tiers[0].stats["missing"] == 0 and dst.tiers[0].stats["objects_got"] == 0
+        assert index.hits(away) == [True] * 3 and lender.exists([n for k in away for n in index.layout.keys(k)]) == \
+            [False] * 3 * 2 * 4  # nothing of it reached the store
+        for t in src.tiers:
+            t.attach(lender)
+        assert all(src.store(src.job(3, 2), later))
+        assert sum(t.stats["objects_put"] for t in src.tiers) == 2 * 2 * 4  # the store got what came after
+    finally:
+        index.close()
+        src.close()
+        dst.close()

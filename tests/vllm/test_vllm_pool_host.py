@@ -59,3 +59,30 @@ def test_instances_of_one_host_share_through_its_tier_and_another_host_through_t
         assert [t for t, _ in greedy_logprobs(z.url, text)] == [t for t, _ in reference]
         assert metric_total(z.url, HITS) - hits_z >= 256, "Z (another host) did not find the prefix in the store"
         assert _count(z, "objects_got") > 0 and _count(z, "host_objects_got") == 0
+
+        # The master goes: the host tier goes on. Y's next lookup beyond the host tier fails and
+        # opens its breakers; X's store puts into the host tier (its put to the store fails);
+        # Y, its store away, still loads X's new prefix from the host tier.
+        master.stop()
+        opened = _count(y, "breaker_opened")
+        greedy_logprobs(y.url, prompt_text(77, 300), max_tokens=1)  # in no tier: the store is asked
+        assert _reported_above(y, "breaker_opened", opened) > opened, "Y never noticed the master gone"
+        put = _count(x, "host_objects_put")
+        text2 = prompt_text(78, 300)
+        reference2 = greedy_logprobs(x.url, text2)
+        assert _reported_above(x, "host_objects_put", put) > put, "X stored nothing into the host tier"
+        hits, got = metric_total(y.url, HITS), _count(y, "host_objects_got")
+        assert [t for t, _ in greedy_logprobs(y.url, text2)] == [t for t, _ in reference2]
+        assert metric_total(y.url, HITS) - hits >= 256, "Y did not load X's prefix with the store away"
+        assert _count(y, "host_objects_got") > got
+
+
+def _reported_above(m, name: str, before: float, timeout_s: float = 300.0) -> float:
+    """`name` once it passed `before` (short requests drive the steps that report it: `_reported`)."""
+    end = time.monotonic() + timeout_s
+    seed = 1900
+    while _count(m, name) <= before and time.monotonic() < end:
+        greedy_logprobs(m.url, prompt_text(seed, 8), max_tokens=1)
+        seed += 1
+        time.sleep(0.5)
+    return _count(m, name)

@@ -48,7 +48,7 @@ def main() -> dict:
     ended: dict[str, threading.Event] = {}
     kept: dict[str, bool] = {}
 
-    def job(call, kind, pj: PoolJob):  # a store reading the device twice, the first read held open
+    def job(call, kind, pj: PoolJob, remote: bool = True):  # a store reading the device twice, the first read held open
         rid = pj.request_id
         started[rid].set()
         seen = reads.setdefault(rid, [])
@@ -129,7 +129,7 @@ def release_bound() -> dict:
     worker._caches = {"layer": torch.zeros(1)}
     hang, copied, reads = threading.Event(), threading.Event(), {}
 
-    def job(call, kind, pj: PoolJob):
+    def job(call, kind, pj: PoolJob, remote: bool = True):
         rid = pj.request_id
         with call.device_access() as ok:
             reads[rid] = ok

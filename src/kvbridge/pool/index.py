@@ -21,12 +21,13 @@ class PoolIndex:
         self.client = client
         self.host = HostTier(self.layout, config.secret, config.host_bytes, config.host_dir) if config.host_bytes else None
 
-    def hits(self, keys: Sequence[OffloadKey]) -> list[bool | None]:
-        """Per block key: every object present (True), one missing (False), store unreachable (None)."""
+    def hits(self, keys: Sequence[OffloadKey], remote: bool = True) -> list[bool | None]:
+        """Per block key: every object present (True), one missing (False), store unreachable (None).
+        `remote=False` asks the host tier only (the store is away): what it lacks is missing."""
         answer: list[bool | None] = [True] * len(keys)
         on_host = self.host.complete(keys) if self.host is not None else [False] * len(keys)
         rest = [i for i, hit in enumerate(on_host) if not hit]
-        if self.client is None:
+        if self.client is None or not remote:
             for i in rest:
                 answer[i] = False
             return answer

@@ -103,21 +103,32 @@ class PoolTier:
         self.worker = OffloadWorker([cache], self.staging, parallel=parallel)
         self._regions = self.staging.byte_regions()
         self.host = HostTier(self.layout, config.secret, config.host_bytes, config.host_dir) if config.host_bytes else None
-        # The wire buffer: a chunk's objects back to back as the store holds them (payload
-        # encrypted, then its seal), each one run; sized for a chunk of the largest group.
-        per_block = max((sum(self.layout.nbytes(o) + SEAL_BYTES for o in g) for g in self.layout.group_objects),
-                        default=0)
-        self._wire = torch.zeros(max(1, config.staging_blocks * per_block if client else 1), dtype=torch.uint8)
+        self._per_block = max((sum(self.layout.nbytes(o) + SEAL_BYTES for o in g) for g in self.layout.group_objects),
+                              default=0)
+        self.client = None
+        self._wire = torch.zeros(1, dtype=torch.uint8)
         self._wire_np, self._wire_base = self._wire.numpy(), self._wire.data_ptr()
+        self._unregister = weakref.finalize(self, _nothing)
         self._view_cache: dict[tuple[int, ObjectId], list[np.ndarray]] = {}
-        spans = [(self._wire_base, self._wire.numel())] if client else []
-        for address, nbytes in spans:
-            client.register(address, nbytes)
-        # Unregistered when the tier goes, closed or not: Mooncake refuses to register memory that
-        # overlaps a stale registration, and freed staging is soon reused.
-        self._unregister = weakref.finalize(self, _unregister, client, spans)
+        if client is not None:
+            self.attach(client)
         self.stats = {"objects_put": 0, "objects_got": 0, "bytes_put": 0, "bytes_got": 0, "seal_failures": 0,
                       "missing": 0, "put_failures": 0, "removed": 0, "host_objects_put": 0, "host_objects_got": 0}
+
+    def attach(self, client: StoreClient) -> None:
+        """Use `client` from now on (a host tier's engine starts without one while the store is
+        away, `PoolTier(cache, None, ...)`): its wire buffer is made and registered now."""
+        if self.client is not None:
+            raise ValueError("this pool tier already has a store client")
+        # The wire buffer: a chunk's objects back to back as the store holds them (payload
+        # encrypted, then its seal), each one run; sized for a chunk of the largest group.
+        wire = torch.zeros(max(1, self.config.staging_blocks * self._per_block), dtype=torch.uint8)
+        client.register(wire.data_ptr(), wire.numel())
+        self.client, self._wire = client, wire
+        self._wire_np, self._wire_base = wire.numpy(), wire.data_ptr()
+        # Unregistered when the tier goes, closed or not: Mooncake refuses to register memory that
+        # overlaps a stale registration, and freed staging is soon reused.
+        self._unregister = weakref.finalize(self, _unregister, client, [(self._wire_base, wire.numel())])
 
     # -- bytes of objects in staging ----------------------------------------------------------------------
     def _views(self, slot: int, obj: ObjectId) -> list[np.ndarray]:
@@ -167,7 +178,7 @@ class PoolTier:
     # -- store ---------------------------------------------------------------------------------------------
     def store(self, gpu: GPULoadStoreSpec, keys: Sequence[OffloadKey], device_access: DeviceAccess = _always,
               skip_present: bool = False, tenant: bytes = b"", still_allowed: Callable[[], bool] = _yes,
-              device_done: Callable[[], None] = _nothing) -> TierResult:
+              device_done: Callable[[], None] = _nothing, remote: bool = True) -> TierResult:
         """Put the objects this rank writes of every block of the job; `done[i]`: all of key i's are in
         (in the host tier, or in the store). `device_done()` is called once the job reads no more
         device memory (its blocks may be released while it goes on putting).
@@ -181,9 +192,14 @@ class PoolTier:
         `tenant` (vLLM's cache_salt) picks the key its objects are encrypted under.
         `still_allowed`, asked after each device read, says whether the caller kept waiting during
         it (`Call.still_allowed`): one abandoned meanwhile may have read blocks being rewritten, so
-        nothing of that read is put."""
+        nothing of that read is put. `remote=False` leaves the store alone (it is away): the host
+        tier only, and without one nothing is stored."""
         if self.host is not None:
-            return self._store_via_host(gpu, keys, device_access, skip_present, tenant, still_allowed, device_done)
+            return self._store_via_host(gpu, keys, device_access, skip_present, tenant, still_allowed, device_done,
+                                        remote)
+        if not remote or self.client is None:
+            device_done()
+            return TierResult([False] * len(keys), reasons=["no host tier, and the store is away"])
         try:
             return self._store_direct(gpu, keys, device_access, skip_present, tenant, still_allowed)
         finally:
@@ -254,7 +270,7 @@ class PoolTier:
 
     def _store_via_host(self, gpu: GPULoadStoreSpec, keys: Sequence[OffloadKey], device_access: DeviceAccess,
                         skip_present: bool, tenant: bytes, still_allowed: Callable[[], bool],
-                        device_done: Callable[[], None]) -> TierResult:
+                        device_done: Callable[[], None], remote: bool) -> TierResult:
         """With a host tier: first every chunk device -> staging -> sealed into the host tier (no
         call to the store, so a hung master never holds the device blocks), then `device_done()`,
         then what this call sealed is put into the store from the host tier, for the other hosts."""
@@ -301,7 +317,7 @@ class PoolTier:
                            for i, o, _ in host.targets]
         finally:
             device_done()
-        if self.client is not None and sealed:
+        if self.client is not None and remote and sealed:
             self._put_from_host(sealed, skip_present, result)
         result.seconds = time.perf_counter() - t0
         return result
@@ -372,7 +388,7 @@ class PoolTier:
 
     # -- load ----------------------------------------------------------------------------------------------
     def load(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec, device_access: DeviceAccess = _always,
-             tenant: bytes = b"") -> TierResult:
+             tenant: bytes = b"", remote: bool = True) -> TierResult:
         """Fetch, check and copy into the device; `done[i]`: key i's bytes are on the device.
 
         Blocks the host tier holds are opened straight out of it; the rest come from the store,
@@ -380,17 +396,17 @@ class PoolTier:
         but is not what its name promises (another size, a seal that does not check) is removed,
         so that the next writer stores it again: garbage put by anyone costs one recompute, never
         a blocked prefix. `device_access` gates the copy into the device (see `pool.background`);
-        `tenant` as for `store`."""
+        `tenant` as for `store`; `remote=False`: the host tier only (the store is away)."""
         t0 = time.perf_counter()
         tkey = tenant_key(self.config.secret, tenant)
         result = TierResult([])
         for chunk, chunk_keys in job_chunks(gpu, keys, self.layout, self.factor, self.config.staging_blocks):
             reads = [self.reads[self.layout.group_of(key)] for key in chunk_keys]
-            why, remote = self._open_from_host(tkey, chunk_keys, reads)
-            if remote and self.client is None:
-                why = f"{len(remote)} of {len(chunk_keys)} blocks not in the host tier (no store behind it)"
-            elif remote:
-                why = self._load_remote(tkey, chunk_keys, reads, remote)
+            why, missing = self._open_from_host(tkey, chunk_keys, reads)
+            if missing and (self.client is None or not remote):
+                why = f"{len(missing)} of {len(chunk_keys)} blocks not in the host tier (no store behind it now)"
+            elif missing:
+                why = self._load_remote(tkey, chunk_keys, reads, missing)
             if not why:
                 with device_access() as allowed:
                     if not allowed:

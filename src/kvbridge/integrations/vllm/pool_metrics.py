@@ -52,7 +52,7 @@ COUNTERS = {
                "in a dead writer's memory).",
     "removed": "Objects removed because they were not what their name promised (the next writer stores them), or "
                "replaced by this rank's store because it could not read them where the store lists them.",
-    "breaker_opened": "Times a breaker opened (the store down, hung or erring): the pool is skipped.",
+    "breaker_opened": "Times a breaker opened (the store down, hung or erring): the store is skipped (a host tier goes on).",
     "breaker_closed": "Times a breaker closed again (opened minus closed: sides skipping the pool now).",
 }
 

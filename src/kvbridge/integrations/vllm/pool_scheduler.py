@@ -74,7 +74,8 @@ class PoolScheduler:
         self.breaker = Breaker(1.0, s.max_backoff_s, on_change=announce(logger, s.master, "scheduler", self.tally))
         self._asked: dict[str, Call] = {}  # lookups in flight, by request
         self._prober = Prober(self._thread, self.breaker, self._probe_store, self.lookup_timeout)
-        self._pending: dict[str, tuple[list[list[bytes]], int, float]] = {}  # answered: keys per group, tokens, when
+        # answered: keys per group, tokens, when, and whether the store was asked (else the host tier alone)
+        self._pending: dict[str, tuple[list[list[bytes]], int, float, bool]] = {}
         self._loaded: set[str] = set()  # requests a load was scheduled for (until they finish)
         # Tokens of each live request that an engine step has run on: its KV is in its blocks then.
         # A request finished before any step ran it (aborted while its KV was still arriving from a
@@ -96,21 +97,31 @@ class PoolScheduler:
         self._meta = PoolMetadata()
 
     # -- on the pool thread -------------------------------------------------------------------------
-    def _ensure_index(self) -> PoolIndex:
-        """The client, built once (`StoreClient` says why it is kept), and the scheduler's index."""
+    def _ensure_index(self, connect: bool = True) -> PoolIndex:
+        """The scheduler's index, and with `connect` its client, built once (`StoreClient` says why
+        it is kept). With a host tier the index goes on without a client while the store is away
+        (it answers from the host tier) and the next probe tries again."""
         if self._index is None:
-            self._client = StoreClient(self.conn.settings.store_config(lend=False))
-            self._index = PoolIndex(self.conn.spec, self._client, self.conn.config, vllm_staging)
+            self._index = PoolIndex(self.conn.spec, None, self.conn.config, vllm_staging)
+        if self._index.client is None and connect:
+            try:
+                self._client = self._index.client = StoreClient(self.conn.settings.store_config(lend=False))
+            except PoolUnavailable:
+                if not self.conn.config.host_bytes:
+                    raise
         return self._index
 
-    def _hits(self, call: Call, keys: list[bytes]) -> list[bool | None]:
-        answer = self._ensure_index().hits(keys)
-        if any(a is None for a in answer):
-            raise PoolUnavailable(f"Mooncake Store at {self.conn.settings.master} did not answer a lookup")
-        return answer
+    def _hits(self, call: Call, keys: list[bytes], remote: bool = True) -> tuple[list[bool], bool]:
+        """Per key whether it is in the pool, and whether the store answered; `remote=False` while
+        the breaker is open: the host tier alone. A block the store did not answer about is a miss
+        (what the host tier holds is still a hit)."""
+        index = self._ensure_index(connect=remote)
+        answer = index.hits(keys, remote=remote and index.client is not None)
+        return [a is True for a in answer], index.client is not None and all(a is not None for a in answer)
 
     def _probe_store(self, call: Call) -> None:
-        if not self._ensure_index().client.answers():
+        client = self._ensure_index().client
+        if client is None or not client.answers():
             raise PoolUnavailable(f"Mooncake Store at {self.conn.settings.master} did not answer")
 
     # -- on the engine's scheduler ------------------------------------------------------------------
@@ -135,20 +146,21 @@ class PoolScheduler:
             self._forget_lookup(rid)
             return 0, False
         if rid in self._pending:  # answered at an earlier step, and vLLM could not schedule it then
-            _, tokens_hit, at = self._pending[rid]
+            _, tokens_hit, at, remote = self._pending[rid]
             if time.monotonic() - at < ANSWER_KEPT_S:
-                if tokens_hit <= num_computed_tokens or not self.breaker.is_closed:
+                if tokens_hit <= num_computed_tokens or (remote and not self.breaker.is_closed):
                     return 0, False
                 return tokens_hit - num_computed_tokens, self.conn.settings.load_async
             del self._pending[rid]  # long waited: the store may have evicted or gained blocks since
         call = self._asked.get(rid)
         if call is None:
-            if not self.breaker.is_closed:
+            remote = self.breaker.is_closed  # the store away: with a host tier, that tier alone is asked
+            if not (remote or self.conn.config.host_bytes):
                 self.tally.add(lookups_skipped=1)
                 return 0, False
             keys = [k for ks in request_group_keys(request, tokens[:usable * self.bt], self.bt, len(self.windows))
                     for k in ks]  # every group's keys, group after group
-            call = self._thread.submit(self._hits, keys)
+            call = self._thread.submit(self._hits, keys, remote)
             if call is None:
                 return 0, False
             self._asked[rid] = call
@@ -157,18 +169,26 @@ class PoolScheduler:
         if not call.done.is_set():
             if call.age() < self.lookup_timeout:
                 return None, False  # vLLM asks again at its next step
+            remote = call.args[1]
             self._forget_lookup(rid)
             self.tally.add(lookup_timeouts=1)
-            self.breaker.failure(f"no answer to a lookup within {self.conn.settings.lookup_timeout_ms} ms")
+            if remote:
+                self.breaker.failure(f"no answer to a lookup within {self.conn.settings.lookup_timeout_ms} ms")
             return 0, False
         del self._asked[rid]
+        flat, remote = call.args
         if call.error is not None:
-            self.breaker.failure(one_line(call.error))
+            if remote:
+                self.breaker.failure(one_line(call.error))
             return 0, False
-        self.breaker.success()
-        flat, per = call.args[0], len(call.args[0]) // len(self.windows)
+        answer, answered = call.result
+        if remote and answered:
+            self.breaker.success()
+        elif remote:
+            self.breaker.failure(f"Mooncake Store at {self.conn.settings.master} did not answer a lookup")
+        per = len(flat) // len(self.windows)
         keys = [flat[g * per:(g + 1) * per] for g in range(len(self.windows))]
-        present = dict(zip(flat, call.result))
+        present = dict(zip(flat, answer))
         # Full groups need every block of the prefix, sliding ones the blocks their window still sees.
         tokens_hit = request_hits(keys, self.windows, self.bt, len(tokens), present.get) or 0
         hits = tokens_hit // self.bt
@@ -177,7 +197,7 @@ class PoolScheduler:
         # Kept until vLLM allocates the request's blocks: a request it cannot schedule yet (no free
         # blocks, a LoRA slot) is asked about again at every step, and is answered from this, not
         # with another round trip and another count.
-        self._pending[rid] = ([ks[:hits] for ks in keys], tokens_hit, time.monotonic())
+        self._pending[rid] = ([ks[:hits] for ks in keys], tokens_hit, time.monotonic(), remote)
         if tokens_hit <= num_computed_tokens:
             return 0, False
         self.tally.add(hit_tokens=tokens_hit - num_computed_tokens)
@@ -185,6 +205,11 @@ class PoolScheduler:
         # rest of the prompt (an asynchronous load costs two more engine steps before the request
         # runs, which on a busy CPU engine cost more than the tokens it saved).
         return tokens_hit - num_computed_tokens, self.conn.settings.load_async
+
+    def _storing(self) -> bool:
+        """Whether stores are queued: while the store answers, or with a host tier always (the
+        worker puts into the host tier alone while the store is away)."""
+        return self.breaker.is_closed or bool(self.conn.config.host_bytes)
 
     def _forget_lookup(self, rid: str) -> None:
         call = self._asked.pop(rid, None)
@@ -220,7 +245,7 @@ class PoolScheduler:
         pending = self._pending.pop(request.request_id, None)
         if not num_external_tokens or pending is None:
             return
-        keys, tokens_hit, _ = pending
+        keys, tokens_hit, _, _ = pending
         self._loaded.add(request.request_id)
         # What it loads is in the pool already: stores as its blocks fill start after it.
         self._stored_upto[request.request_id] = tokens_hit // self.bt
@@ -270,7 +295,7 @@ class PoolScheduler:
         self._pending.pop(rid, None)
         self._forget_lookup(rid)
         offers = self._offers.pop(rid, [])
-        if not self.conn.settings.store or not self.breaker.is_closed:
+        if not self.conn.settings.store or not self._storing():
             return False
         # Every full block, those queued while it ran too: a store of a running request's blocks
         # is dropped when one of them is handed out again, and the worker puts only what the
@@ -369,7 +394,7 @@ class PoolScheduler:
         self._meta.drop_running = not self._running_stores
         ran, self._offers = self._offers, {}
         self._take_offers(output)
-        if self._running_stores and self.conn.settings.store and self.breaker.is_closed:
+        if self._running_stores and self.conn.settings.store and self._storing():
             handed_out = set(self._meta.allocated)
             for rid, offers in ran.items():  # the steps that computed these states have run
                 request = self._live.get(rid)

@@ -119,16 +119,16 @@ class PoolWorker:
         self._names, self._spec, self._layout = names, spec, layout
 
     # -- on the pool thread ---------------------------------------------------------------------------
-    def _ensure_tier(self, kind: str) -> PoolTier:
-        # Built at first use: another connector (MultiConnector) may re-point the cache tensors at
-        # registration; the tensors themselves are what vLLM computes into.
+    def _ensure_tier(self, kind: str, connect: bool = True) -> PoolTier:
+        """The rank's tier of `kind`, with the store client when `connect` (see `_connect`).
+        Built at first use: another connector (MultiConnector) may re-point the cache tensors at
+        registration; the tensors themselves are what vLLM computes into."""
         tier = self._tiers.get(kind)
         if tier is not None:
+            if tier.client is None and connect:
+                self._connect()
             return tier
-        with self._client_lock:  # the client (and the threads Mooncake starts) at normal priority
-            if self._client is None:
-                self._client = StoreClient(self.conn.settings.store_config(lend=self.conn.settings.segment_mib > 0))
-            client = self._client
+        client = self._connect() if connect else self._client
         need = self._layout.addressing(self._spec, self.rank).region_nbytes
         cache = RankCache(self._spec, self._layout, self.rank,
                           [layer_region(self._caches[n], nbytes) for n, nbytes in zip(self._names, need)])
@@ -143,6 +143,24 @@ class PoolWorker:
                         self.conn.config.block_tokens, len(tier.writes[0]), len(tier.reads[0]))
         return tier
 
+    def _connect(self) -> StoreClient | None:
+        """The rank's store client, built once and given to every tier built before it. With a host
+        tier the rank goes on without one while the store is away (its tiers use the host tier
+        alone) and tries again at each probe; without one that is an error (the breaker opens)."""
+        with self._client_lock:  # the client (and the threads Mooncake starts) at normal priority
+            if self._client is None:
+                try:
+                    self._client = StoreClient(self.conn.settings.store_config(lend=self.conn.settings.segment_mib > 0))
+                except PoolUnavailable:
+                    if not self.conn.config.host_bytes:
+                        raise
+                    return None
+            client = self._client
+        for tier in list(self._tiers.values()):
+            if tier.client is None:
+                tier.attach(client)
+        return client
+
     def _drop_tiers(self) -> None:
         tiers, client, self._tiers, self._client = list(self._tiers.values()), self._client, {}, None
         for tier in tiers:
@@ -150,21 +168,25 @@ class PoolWorker:
         if client is not None:
             client.close()
 
-    def _job(self, call: Call, kind: str, job: PoolJob) -> TierResult:
-        tier = self._ensure_tier(kind)
-        before, counts = tier.client.unreachable, dict(tier.stats)
+    def _job(self, call: Call, kind: str, job: PoolJob, remote: bool = True) -> TierResult:
+        """One load or store; `remote=False` while the breaker is open: the host tier alone."""
+        tier = self._ensure_tier(kind, connect=remote)  # the store away: no client built for it now
+        client = tier.client if remote else None
+        remote = client is not None
+        before, counts = client.unreachable if client else 0, dict(tier.stats)
         if kind == "store":
             res = tier.store(job.gpu(), job.keys, call.device_access, skip_present=True, tenant=job.tenant,
-                             still_allowed=call.still_allowed, device_done=call.device_released.set)
+                             still_allowed=call.still_allowed, device_done=call.device_released.set, remote=remote)
         else:
-            res = tier.load(job.keys, job.gpu(), call.device_access, tenant=job.tenant)
+            res = tier.load(job.keys, job.gpu(), call.device_access, tenant=job.tenant, remote=remote)
         self.tally.add(**{k: tier.stats[k] - counts[k] for k in TIER_COUNTS}, **{f"{kind}_seconds": res.seconds})
-        if tier.client.unreachable != before:  # the client is kept: see `StoreClient`
+        if client is not None and client.unreachable != before:  # the client is kept: see `StoreClient`
             raise PoolUnavailable(f"Mooncake Store at {self.conn.settings.master} stopped answering during a {kind}")
         return res
 
     def _probe_store(self, call: Call) -> None:
-        if not self._ensure_tier("load").client.answers():
+        client = self._ensure_tier("load").client
+        if client is None or not client.answers():
             raise PoolUnavailable(f"Mooncake Store at {self.conn.settings.master} did not answer")
 
     # -- on the engine's step ---------------------------------------------------------------------------
@@ -238,25 +260,34 @@ class PoolWorker:
                 self._fail_load(job, one_line(e))
 
     def _submit(self, kind: str, job: PoolJob) -> Call | None:
-        """Queue `job` on its kind's thread; None while the pool is away, before registration, or
-        when that thread is behind."""
-        if not (self.breaker.is_closed and self._caches):
+        """Queue `job` on its kind's thread; None before registration, when that thread is behind,
+        or while the store is away (breaker open) without a host tier. With one, a job queued while
+        the store is away uses the host tier alone (`_job`'s `remote`): its engines go on sharing."""
+        remote = self.breaker.is_closed
+        if not (self._caches and (remote or self.conn.config.host_bytes)):
             return None
-        return (self._store_thread if kind == "store" else self._load_thread).submit(self._job, kind, job)
+        return (self._store_thread if kind == "store" else self._load_thread).submit(self._job, kind, job, remote)
+
+    @staticmethod
+    def _remote(call: Call) -> bool:
+        """Whether `call` asked the store (only those say anything about it to the breaker)."""
+        return bool(call.args[2]) if len(call.args) > 2 else True
 
     def _give_up_load(self, call: Call, job: PoolJob) -> None:
         call.abandon()  # from here on the late answer never reaches the blocks
         self.tally.add(timeouts=1)
-        self.breaker.failure(f"a load took over {self.conn.settings.load_timeout_ms} ms")
+        if self._remote(call):
+            self.breaker.failure(f"a load took over {self.conn.settings.load_timeout_ms} ms")
         self._fail_load(job, "no answer in time")
 
     def _settle_load(self, call: Call, job: PoolJob) -> None:
         if call.error is not None:
-            if isinstance(call.error, PoolUnavailable):
+            if isinstance(call.error, PoolUnavailable) and self._remote(call):
                 self.breaker.failure(one_line(call.error))
             self._fail_load(job, one_line(call.error))
             return
-        self.breaker.success()
+        if self._remote(call):
+            self.breaker.success()
         res: TierResult = call.result
         if not res.ok:
             self._fail_load(job, "; ".join(res.reasons)[:500])
@@ -298,19 +329,23 @@ class PoolWorker:
         return True
 
     def _settled(self, rid: str, call: Call) -> bool:
+        remote = self._remote(call)
         if call.done.is_set():
             if call.error is not None:
-                self.breaker.failure(one_line(call.error))
+                if remote:
+                    self.breaker.failure(one_line(call.error))
             elif not call.result.ok:
                 logger.warning("KVBridgePoolConnector rank %d: store of %s incomplete: %s", self.rank, rid,
                                "; ".join(call.result.reasons)[:500])
             else:
-                self.breaker.success()
+                if remote:
+                    self.breaker.success()
                 self.tally.add(stores=1)
         elif call.age() > self.store_timeout:
             call.abandon(wait=False)  # nothing it reads from here on is put: the blocks may go
             self.tally.add(timeouts=1, stores_dropped=1)
-            self.breaker.failure(f"a store took over {self.conn.settings.store_timeout_ms} ms")
+            if remote:
+                self.breaker.failure(f"a store took over {self.conn.settings.store_timeout_ms} ms")
         else:
             return False
         return True
