@@ -192,6 +192,7 @@ def _pool_figures(m: Member) -> str:
     return ", ".join(f"{n} {metric_total(m.url, f'vllm:kvbridge_pool_{n}_total'):.0f}" for n in names)
 
 
+@pytest.mark.fleet  # CI time (75 s): `make fleet-tests`; CI keeps the killed master (and the host tier's outage in fleet)
 def test_instances_serve_with_the_master_down_and_use_the_pool_once_it_is_up(pool):
     for m in (pool.x, pool.y):
         _ok(request(m.url, prompt_text(10, 300), 8))

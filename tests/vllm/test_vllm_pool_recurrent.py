@@ -59,6 +59,7 @@ def _loaded(y, text: str) -> list[tuple[str, float]]:
     return got
 
 
+@pytest.mark.fleet  # CI time (47 s): `make fleet-tests`; CI keeps the TP 1 -> TP 2 resume below
 def test_a_conv_state_stored_at_tp2_block64_resumes_exactly_at_block32(fleet):
     master, _, w, y = fleet
     text, reference, _ = stored_prompt(master, w, 61, 257)
