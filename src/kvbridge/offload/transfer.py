@@ -135,6 +135,7 @@ class JobPlanner:
             raise InvalidRequest("a mirror pool of a pipeline-parallel engine is not supported; use the canonical pool")
         if device.cp_size > 1:
             raise InvalidRequest(f"offload of a context-parallel engine ({device.describe()}) is not supported")
+        self._tables: dict[tuple[int, int, bool], _UnitTable | None] = {}  # `_unit_tables`, built at first use
         self.dev = _Side(spec, device, self.ranks)
         self.cpu = _Side(spec, pool.layout, range(pool.layout.tp_size))
         # Same TP on both sides: pool rank r reads and writes only device rank r (the mirror case).
@@ -241,16 +242,17 @@ class JobPlanner:
             out.append(tuple(c.reshape(-1) for c in cols + [t.length[sub]]))
         return out
 
-    @lru_cache(maxsize=256)  # noqa: B019 - one planner per engine, kept for its life
     def _unit_tables(self, group: int, part: int, store: bool) -> _UnitTable | None:
         """Every sub-block's `_unit_table`, stacked (`column[sub, run]`); None unless all exist
-        with as many runs each."""
-        tables = [self._unit_table(group, part, r, store) for r in range(self.factor)]
-        if any(t is None for t in tables) or len({len(t.length) for t in tables}) != 1:  # type: ignore[union-attr]
-            return None
-        return _UnitTable(*(np.stack(col) for col in zip(*tables)))  # type: ignore[misc]
+        with as many runs each. Kept by the planner (one per engine and pool), not in a cache of
+        the process: a table holds a block's runs for every sub-block, megabytes for a big model."""
+        key = (group, part, store)
+        if key not in self._tables:
+            tables = [self._unit_table(group, part, r, store) for r in range(self.factor)]
+            self._tables[key] = None if any(t is None for t in tables) or len(
+                {len(t.length) for t in tables}) != 1 else _UnitTable(*(np.stack(col) for col in zip(*tables)))  # type: ignore[union-attr,misc]
+        return self._tables[key]
 
-    @lru_cache(maxsize=1024)  # noqa: B019 - one planner per engine, kept for its life
     def _unit_table(self, group: int, part: int, sub: int, store: bool) -> _UnitTable | None:
         """The runs that move sub-block `sub` of a CPU block (one device block) of part `part`,
         as constants plus strides per device and CPU block id: planned with ids 0 and 1 on each
