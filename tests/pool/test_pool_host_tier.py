@@ -229,3 +229,26 @@ def test_with_the_store_away_the_host_tier_goes_on_and_a_client_attached_later_p
         index.close()
         src.close()
         dst.close()
+
+
+def test_an_arena_file_of_another_user_or_not_a_file_is_refused_in_one_line(tmp_path, caplog):
+    """A host_dir others can write (say /tmp) must not hand this engine an arena someone else made:
+    the host tier is off (the engine goes on with the store), saying why in one line."""
+    cfg = host_config(tmp_path)
+    eng = host_only(Engine(1, 8, seed=1), cfg)
+    path = _arena_file(tmp_path)
+    eng.close()
+    if os.geteuid() != 0:
+        pytest.skip("making a file of another user needs root (chown); the check is the same for any owner")
+    os.chown(path, 4242, 4242)
+    for why in ("another user's", "a FIFO"):
+        caplog.clear()
+        eng = host_only(Engine(1, 8, seed=1), cfg)
+        try:
+            assert all(a is None for t in eng.tiers for a in t.host.arenas), why
+        finally:
+            eng.close()
+        said = [r.getMessage() for r in caplog.records if "host tier is off" in r.getMessage()]
+        assert said and "not a regular file of this user's" in said[0] and "\n" not in said[0], why
+        os.unlink(path)
+        os.mkfifo(path)

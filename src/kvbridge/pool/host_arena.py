@@ -38,6 +38,7 @@ import hashlib
 import mmap
 import os
 import struct
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -100,7 +101,12 @@ class HostArena:
             raise ConfigError(f"host tier of {capacity} bytes holds no pool block of {self.slot_bytes} bytes")
         self._threads = threading.Lock()
         self.fd = self._open_or_create(slots)
-        size = os.fstat(self.fd).st_size
+        st = os.fstat(self.fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(self.fd)
+            raise ConfigError(f"{path} is not a regular file of this user's (a host_dir other users can write?): "
+                              f"the host tier will not map it")
+        size = st.st_size
         # Populated at once: an engine maps its arena at start, and a page first touched in a store
         # or load would cost a fault each (a third of a copy's time, measured).
         self._map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
