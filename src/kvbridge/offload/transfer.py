@@ -169,10 +169,11 @@ class JobPlanner:
         t0 = time.perf_counter()
         slices = split_groups(gpu, cpu, self.factor, len(self.spec.groups), self.spec.recurrent_groups())
         B = self.device.block_size
-        parts, checked = [], True
+        parts, from_tables = [], True  # runs from `_by_unit` were checked with their tables
         for s in slices:
             n = len(s.device_ids)
             if s.state:  # one state slot per checkpoint, each its own request (the planner moves the last id's slot)
+                from_tables = False
                 pairs = [((int(d),), (int(c),)) for d, c in zip(s.device_ids, s.cpu_ids)]
                 reqs = [Request((a,), (b,), 1, 0) if store else Request((b,), (a,), 1, 0) for a, b in pairs]
             else:
@@ -180,7 +181,7 @@ class JobPlanner:
                 if unit is not None:
                     parts += unit
                     continue
-                checked = False
+                from_tables = False
                 dev_ids = tuple([0] * s.skip + s.device_ids.tolist())  # the skipped entries are never read
                 req_dev_cpu = (dev_ids, tuple(s.cpu_ids.tolist()))
                 src_ids, dst_ids = req_dev_cpu if store else req_dev_cpu[::-1]
@@ -192,7 +193,7 @@ class JobPlanner:
         runs = JobRuns(*(np.ascontiguousarray(c, dtype=np.int64) for c in cols),
                        num_device_blocks=sum(len(s.device_ids) for s in slices),
                        plan_seconds=time.perf_counter() - t0)
-        if not checked:
+        if not from_tables:
             self._check_bounds(runs, store)
         return runs
 
