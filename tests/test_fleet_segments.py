@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.integrations.vllm.fleet_processes import SegmentLedger, _group_alive
+from kvbridge.integrations.vllm.fleet_processes import SegmentLedger, _group_alive, stop_session
 from kvbridge.transport.shm import SharedSegment, pid_namespace, reap_stale_segments
 
 MEMBER = """
@@ -83,6 +83,41 @@ def test_stop_removes_the_fleets_segments_and_spares_everyone_elses():
         for p in foreign:
             if os.path.exists(p):
                 os.unlink(p)
+
+
+STUBBORN = """
+import multiprocessing, signal, time
+from multiprocessing import shared_memory
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopped only by the SIGKILL that follows
+block = shared_memory.SharedMemory(create=True, size=4096)
+lock = multiprocessing.get_context("spawn").Lock()  # a named semaphore, kept until shutdown
+# /proc/PID/maps shows it under glibc's temporary name (deleted), not this one
+print(block.name, "sem." + lock._semlock.name.lstrip("/"), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_stopped_session_leaves_nothing_it_mapped_and_spares_the_rest():
+    # A plain instance stopped as `running`, the demo and the bench stop theirs (no fleet ledger):
+    # it ignores SIGTERM and is SIGKILLed, so vLLM-like leftovers (a psm_ block, a sem.mp-
+    # semaphore) are removed by stop_session itself, and another program's file stays.
+    member = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    foreign = _touch(f"psm_{uuid.uuid4().hex[:8]}")
+    try:
+        names = member.stdout.readline().split()
+        assert len(names) == 2 and names[1].startswith("sem.mp-"), names
+        stop_session(member, timeout=1.0)
+        assert not _group_alive(member.pid)
+        assert not any(os.path.exists(f"/dev/shm/{n}") for n in names), names
+        assert os.path.exists(foreign)
+    finally:
+        if member.poll() is None:
+            os.killpg(member.pid, signal.SIGKILL)
+            member.wait()
+        for n in [foreign] + [f"/dev/shm/{n}" for n in locals().get("names", [])]:
+            if os.path.exists(n):
+                os.unlink(n)
 
 
 def test_the_reaper_judges_only_segments_of_its_own_pid_namespace():

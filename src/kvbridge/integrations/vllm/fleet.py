@@ -300,8 +300,9 @@ class Fleet:
             time.sleep(1.0)
 
     def stop_member(self, m: Member, timeout: float = 20.0) -> None:
-        """SIGTERM the member's process session, then SIGKILL what is left of it after `timeout`."""
-        stop_session(m.proc, timeout)
+        """SIGTERM the member's process session, then SIGKILL what is left of it after `timeout`
+        (what it maps noted in the fleet's ledger, removed at the fleet's stop)."""
+        stop_session(m.proc, timeout, self.ledger)
         m.proc = None
 
     def member(self, name: str) -> Member:

@@ -3,6 +3,7 @@ process sessions and the shared-memory segments they map. No policy here: `fleet
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -168,13 +169,45 @@ def _pids_in_groups(groups: set[int], zombies: bool = True) -> list[int]:
     return out
 
 
-def _mapped_segments(pid: int) -> set[str]:
-    """Names of /dev/shm files process `pid` maps."""
+def _mapped_inodes(pid: int) -> dict[int, str]:
+    """The /dev/shm files process `pid` maps: inode -> the name its mapping was made under."""
+    out: dict[int, str] = {}
     try:
         with open(f"/proc/{pid}/maps") as f:
-            return {line.split("/dev/shm/", 1)[1].split(" (deleted)")[0].strip() for line in f if "/dev/shm/" in line}
+            for line in f:
+                if "/dev/shm/" not in line:
+                    continue
+                fields = line.split(None, 5)
+                if len(fields) == 6 and fields[4].isdigit():
+                    out[int(fields[4])] = fields[5].split("/dev/shm/", 1)[1].split(" (deleted)")[0].strip()
     except OSError:
-        return set()
+        pass
+    return out
+
+
+def _shm_names_by_inode() -> dict[int, set[str]]:
+    """Every file in /dev/shm by inode (a POSIX named semaphore is mapped under the temporary name
+    glibc made it as, `sem.XXXXXX (deleted)`, and lives on as its hard link `sem.NAME`)."""
+    out: dict[int, set[str]] = {}
+    try:
+        with os.scandir("/dev/shm") as entries:
+            for e in entries:
+                with contextlib.suppress(OSError):
+                    if e.is_file(follow_symlinks=False):
+                        out.setdefault(e.inode(), set()).add(e.name)
+    except OSError:
+        pass
+    return out
+
+
+def _mapped_segments(pid: int, names: dict[int, set[str]] | None = None) -> set[str]:
+    """Names of /dev/shm files process `pid` maps, by the name they were mapped under and by every
+    name their inode has now (`names`: `_shm_names_by_inode()`, taken once for many pids)."""
+    names = _shm_names_by_inode() if names is None else names
+    out: set[str] = set()
+    for inode, name in _mapped_inodes(pid).items():
+        out |= names.get(inode, set()) or {name}
+    return out
 
 
 def _group_alive(pgid: int) -> bool:
@@ -231,27 +264,40 @@ def kill_seen(leader: int, ledger: SegmentLedger) -> None:
             signal_process(pid, start, signal.SIGKILL)
 
 
-def stop_session(proc: subprocess.Popen | None, timeout: float = 20.0) -> None:
-    """SIGTERM the process session `proc` leads, then SIGKILL what is left of it after `timeout`."""
+def stop_session(proc: subprocess.Popen | None, timeout: float = 20.0, ledger: SegmentLedger | None = None) -> None:
+    """SIGTERM the process session `proc` leads, then SIGKILL what is left of it after `timeout`.
+
+    What its processes map in /dev/shm is noted before and while it stops (vLLM's `psm_*` blocks,
+    `sem.mp-*` semaphores, shm communicators: a killed worker, or vLLM on its own stop, leaves
+    them). With a fleet's `ledger` they are its to remove at its stop; without one, those no live
+    process maps are removed here once the session is gone (`SegmentLedger`: only its own)."""
     if proc is None:
         return
+    own = ledger if ledger is not None else SegmentLedger()
+    own.track(proc.pid)
     for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             break
-        end = time.monotonic() + wait
+        end, noted = time.monotonic() + wait, time.monotonic()
         while time.monotonic() < end and _group_alive(proc.pid):
             proc.poll()
             time.sleep(0.1)
+            if time.monotonic() - noted > 1.0:  # a process's stop may map (or make) more
+                own.track(proc.pid)
+                noted = time.monotonic()
         if not _group_alive(proc.pid):
             break
     proc.poll()
+    if ledger is None:
+        own.remove_unused()
 
 
 def session_segments(*leaders: int) -> set[str]:
     """The /dev/shm names the processes of the sessions these pids lead map now."""
-    return {name for pid in _pids_in_groups(set(leaders)) for name in _mapped_segments(pid)}
+    names = _shm_names_by_inode()
+    return {name for pid in _pids_in_groups(set(leaders)) for name in _mapped_segments(pid, names)}
 
 
 def session_pids(*leaders: int) -> set[int]:
@@ -394,7 +440,8 @@ class SegmentLedger:
 
 def remove_unused_segments(names: set[str]) -> int:
     """Unlink those of `names` that no live process maps (killed vLLM processes leave theirs)."""
-    still_used = {name for pid in _all_pids() for name in _mapped_segments(pid)}
+    inodes = _shm_names_by_inode()
+    still_used = {name for pid in _all_pids() for name in _mapped_segments(pid, inodes)}
     removed = 0
     for name in names - still_used:
         try:

@@ -2,9 +2,10 @@
 
 Why a thread: a lookup is a Mooncake RPC, and Mooncake's RPCs have no deadline (a stopped master
 blocks them, a dead one costs 90 s of client retries). vLLM's scheduler may answer "not yet"
-(`get_num_new_matched_tokens` -> None, asked again next step), so a lookup is submitted to this
-side's `PoolThread`, waited for a few milliseconds inline (an answer in time costs no step), and
-otherwise polled on later steps until `lookup_timeout_ms`, after which it is a miss and the
+(`get_num_new_matched_tokens` -> None, asked again next step), so lookups go to this side's
+`PoolThread`, every waiting request's of one step in one call (`pool.lookups.BatchedLookups`),
+waited for inline a few milliseconds per step, not per request (an answer in time costs no step),
+and otherwise polled on later steps until `lookup_timeout_ms`, after which it is a miss and the
 breaker opens. While the breaker is open every lookup is a miss at once and no store is queued;
 a probe (a new client and one existence check, never a request's lookup) closes it again.
 
@@ -33,6 +34,7 @@ from kvbridge.offload.lookup import group_windows, request_hits
 from kvbridge.offload.scheduling import NULL, load_job, storable_keys, store_job, whole_blocks
 from kvbridge.pool.background import Call, PoolThread, Prober
 from kvbridge.pool.breaker import Breaker
+from kvbridge.pool.lookups import BatchedLookups
 from kvbridge.pool.store import PoolUnavailable, StoreClient, prepare_process
 from kvbridge.pool.tier import PoolIndex
 
@@ -45,7 +47,8 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.{__name__}")
 INLINE_WAIT_S = 0.02
-"""How long a lookup waits inline before answering "not yet": a healthy store answers in less."""
+"""How long one scheduler step's lookups wait inline, all of them together, before answering "not
+yet": a healthy store answers in less (`BatchedLookups`)."""
 ANSWER_KEPT_S = 10.0
 """How long a lookup's answer stands for a request vLLM asks about again at each step while it
 cannot schedule it (no free blocks): one round trip and one count per request, not per step, and
@@ -72,7 +75,7 @@ class PoolScheduler:
         self._thread = PoolThread("kvbridge-pool-scheduler", max_queue=4096)
         self.tally = StatsTally()
         self.breaker = Breaker(1.0, s.max_backoff_s, on_change=announce(logger, s.master, "scheduler", self.tally))
-        self._asked: dict[str, Call] = {}  # lookups in flight, by request
+        self._lookups = BatchedLookups(self._thread, self._hits, INLINE_WAIT_S)  # one call and wait per step
         self._prober = Prober(self._thread, self.breaker, self._probe_store, self.lookup_timeout)
         # answered: keys per group, tokens, when, and whether the store was asked (else the host tier alone)
         self._pending: dict[str, tuple[list[list[bytes]], int, float, bool]] = {}
@@ -152,36 +155,32 @@ class PoolScheduler:
                     return 0, False
                 return tokens_hit - num_computed_tokens, self.conn.settings.load_async
             del self._pending[rid]  # long waited: the store may have evicted or gained blocks since
-        call = self._asked.get(rid)
-        if call is None:
+        if not self._lookups.asked(rid):
             remote = self.breaker.is_closed  # the store away: with a host tier, that tier alone is asked
             if not (remote or self.conn.config.host_bytes):
                 self.tally.add(lookups_skipped=1)
                 return 0, False
             keys = [k for ks in request_group_keys(request, tokens[:usable * self.bt], self.bt, len(self.windows))
                     for k in ks]  # every group's keys, group after group
-            call = self._thread.submit(self._hits, keys, remote)
-            if call is None:
+            if not self._lookups.ask(rid, keys, remote):
                 return 0, False
-            self._asked[rid] = call
             self.tally.add(lookups=1, queried_tokens=usable * self.bt - num_computed_tokens)
-            call.wait(INLINE_WAIT_S)
-        if not call.done.is_set():
-            if call.age() < self.lookup_timeout:
+            self._lookups.wait(rid)  # what is left of this step's inline wait
+        got = self._lookups.answer(rid)
+        if got is None:
+            if self._lookups.age(rid) < self.lookup_timeout:
                 return None, False  # vLLM asks again at its next step
-            remote = call.args[1]
+            remote = self._lookups.remote(rid)
             self._forget_lookup(rid)
             self.tally.add(lookup_timeouts=1)
             if remote:
                 self.breaker.failure(f"no answer to a lookup within {self.conn.settings.lookup_timeout_ms} ms")
             return 0, False
-        del self._asked[rid]
-        flat, remote = call.args
-        if call.error is not None:
+        flat, answer, answered, remote = got.keys, got.present, got.answered, got.remote
+        if got.error is not None:
             if remote:
-                self.breaker.failure(one_line(call.error))
+                self.breaker.failure(one_line(got.error))
             return 0, False
-        answer, answered = call.result
         if remote and answered:
             self.breaker.success()
         elif remote:
@@ -212,9 +211,7 @@ class PoolScheduler:
         return self.breaker.is_closed or bool(self.conn.config.host_bytes)
 
     def _forget_lookup(self, rid: str) -> None:
-        call = self._asked.pop(rid, None)
-        if call is not None:
-            call.abandon()
+        self._lookups.forget(rid)
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Called for every request vLLM schedules from its waiting queue (new or resumed, in a
@@ -371,6 +368,7 @@ class PoolScheduler:
         blocks this step hands out (`PoolMetadata.allocated`). Never raises: on an error, stores
         while requests run are off and the workers drop those in flight (`drop_running`)."""
         try:
+            self._lookups.step_ended()  # what waited for a call goes now, in one
             self._scheduled(output)
         except Exception as e:  # noqa: BLE001 - a cache's error must never reach the scheduler
             self._stop_running_stores(e)

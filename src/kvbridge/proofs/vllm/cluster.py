@@ -27,7 +27,7 @@ from typing import Any
 
 from kvbridge.core.secrets import write_secret_file
 from kvbridge.errors import ConfigError, KVBridgeError
-from kvbridge.integrations.vllm.fleet_processes import free_ports, vllm_python  # noqa: F401 - re-exported
+from kvbridge.integrations.vllm.fleet_processes import SegmentLedger, free_ports, vllm_python  # noqa: F401 - re-exported
 
 REPO = Path(__file__).resolve().parents[4]
 START_TIMEOUT_S = 600.0  # one instance, on a loaded 2-core machine (idle: ~25-40 s)
@@ -321,10 +321,15 @@ class Cluster:
 
     def close(self, names: Sequence[str] | None = None) -> None:
         names = list(names if names is not None else self.instances)
+        # What the instances map in /dev/shm (vLLM's psm_* blocks, sem.mp-* semaphores): a SIGKILL
+        # leaves them, and only the instances' own are removed once nobody maps them.
+        ledger = SegmentLedger()
+        ledger.track(*(self.instances[n].proc.pid for n in names if not self.instances[n].closed))
         for name in names:  # all at once, then wait for each
             self.instances[name].kill()
         for name in names:
             self.instances[name].close()
+        ledger.remove_unused()
         try:
             from kvbridge.transport.shm import reap_stale_segments
             reap_stale_segments()  # segments of the killed vLLM workers
