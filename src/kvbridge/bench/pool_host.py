@@ -4,7 +4,9 @@ One engine (TP 2, block 16) stores N pool blocks into the host tier, sealing inc
 process (TP 1, block 64, HND: another shape) loads them, opening included. Each side times a
 `torch` copy of the same payload bytes right after each of its rounds, in its own process, so
 every ratio is measured side by side on the same core under the same load. Figures: payload
-bytes over wall time, median of the rounds, at each pool block size.
+bytes over wall time, median of the rounds, at each pool block size; beside them AES-GCM alone over
+the same bytes against a copy (`seal_ceiling`), the most of a copy a sealed store or load can reach
+on this host.
 """
 
 from __future__ import annotations
@@ -79,8 +81,50 @@ def run_side(side: str, layers: int, heads: int, head_dim: int, tokens: int, blo
     if why:
         raise RuntimeError(f"a host-tier {side} failed during the benchmark: {why[0]}")
     m, c = statistics.median(moved), statistics.median(copied)
+    objects = sum(t.stats["host_objects_put" if side == "store" else "host_objects_got"] for t in tiers) // rounds
     return {"bytes": payload, f"{side}_gb_s": payload / m / 1e9, f"copy_gb_s_{side}_side": payload / c / 1e9,
-            f"{side}_vs_copy": c / m}
+            f"{side}_vs_copy": c / m, f"{side}_objects": objects}
+
+
+def seal_ceiling(payload: int, objects: int, rounds: int) -> dict[str, Any]:
+    """AES-GCM alone over the same payload in objects of the same size, memory to memory, on the
+    threads the tier seals with (`seal.SEAL_THREADS`), beside a copy: every store and every load
+    makes one such pass, so this is the most of a copy either can reach on this host."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from kvbridge.pool.seal import SEAL_THREADS
+
+    size = max(1, payload // max(1, objects))
+    n = payload // size
+    src, dst = torch.empty(n * size, dtype=torch.uint8), torch.empty(n * (size + 16), dtype=torch.uint8)
+    src.random_(0, 255)
+    dst.zero_()
+    copy_to = torch.empty_like(src)
+    s, d = src.numpy(), dst.numpy()
+    aead = AESGCM(os.urandom(32))
+
+    def part(lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            aead.encrypt_into(i.to_bytes(12, "little"), s[i * size:(i + 1) * size], b"",
+                              d[i * (size + 16):(i + 1) * (size + 16)])
+
+    threads = min(SEAL_THREADS, n)
+    cuts = np.linspace(0, n, threads + 1).astype(int)
+    sealed, copied = [], []
+    with ThreadPoolExecutor(threads) as ex:
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            list(ex.map(part, cuts[:-1], cuts[1:]))
+            t1 = time.perf_counter()
+            copy_to.copy_(src)
+            t2 = time.perf_counter()
+            sealed.append(t1 - t0)
+            copied.append(t2 - t1)
+    return {"seal_object_bytes": size, "seal_threads": threads,
+            "seal_only_vs_copy": statistics.median(copied) / statistics.median(sealed)}
 
 
 def bench_host_transfer(tokens: int = 4096, rounds: int = 5, block_sizes: tuple[int, ...] = (64, 1024),
@@ -103,7 +147,9 @@ def bench_host_transfer(tokens: int = 4096, rounds: int = 5, block_sizes: tuple[
             for f in os.listdir(host_dir):
                 os.unlink(os.path.join(host_dir, f))
             os.rmdir(host_dir)
-        rows.append({"pool_block_tokens": block_tokens, "tokens": tokens, "rounds": rounds, **stored, **loaded})
+        ceiling = seal_ceiling(stored["bytes"], stored["store_objects"], rounds)
+        rows.append({"pool_block_tokens": block_tokens, "tokens": tokens, "rounds": rounds, **stored, **loaded,
+                     **ceiling})
     return {"store_engine": "TP 2, block 16, NHD", "load_engine": "TP 1, block 64, HND (another process)",
             "model": f"{layers} layers x {heads} KV heads x {head_dim}, bfloat16", "rows": rows}
 

@@ -234,12 +234,15 @@ class _nothing:
 def host_table(out: dict[str, Any]) -> None:
     table = Table(title=f"pool host tier: {out['store_engine']} stores, {out['load_engine']} loads, {out['model']}; "
                         f"each side beside a copy of the same bytes in its own process, median of the rounds")
-    for col in ("pool block", "MiB", "store GB/s", "store vs copy", "load GB/s", "load vs copy", "copy GB/s"):
+    for col in ("pool block", "MiB", "store GB/s", "store vs copy", "load GB/s", "load vs copy", "copy GB/s",
+                "AES-GCM alone vs copy"):
         table.add_column(col, justify="right")
     for r in out["rows"]:
         table.add_row(f"{r['pool_block_tokens']} tokens", f"{r['bytes'] / 2**20:.0f}", f"{r['store_gb_s']:.2f}",
                       f"{r['store_vs_copy']:.3f}", f"{r['load_gb_s']:.2f}", f"{r['load_vs_copy']:.3f}",
-                      f"{r['copy_gb_s_store_side']:.1f} / {r['copy_gb_s_load_side']:.1f}")
+                      f"{r['copy_gb_s_store_side']:.1f} / {r['copy_gb_s_load_side']:.1f}",
+                      f"{r['seal_only_vs_copy']:.3f} ({r['seal_threads']} threads, "
+                      f"{r['seal_object_bytes'] // 1024} KiB objects)")
     console.print(table)
 
 
