@@ -1,5 +1,6 @@
 """The serving tables of docs/serving.md and docs/reliability.md, rendered from `make serve-check`'s
-one JSON (docs/serve-check.json) and the scale bench's (docs/fleet-scale.json), so that a figure in the docs is a figure of a committed run and
+one JSON (docs/serve-check.json), the scale bench's (docs/fleet-scale.json) and the pool transfer
+bench's (docs/pool-transfer.json), so that a figure in the docs is a figure of a committed run and
 its counts add up (issue 28 point 6).
 
 Each generated block sits between `<!-- serve-check: NAME -->` and `<!-- /serve-check -->` in a
@@ -21,6 +22,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 JSON = ROOT / "docs" / "serve-check.json"
 SCALE_JSON = ROOT / "docs" / "fleet-scale.json"
+TRANSFER_JSON = ROOT / "docs" / "pool-transfer.json"
 DOCS = (ROOT / "docs" / "serving.md", ROOT / "docs" / "reliability.md", ROOT / "docs" / "pool.md")
 BLOCK = re.compile(r"(<!-- serve-check: (?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /serve-check -->)", re.S)
 FAULT_COLS = ("phase", "requests", "completed", "equal", "wrong", "errors", "kv_loads", "recomputed", "seconds")
@@ -282,15 +284,39 @@ def pool(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def pool_transfer(report: dict[str, Any]) -> list[str]:
+    """The pool's host tier and Mooncake against a copy, and AES-GCM alone against a copy, in one
+    run (docs/pool-transfer.json: `kvbridge bench --pool --json`)."""
+    t = report["pool_transfer"]
+    h, m = t["host_tier"], t["mooncake"]
+    out = [f"Measured {t['date']} on a {t['cores']}-core host, one run of `{t['command']}` (docs/pool-transfer.json; "
+           f"{h['model']}; stored by {h['store_engine']}, loaded by {h['load_engine']}; each side beside a `torch` "
+           "copy of the same bytes in its own process, median of the rounds; sealing and checking included). The "
+           "last column, of the same run, is AES-GCM alone (`cryptography`, the tier's own seal threads) over the "
+           "same bytes in objects of the same size, memory to memory, against a copy: every store and every load "
+           "makes one such pass, so it is the most of a copy either can reach on this host.", "",
+           "| path | pool block | store GB/s | store vs copy | load GB/s | load vs copy | AES-GCM alone vs copy |",
+           "|---|---|---|---|---|---|---|"]
+    for r in h["rows"]:
+        out.append(f"| host tier | {r['pool_block_tokens']:,} tokens ({r['seal_object_bytes'] // 1024} KiB objects) "
+                   f"| {r['store_gb_s']:.2f} | {r['store_vs_copy']:.3f} | {r['load_gb_s']:.2f} | {r['load_vs_copy']:.3f} "
+                   f"| {r['seal_only_vs_copy']:.3f} ({r['seal_threads']} threads) |")
+    out.append(f"| Mooncake (TCP, another client) | {m['block_tokens']} tokens "
+               f"| {m['store_gb_s']:.2f} | {m['store_vs_copy']:.3f} | {m['load_gb_s']:.2f} | {m['load_vs_copy']:.3f} | |")
+    return out
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "faults_table": faults_table, "faults_summary": faults_summary, "rotation": rotation, "bench": bench_tables,
-    "supervision": supervision, "scale": scale, "scale_pool": scale_pool, "pool": pool}
+    "supervision": supervision, "scale": scale, "scale_pool": scale_pool, "pool": pool,
+    "pool_transfer": pool_transfer}
 
 
 def load_report(path: Path = JSON) -> dict[str, Any]:
     """The serve-check JSON at `path`, with the scale bench's (docs/fleet-scale.json) as `fleet_scale`."""
     report = json.loads(path.read_text())
     report["fleet_scale"] = json.loads(SCALE_JSON.read_text())
+    report["pool_transfer"] = json.loads(TRANSFER_JSON.read_text())
     return report
 
 

@@ -35,7 +35,8 @@ def test_the_docs_generated_blocks_are_the_committed_json() -> None:
     mod = _tables()
     assert mod.main(["--check"]) == 0, "run: python scripts/serve_tables.py"
     names = {m.group("name") for doc in mod.DOCS for m in mod.BLOCK.finditer(doc.read_text())}
-    assert {"faults_table", "faults_summary", "bench", "supervision", "pool", "scale", "scale_pool"} <= names
+    assert {"faults_table", "faults_summary", "bench", "supervision", "pool", "scale", "scale_pool",
+            "pool_transfer"} <= names
 
 
 def test_a_changed_figure_is_a_stale_block(tmp_path) -> None:
@@ -52,6 +53,9 @@ def test_a_changed_figure_is_a_stale_block(tmp_path) -> None:
     scaled = copy.deepcopy(report)
     scaled["fleet_scale"]["pool"]["rows"][0]["keys_per_s"] += 1
     assert mod.render(text, scaled) != text
+    moved = copy.deepcopy(report)
+    moved["pool_transfer"]["host_tier"]["rows"][0]["load_vs_copy"] += 0.01
+    assert mod.render(text, moved) != text
 
 
 def test_the_totals_are_the_rows_sums_and_no_path_is_committed() -> None:

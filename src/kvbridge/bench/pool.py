@@ -115,7 +115,7 @@ def bench_pool_transfer(tokens: int = 4096, rounds: int = 3, layers: int = 16, h
     med = {k: statistics.median(v) for k, v in out.items()}
     gbs = {k.replace("_s", "_gb_s"): payload / v / 1e9 for k, v in med.items()}
     return {"spec": spec.describe(), "store_engine": src_l.describe(), "load_engine": dst_l.describe(),
-            "tokens": n * block_tokens, "bytes": payload, "rounds": rounds, **gbs,
+            "tokens": n * block_tokens, "block_tokens": block_tokens, "bytes": payload, "rounds": rounds, **gbs,
             "store_vs_copy": med["copy_s"] / med["store_s"], "load_vs_copy": med["copy_s"] / med["load_s"],
             "reload_vs_copy": med["copy_s"] / med["reload_s"]}
 

@@ -115,8 +115,12 @@ def bench(
         with console.status("storing and loading through a Mooncake Store", spinner="dots") \
                 if not as_json else _nothing():
             out = bench_pool_transfer(tokens=tokens, rounds=min(repeats, 20))
-        if as_json:
-            print_json({"host_tier": host, "mooncake": out})
+        if as_json:  # docs/pool-transfer.json is one (scripts/serve_tables.py renders docs/pool.md's table)
+            import datetime
+            import os
+            print_json({"date": datetime.date.today().isoformat(), "cores": os.cpu_count(),
+                        "command": f"kvbridge bench --pool --tokens {tokens} --repeats {repeats}",
+                        "host_tier": host, "mooncake": out})
         else:
             host_table(host)
             pool_table(out)
