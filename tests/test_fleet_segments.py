@@ -71,7 +71,8 @@ def test_stop_removes_the_fleets_segments_and_spares_everyone_elses():
         # The crash left them; the kvbridge one only until any process's next shm allocation reaps
         # it (its pid is dead), which another program on the host may do at any moment.
         assert os.path.exists(f"/dev/shm/{names[1]}"), names
-        assert ledger.remove_unused() == 2
+        # Both removed by the ledger, or the kvbridge one by a concurrent test's reaper first.
+        assert ledger.remove_unused() in (1, 2)
         assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
         assert all(os.path.exists(p) for p in foreign), [p for p in foreign if not os.path.exists(p)]
     finally:
