@@ -4,7 +4,9 @@
   each request's answer is what the store says of its own keys;
 * with the master stopped (SIGSTOP), N requests asked in one step wait inline for one step's
   budget in all, not N times it, and nothing more is sent while the hung call is in flight; once
-  the master goes on, what waited goes in one call and is answered.
+  the master goes on, what waited goes in one call and is answered;
+* host-tier lookups (the store away) on a thread of their own are answered while a call to the
+  stopped master holds the other.
 """
 
 from __future__ import annotations
@@ -97,6 +99,41 @@ def test_a_hung_master_stalls_a_step_once_not_once_per_request(tmp_path) -> None
         assert lookups.calls == 2 and sorted(sent[1]) == sorted(f"hung/{i}" for i in range(1, 8))
     finally:
         thread.close(timeout=30.0)
+        client.close()
+        master.stop()
+
+
+def test_host_tier_lookups_do_not_wait_behind_a_hung_master(tmp_path) -> None:
+    # The store away (breaker open), lookups ask the host tier alone (`remote=False`: the store is
+    # not called, as `PoolIndex.hits` does); with a thread of their own they are answered while a
+    # call to the stopped master holds the other thread.
+    master = MooncakeMaster.start(tmp_path / "master.log")
+    client = StoreClient(StoreConfig(master.address, master.metadata_url, segment_bytes=0))
+    remote_thread, host_thread, sent = PoolThread("test-lookups-remote"), PoolThread("test-lookups-host"), []
+    store_hits = _store_hits(client, sent)
+
+    def hits(call, keys, remote):
+        return store_hits(call, keys, remote) if remote else ([k.startswith("host/") for k in keys], False)
+
+    try:
+        assert client.exists(["warm"]) == [False]
+        lookups = BatchedLookups(remote_thread, hits, inline_wait_s=0.2, host_thread=host_thread)
+        os.kill(master.proc.pid, signal.SIGSTOP)
+        try:
+            assert lookups.ask("stuck", ["hung/0"], True)
+            lookups.wait("stuck")
+            assert lookups.answer("stuck") is None  # held by the stopped master
+            lookups.step_ended()
+            assert lookups.ask("h", ["host/1", "other/2"], False)
+            got = _poll(lookups, "h")
+            assert got.present == [True, False] and not got.remote and got.error is None
+            assert lookups.answer("stuck") is None
+        finally:
+            os.kill(master.proc.pid, signal.SIGCONT)
+        assert _poll(lookups, "stuck").present == [False]
+    finally:
+        host_thread.close()
+        remote_thread.close(timeout=30.0)
         client.close()
         master.stop()
 

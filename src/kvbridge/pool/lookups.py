@@ -11,6 +11,10 @@ times the inline wait when the store is slow (a hung master: N x 20 ms, every st
 * the inline wait is a budget of the *step*, not of the request: the first wait of a step may
   take up to `inline_wait_s`, later ones only what is left of it.
 
+Lookups that ask the host tier alone (the store away: `remote=False`) go to a thread of their own
+when one is given (`host_thread`): a call to a hung master holds its thread for as long as the
+master is stopped, and the host tier's answers must not wait behind it.
+
 A request not answered within its caller's timeout is the caller's to give up (`forget`).
 """
 
@@ -44,12 +48,13 @@ class BatchedLookups:
     """Lookups of waiting requests batched per step (see the module). Used from one thread (vLLM's
     scheduler); the calls run on `thread`."""
 
-    def __init__(self, thread: PoolThread, hits: HitsFn, inline_wait_s: float):
-        self._thread, self._hits, self.inline_wait_s = thread, hits, inline_wait_s
+    def __init__(self, thread: PoolThread, hits: HitsFn, inline_wait_s: float, host_thread: PoolThread | None = None):
+        self._threads = {True: thread, False: host_thread or thread}
+        self._hits, self.inline_wait_s = hits, inline_wait_s
         self._asked: dict[str, _Asked] = {}
         self._unsent: list[str] = []
         self._sent: dict[str, tuple[Call, list[int]]] = {}  # request -> its call, its keys' places in the call
-        self._in_flight: list[Call] = []
+        self._in_flight: dict[bool, Call] = {}  # per remote flag: the call sent last
         self._deadline: float | None = None  # when this step's inline wait ends (set by its first wait)
         self.step_waits: list[float] = []
         """Inline waits granted this step (seconds each): their sum never passes `inline_wait_s`."""
@@ -115,15 +120,17 @@ class BatchedLookups:
         if rid in self._unsent:
             self._unsent.remove(rid)
 
+    def _busy(self, remote: bool) -> bool:
+        """Whether the thread that `remote` lookups go to has a lookup call in flight."""
+        thread = self._threads[remote]
+        return any(not c.done.is_set() for flag, c in self._in_flight.items() if self._threads[flag] is thread)
+
     def _send(self) -> None:
-        """One call per remote flag for every unsent request, when no call is in flight (a request
-        the thread refuses is forgotten: a miss)."""
-        if any(not c.done.is_set() for c in self._in_flight):
-            return
-        self._in_flight = []
+        """One call per remote flag for its unsent requests, when its thread has no lookup call in
+        flight (a request the thread refuses is forgotten: a miss)."""
         for remote in (True, False):
             rids = [r for r in self._unsent if r in self._asked and self._asked[r].remote is remote]
-            if not rids:
+            if not rids or self._busy(remote):
                 continue
             keys: list[Any] = []
             place: dict[Any, int] = {}
@@ -136,16 +143,17 @@ class BatchedLookups:
                         keys.append(k)
                     mine.append(place[k])
                 places.append(mine)
-            call = self._thread.submit(self._hits, keys, remote)
+            call = self._threads[remote].submit(self._hits, keys, remote)
+            sent = set(rids)
+            self._unsent = [r for r in self._unsent if r not in sent]
             if call is None:
                 for r in rids:
                     self._asked.pop(r, None)
                 continue
             self.calls += 1
-            self._in_flight.append(call)
+            self._in_flight[remote] = call
             for r, mine in zip(rids, places):
                 self._sent[r] = (call, mine)
-        self._unsent = []
 
 
 __all__ = ["Answer", "BatchedLookups", "HitsFn"]

@@ -20,6 +20,7 @@ the blocks it holds. A load writes the checkpoint where the hit ends into the re
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -75,7 +76,11 @@ class PoolScheduler:
         self._thread = PoolThread("kvbridge-pool-scheduler", max_queue=4096)
         self.tally = StatsTally()
         self.breaker = Breaker(1.0, s.max_backoff_s, on_change=announce(logger, s.master, "scheduler", self.tally))
-        self._lookups = BatchedLookups(self._thread, self._hits, INLINE_WAIT_S)  # one call and wait per step
+        # With a host tier, lookups of it alone (the store away) have a thread of their own: a call to
+        # a hung master holds `_thread` for as long as the master is stopped.
+        self._host_thread = PoolThread("kvbridge-pool-host-lookups", max_queue=4096) if conn.config.host_bytes else None
+        self._index_lock = threading.Lock()  # the index is built by whichever thread needs it first
+        self._lookups = BatchedLookups(self._thread, self._hits, INLINE_WAIT_S, self._host_thread)  # one call, one wait per step
         self._prober = Prober(self._thread, self.breaker, self._probe_store, self.lookup_timeout)
         # answered: keys per group, tokens, when, and whether the store was asked (else the host tier alone)
         self._pending: dict[str, tuple[list[list[bytes]], int, float, bool]] = {}
@@ -104,8 +109,9 @@ class PoolScheduler:
         """The scheduler's index, and with `connect` its client, built once (`StoreClient` says why
         it is kept). With a host tier the index goes on without a client while the store is away
         (it answers from the host tier) and the next probe tries again."""
-        if self._index is None:
-            self._index = PoolIndex(self.conn.spec, None, self.conn.config, vllm_staging)
+        with self._index_lock:
+            if self._index is None:
+                self._index = PoolIndex(self.conn.spec, None, self.conn.config, vllm_staging)
         if self._index.client is None and connect:
             try:
                 self._client = self._index.client = StoreClient(self.conn.settings.store_config(lend=False))
@@ -464,6 +470,8 @@ class PoolScheduler:
 
     def close(self) -> None:
         self._prober.close()
+        if self._host_thread is not None:
+            self._host_thread.close(timeout=5.0)
         self._thread.close(timeout=5.0)
         if self._thread.current is None and self._client is not None:
             self._client.close()
