@@ -263,28 +263,27 @@ class JobPlanner:
         if nd < 2 or nc < 2:
             return None
         B = self.device.block_size
+        d, c = (0, 2) if store else (2, 0)  # where the device's and the CPU's columns are in a run
 
         def runs(dev: int, host: int) -> tuple[np.ndarray, ...]:
             ids = ((0,) * sub + (dev,), (host,))
             src, dst = ids if store else ids[::-1]
             found = self._request_runs(Request((src,), (dst,), (sub + 1) * B, sub * B), self._parts[group][part], store)
-            cols = found[0] if found else (np.zeros(0, np.int64),) * 5
-            return (cols[0], cols[1], cols[2], cols[3], cols[4]) if store else (cols[2], cols[3], cols[0], cols[1],
-                                                                                 cols[4])  # device side first
+            return found[0] if found else (np.zeros(0, np.int64),) * 5
 
         base, dev1, cpu1, far = runs(0, 0), runs(1, 0), runs(0, 1), runs(nd - 1, nc - 1)
         if any(len(r[4]) != len(base[4]) for r in (dev1, cpu1, far)):
             return None
         for other in (dev1, cpu1, far):
-            if not all(np.array_equal(other[i], base[i]) for i in (0, 2, 4)):
+            if not all(np.array_equal(other[i], base[i]) for i in (d, c, 4)):
                 return None
-        table = _UnitTable(base[0], base[1], dev1[1] - base[1], base[2], base[3], cpu1[3] - base[3], base[4])
-        if not (np.array_equal(table.dev_const + (nd - 1) * table.dev_stride, far[1])
-                and np.array_equal(table.cpu_const + (nc - 1) * table.cpu_stride, far[3])):
+        table = _UnitTable(base[d], base[d + 1], dev1[d + 1] - base[d + 1], base[c], base[c + 1],
+                           cpu1[c + 1] - base[c + 1], base[4])
+        if not (np.array_equal(table.dev_const + (nd - 1) * table.dev_stride, far[d + 1])
+                and np.array_equal(table.cpu_const + (nc - 1) * table.cpu_stride, far[c + 1])):
             return None  # not a constant stride per id
         for ends in (base, far):  # every id between lies between these two, inside the regions
-            self._check_bounds(JobRuns(*(ends if store else (ends[2], ends[3], ends[0], ends[1], ends[4])),
-                                       num_device_blocks=1, plan_seconds=0.0), store)
+            self._check_bounds(JobRuns(*ends, num_device_blocks=1, plan_seconds=0.0), store)
         return table
 
     def _check_bounds(self, runs: JobRuns, store: bool) -> None:
