@@ -35,8 +35,8 @@ from pathlib import Path
 import msgspec
 
 from kvbridge.errors import ConfigError
-from kvbridge.integrations.vllm.fleet_processes import (SegmentLedger, _all_pids, _mapped_segments, process_start,
-                                                        signal_process)
+from kvbridge.integrations.vllm.fleet_processes import (SegmentLedger, _all_pids, _mapped_segments, _shm_names_by_inode,
+                                                        process_start, signal_process)
 
 MARK = "KVBRIDGE_FLEET"
 GRACE_S = 5.0  # SIGTERM's time before SIGKILL: a fleet stops within seconds of its launcher's death
@@ -140,9 +140,10 @@ def reap(record: FleetRecord, path: Path, note: Callable[[str], None] = lambda l
     ledger = SegmentLedger.from_json({"segments": record.segments, "procs": record.procs})
     procs, ended = fleet_processes(record), set()
     for _ in range(3):  # a process forked meanwhile (a worker starting) is found in the next pass
+        names = _shm_names_by_inode()  # once per pass, not per process
         for pid, start in procs.items():
             ledger.procs.setdefault(pid, start)
-            ledger.segments |= _mapped_segments(pid)
+            ledger.segments |= _mapped_segments(pid, names)
         for sig in (signal.SIGTERM, signal.SIGCONT):
             for pid, start in procs.items():
                 signal_process(pid, start, sig)
