@@ -138,6 +138,43 @@ def test_host_tier_lookups_do_not_wait_behind_a_hung_master(tmp_path) -> None:
         master.stop()
 
 
+def test_a_request_whose_later_call_is_refused_is_forgotten() -> None:
+    # Asked while a call is in flight, then its own call refused (the thread closed meanwhile):
+    # `answer` gives nothing and the request is no longer asked, so the scheduler calls it a miss
+    # (it must not ask its age: there is none).
+    import threading
+
+    release = threading.Event()
+    thread = PoolThread("test-lookups-refuse-later")
+    lookups = BatchedLookups(thread, lambda call, keys, remote: (release.wait(60), ([False] * len(keys), True))[1],
+                             inline_wait_s=0.01)
+    assert lookups.ask("first", ["k1"], True)
+    assert lookups.ask("later", ["k2"], True) and lookups.asked("later")  # waits for the call in flight
+    end = time.monotonic() + WAIT_S
+    while thread.current is None:  # "first" runs (a call still queued at close is dropped unrun)
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    thread.close(timeout=0.0)
+    release.set()
+    assert _poll(lookups, "first").present == [False]
+    assert lookups.answer("later") is None and not lookups.asked("later")
+
+
+def test_a_call_dropped_unrun_by_a_closing_thread_is_an_error_answer() -> None:
+    import threading
+
+    release = threading.Event()
+    thread = PoolThread("test-lookups-dropped")
+    blocker = thread.submit(lambda call: release.wait(60))  # holds the thread, so the lookup stays queued
+    lookups = BatchedLookups(thread, lambda call, keys, remote: ([True] * len(keys), True), inline_wait_s=0.01)
+    assert lookups.ask("x", ["k"], True)
+    thread.close(timeout=0.0)  # the queued lookup is dropped: done, with neither result nor error
+    release.set()
+    blocker.wait(60)
+    got = lookups.answer("x")
+    assert got is not None and got.present == [] and isinstance(got.error, RuntimeError)
+
+
 def test_a_refused_call_is_a_miss_and_forgotten() -> None:
     thread = PoolThread("test-lookups-closed")
     thread.close()

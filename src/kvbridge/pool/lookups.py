@@ -102,8 +102,9 @@ class BatchedLookups:
         call, places = sent
         asked = self._asked[rid]
         self.forget(rid)
-        if call.error is not None:
-            return Answer(asked.keys, [], False, asked.remote, call.error)
+        if call.error is not None or call.result is None:  # raised, or dropped unrun by a closing thread
+            error = call.error or RuntimeError("the lookup call was dropped unrun (its pool thread closed)")
+            return Answer(asked.keys, [], False, asked.remote, error)
         present, answered = call.result
         return Answer(asked.keys, [present[i] for i in places], answered, asked.remote)
 

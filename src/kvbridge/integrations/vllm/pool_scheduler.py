@@ -125,7 +125,7 @@ class PoolScheduler:
         the breaker is open: the host tier alone. A block the store did not answer about is a miss
         (what the host tier holds is still a hit)."""
         index = self._ensure_index(connect=remote)
-        answer = index.hits(keys, remote=remote and index.client is not None)
+        answer = index.hits(keys, remote=remote)
         return [a is True for a in answer], index.client is not None and all(a is not None for a in answer)
 
     def _probe_store(self, call: Call) -> None:
@@ -174,6 +174,8 @@ class PoolScheduler:
             self._lookups.wait(rid)  # what is left of this step's inline wait
         got = self._lookups.answer(rid)
         if got is None:
+            if not self._lookups.asked(rid):  # its call was refused (the pool thread's queue full): a miss
+                return 0, False
             if self._lookups.age(rid) < self.lookup_timeout:
                 return None, False  # vLLM asks again at its next step
             remote = self._lookups.remote(rid)
