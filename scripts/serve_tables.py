@@ -6,42 +6,30 @@ its counts add up (issue 28 point 6).
 Each generated block sits between `<!-- serve-check: NAME -->` and `<!-- /serve-check -->` in a
 doc; `python scripts/serve_tables.py` rewrites every block from the JSON, `--check` exits 1 naming
 the blocks that differ (tests/test_serve_tables.py runs it), and nothing outside the markers is
-touched. The JSON keeps no machine paths (`make serve-check` writes it so; `strip_paths` here).
+touched. The JSON keeps no machine paths or names (`make serve-check` writes it so, with
+`strip_paths`); the check refuses JSON that does. The marker machinery is scripts/doc_blocks.py's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import doc_blocks  # noqa: E402  (scripts/ is not a package)
+from doc_blocks import strip_paths  # noqa: E402,F401  (scripts/serve_check.py imports it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON = ROOT / "docs" / "serve-check.json"
 SCALE_JSON = ROOT / "docs" / "fleet-scale.json"
 TRANSFER_JSON = ROOT / "docs" / "pool-transfer.json"
 DOCS = (ROOT / "docs" / "serving.md", ROOT / "docs" / "reliability.md", ROOT / "docs" / "pool.md")
-BLOCK = re.compile(r"(<!-- serve-check: (?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /serve-check -->)", re.S)
+BLOCK = doc_blocks.block_pattern("serve-check")
 FAULT_COLS = ("phase", "requests", "completed", "equal", "wrong", "errors", "kv_loads", "recomputed", "seconds")
-PATH_KEYS = ("work", "log", "log_path", "log_dir")
-
-
-ABSOLUTE = re.compile(r"(?<![\w.])/(?:[\w.+-]+/)+([\w.+-]+)")
-
-
-def strip_paths(data: Any) -> Any:
-    """The report without machine paths: no work and log directories, and an absolute path inside
-    any other text (a model directory, a traceback's file) cut to its last part."""
-    if isinstance(data, dict):
-        return {k: strip_paths(v) for k, v in data.items() if k not in PATH_KEYS}
-    if isinstance(data, list):
-        return [strip_paths(v) for v in data]
-    if isinstance(data, str):
-        return ABSOLUTE.sub(r"\1", data)
-    return data
 
 
 def _num(v: Any, digits: int = 1) -> str:
@@ -322,12 +310,7 @@ def load_report(path: Path = JSON) -> dict[str, Any]:
 
 def render(text: str, report: dict[str, Any]) -> str:
     """`text` with every generated block rewritten from `report`."""
-    def block(m: re.Match) -> str:
-        name = m.group("name")
-        if name not in RENDER:
-            raise SystemExit(f"error: unknown generated block {name!r} (known: {', '.join(RENDER)})")
-        return m.group(1) + "\n".join(RENDER[name](report)) + "\n" + m.group(4)
-    return BLOCK.sub(block, text)
+    return doc_blocks.render(text, BLOCK, RENDER, report)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,18 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if a doc's generated block differs")
     args = ap.parse_args(argv)
     report = load_report(args.json)
-    stale = []
-    for doc in DOCS:
-        old = doc.read_text()
-        new = render(old, report)
-        if new != old:
-            stale.append(doc.name)
-            if not args.check:
-                doc.write_text(new)
-    if args.check and stale:
-        print(f"stale generated blocks in {', '.join(stale)}: run python scripts/serve_tables.py", file=sys.stderr)
-        return 1
-    return 0
+    sources = {args.json.name: {k: v for k, v in report.items() if k not in ("fleet_scale", "pool_transfer")},
+               SCALE_JSON.name: report["fleet_scale"], TRANSFER_JSON.name: report["pool_transfer"]}
+    return doc_blocks.refresh(DOCS, BLOCK, RENDER, report, sources, args.check, "scripts/serve_tables.py")
 
 
 if __name__ == "__main__":

@@ -113,3 +113,16 @@ def test_the_step_path_table_renders_each_call_and_the_sidecars_cpu() -> None:
     assert "| prefix repetition | 71.2 | workers: `get_finished` | 300 | 0.027 | 0.480 | 8.7 | 19.8 ms |" in text
     assert "|  |  | sidecar rounds that used CPU (CPU ms) | 79 | - | - | 9.9 | 107 ms |" in text
     assert mod._step_path({"table": [{"dataset": "random", "kvbridge": {}}]}) == []
+
+
+def test_json_naming_the_machine_is_refused_and_strip_paths_clears_it(tmp_path) -> None:
+    mod = _tables()
+    report = json.loads(mod.JSON.read_text())
+    for leak in ({"host": "build-box-3"}, {"work": "/tmp/kvbridge-serve-x"}, {"model": "/root/models/small-llama"}):
+        bad = copy.deepcopy(report)
+        bad["bench"][0].update(leak)
+        path = tmp_path / "leaky.json"
+        path.write_text(json.dumps(bad))
+        assert mod.main(["--check", "--json", str(path)]) == 1, leak
+        path.write_text(json.dumps(mod.strip_paths(bad)))
+        assert mod.main(["--check", "--json", str(path)]) == 0, leak

@@ -301,8 +301,7 @@ def bench_serve(model: Path | None = None, prefill: str = "tp=1,block=32", decod
         table.append(row)
     return {"prefill": p.describe(), "decode": d.describe(), "prompts": prompts, "concurrency": concurrency,
             "rounds": rounds, "startup_seconds": round(startup, 1), "warmup_seconds": warmup, "nixl_refused": refused, "table": table,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": os.uname().nodename,
-            "cores": os.cpu_count(), "work": str(work)}
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": os.cpu_count(), "work": str(work)}
 
 
 __all__ = ["bench_serve", "iteration_times", "pause_sessions", "percentile", "step_histogram", "step_path_profile",
