@@ -49,6 +49,9 @@ from kvbridge.pool.seal import SEAL_BYTES, open_into, seal_all, seal_into, tenan
 from kvbridge.pool.store import RPC_CODES, StoreClient
 from kvbridge.transport.cache import RankCache
 
+HostEntry = tuple[int, OffloadKey, ObjectId, int, int]
+"""An object a store sealed into the host tier: (block index in the job, block key, object, arena
+slot, slot generation)."""
 DeviceAccess = Callable[[], AbstractContextManager[bool]]
 """A gate around every touch of device memory: yields False when the caller stopped waiting."""
 
@@ -74,6 +77,8 @@ class TierResult:
     bytes: int = 0
     seconds: float = 0.0
     reasons: list[str] = field(default_factory=list)
+    sealed: list[HostEntry] = field(default_factory=list)
+    """What a store sealed into the host tier and did not put into the store (`put_sealed` does)."""
 
     @property
     def ok(self) -> bool:
@@ -192,8 +197,9 @@ class PoolTier:
         `tenant` (vLLM's cache_salt) picks the key its objects are encrypted under.
         `still_allowed`, asked after each device read, says whether the caller kept waiting during
         it (`Call.still_allowed`): one abandoned meanwhile may have read blocks being rewritten, so
-        nothing of that read is put. `remote=False` leaves the store alone (it is away): the host
-        tier only, and without one nothing is stored."""
+        nothing of that read is put. `remote=False` leaves the store alone (it is away, or a
+        thread of its own puts: `put_sealed` of `TierResult.sealed`): the host tier only, and
+        without one nothing is stored."""
         if self.host is not None:
             return self._store_via_host(gpu, keys, device_access, skip_present, tenant, still_allowed, device_done,
                                         remote)
@@ -277,7 +283,7 @@ class PoolTier:
         t0 = time.perf_counter()
         tkey = tenant_key(self.config.secret, tenant)
         result = TierResult([])
-        sealed: list[tuple[int, OffloadKey, ObjectId, int, int]] = []  # (block, key, object, slot, generation)
+        sealed: list[HostEntry] = []
         assert self.host is not None
         try:
             for chunk, chunk_keys in job_chunks(gpu, keys, self.layout, self.factor, self.config.staging_blocks):
@@ -319,6 +325,8 @@ class PoolTier:
             device_done()
         if self.client is not None and remote and sealed:
             self._put_from_host(sealed, skip_present, result)
+        else:
+            result.sealed = sealed
         result.seconds = time.perf_counter() - t0
         return result
 
@@ -328,8 +336,29 @@ class PoolTier:
                      if objs}
         return [per_block[i][o] for i, o, _ in host.targets]
 
-    def _put_from_host(self, sealed: list[tuple[int, OffloadKey, ObjectId, int, int]], skip_present: bool,
-                       result: TierResult) -> None:
+    def put_sealed(self, sealed: Sequence[HostEntry], skip_present: bool = True) -> TierResult:
+        """Put into the store what a store with `remote=False` sealed into the host tier
+        (`TierResult.sealed`), from the host tier: with its own tier and thread, so that a hung
+        master holds only the puts, never the next store's device copies (issue 42.3)."""
+        if self.client is None or self.host is None:
+            return TierResult([], reasons=["no store client or no host tier"])
+        t0 = time.perf_counter()
+        result = TierResult([])
+        self._put_from_host(list(sealed), skip_present, result)
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    def on_host(self, keys: Sequence[OffloadKey]) -> bool:
+        """Whether the host tier holds every object this rank reads of every block of `keys` now
+        (a load of them needs no store: the worker runs it where a hung master cannot hold it)."""
+        if self.host is None:
+            return False
+        groups: dict[int, list[OffloadKey]] = {}
+        for key in keys:
+            groups.setdefault(self.layout.group_of(key), []).append(key)
+        return all(hit is not None for g, ks in groups.items() for hit in self.host.find(ks, [self.reads[g]] * len(ks)))
+
+    def _put_from_host(self, sealed: list[HostEntry], skip_present: bool, result: TierResult) -> None:
         """Put objects this call sealed into the host tier into the store too, copied from the host
         tier through the wire buffer a buffer's worth at a time; one the host tier evicted
         meanwhile is not put (its slot no longer holds it)."""

@@ -39,6 +39,8 @@ COUNTERS = {
     "stores_dropped": "Pool stores dropped (breaker open, queue full, not done within store_timeout_ms, or a "
                       "running request's blocks handed out again before the store read them).",
     "timeouts": "Loads and stores a rank gave up on at their deadline.",
+    "puts_dropped": "Puts into the store of objects a store sealed into the host tier, dropped (the put thread "
+                    "behind, or its deadline passed): the host tier holds them; other hosts recompute them.",
     "objects_put": "Objects put into the store.",
     "objects_got": "Objects read from the store.",
     "bytes_put": "Payload bytes put into the store.",

@@ -16,13 +16,21 @@ of requests that finished before it; the store thread runs at a lower priority (
 so that on a host whose cores the forward keeps busy its copies and seals take the gaps between
 forwards instead of a core from the forward's threads (a store that falls behind is dropped at
 `store_timeout_ms`, a later writer stores it).
+
+Why four with a host tier (issue 42.3): a call to a hung master holds its thread until the master
+answers, so nothing that needs only this host's memory may queue behind one. The load and store
+threads then never call the store: a load whose blocks the host tier holds runs on the load
+thread, one that needs the store on the fetch thread (with the breaker's probes); a store seals
+into the host tier on the store thread, and what it sealed is put into the store from there on
+the put thread. A hung master holds the fetch and put threads only: host-tier loads hit and
+stores reach the host tier while it hangs; puts that fall behind are dropped (`puts_dropped`).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -38,7 +46,7 @@ from kvbridge.integrations.vllm.registration import check_cpu_mla_layout, spec_a
 from kvbridge.pool.background import Call, PoolThread, Prober
 from kvbridge.pool.breaker import Breaker
 from kvbridge.pool.store import PoolUnavailable, StoreClient, prepare_process
-from kvbridge.pool.tier import PoolTier, TierResult
+from kvbridge.pool.tier import HostEntry, PoolTier, TierResult
 from kvbridge.transport.cache import RankCache
 
 if TYPE_CHECKING:
@@ -46,6 +54,8 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.{__name__}")
 MAX_FINISHED_IDS = 1 << 16
+PUT_STAGING_BLOCKS = 4
+"""The put tier's staging and wire buffer, in pool blocks: puts go a wire buffer's worth at a time."""
 STORE_NICE = 10
 """How far the store thread steps aside (nice +10: about a tenth of a forward thread's share of a
 contended core; an idle core it takes whole)."""
@@ -85,9 +95,14 @@ class PoolWorker:
         prepare_process(s.store_config(lend=s.segment_mib > 0))  # on the engine's thread, before any pool thread
         self._load_thread = PoolThread(f"kvbridge-pool-load{rank}", max_queue=1024)
         self._store_thread = PoolThread(f"kvbridge-pool-store{rank}", max_queue=1024)
+        self._split = s.host_mib > 0  # the store's calls on threads of their own (see the module)
+        self._fetch_thread = PoolThread(f"kvbridge-pool-fetch{rank}", max_queue=1024) if self._split else self._load_thread
+        self._put_thread = PoolThread(f"kvbridge-pool-put{rank}", max_queue=1024) if self._split else None
+        self._new_puts: deque[Call] = deque()  # put calls the store thread queued, not yet seen by the engine's thread
+        self._puts: list[Call] = []  # put calls in flight (their outcome goes to the breaker)
         self.tally = StatsTally()
         self.breaker = Breaker(1.0, s.max_backoff_s, on_change=announce(logger, s.master, f"rank {rank}", self.tally))
-        self._prober = Prober(self._load_thread, self.breaker, self._probe_store, self.load_timeout)
+        self._prober = Prober(self._fetch_thread, self.breaker, self._probe_store, self.load_timeout)
         self._stores: dict[str, list[tuple[Call, frozenset[int]]]] = {}  # in flight, with the blocks each reads
         self._loads: dict[str, tuple[Call, PoolJob]] = {}  # asynchronous loads in flight
         self._stored: set[str] = set()  # stores done, dropped or given up: their blocks may go
@@ -128,16 +143,22 @@ class PoolWorker:
             if tier.client is None and connect:
                 self._connect()
             return tier
-        client = self._connect() if connect else self._client
+        client = self._connect() if connect else (self._client if self._calls_store(kind) else None)
         need = self._layout.addressing(self._spec, self.rank).region_nbytes
         cache = RankCache(self._spec, self._layout, self.rank,
                           [layer_region(self._caches[n], nbytes) for n, nbytes in zip(self._names, need)])
         # Serial copies: numba's parallel (OpenMP) runtime in a vLLM CPU worker changed the
         # thread count its attention kernels check ("thread_num 1 vs. 2") and killed the engine.
-        tier = self._tiers[kind] = PoolTier(cache, client, self.conn.config, parallel=False, staging=vllm_staging)
+        config = self.conn.config
+        if kind == "put":  # it copies sealed objects from the host tier: its staging is never used
+            config = msgspec.structs.replace(config, staging_blocks=min(config.staging_blocks, PUT_STAGING_BLOCKS))
+        tier = self._tiers[kind] = PoolTier(cache, client, config, parallel=False, staging=vllm_staging)
         if kind == "store":
             self._store_thread.lower_priority(STORE_NICE)
-        else:
+        elif kind == "put":
+            assert self._put_thread is not None
+            self._put_thread.lower_priority(STORE_NICE)
+        elif kind == "load":
             logger.info("KVBridgePoolConnector rank %d: %s; pool at %s, %d-token blocks, writes %d and reads %d "
                         "objects per block", self.rank, self._layout.describe(), self.conn.settings.master,
                         self.conn.config.block_tokens, len(tier.writes[0]), len(tier.reads[0]))
@@ -156,10 +177,15 @@ class PoolWorker:
                         raise
                     return None
             client = self._client
-        for tier in list(self._tiers.values()):
-            if tier.client is None:
+        for kind, tier in list(self._tiers.items()):
+            if tier.client is None and self._calls_store(kind):
                 tier.attach(client)
         return client
+
+    def _calls_store(self, kind: str) -> bool:
+        """Whether the tier of `kind` ever calls the store (with a host tier only the fetch and
+        put tiers do: the others get no client, nor a registered wire buffer)."""
+        return not self._split or kind in ("fetch", "put")
 
     def _drop_tiers(self) -> None:
         tiers, client, self._tiers, self._client = list(self._tiers.values()), self._client, {}, None
@@ -169,23 +195,50 @@ class PoolWorker:
             client.close()
 
     def _job(self, call: Call, kind: str, job: PoolJob, remote: bool = True) -> TierResult:
-        """One load or store; `remote=False` while the breaker is open: the host tier alone."""
-        tier = self._ensure_tier(kind, connect=remote)  # the store away: no client built for it now
-        client = tier.client if remote else None
-        remote = client is not None
+        """One load or store; `remote=False` while the breaker is open: the host tier alone.
+        `kind` "load" and "store" on their threads; with a host tier, "fetch" (a load that needs
+        the store) on the fetch thread, and a store's put queued on the put thread (`_put`)."""
+        put_later = self._split and kind == "store"  # the store thread never calls the store then
+        tier = self._ensure_tier(kind, connect=remote and not put_later)  # the store away: no client built now
+        client = tier.client if remote and not put_later else None
         before, counts = client.unreachable if client else 0, dict(tier.stats)
         if kind == "store":
             res = tier.store(job.gpu(), job.keys, call.device_access, skip_present=True, tenant=job.tenant,
-                             still_allowed=call.still_allowed, device_done=call.device_released.set, remote=remote)
+                             still_allowed=call.still_allowed, device_done=call.device_released.set,
+                             remote=client is not None)
+            if put_later and remote and res.sealed:
+                self._queue_put(res.sealed)
         else:
-            res = tier.load(job.keys, job.gpu(), call.device_access, tenant=job.tenant, remote=remote)
-        self.tally.add(**{k: tier.stats[k] - counts[k] for k in TIER_COUNTS}, **{f"{kind}_seconds": res.seconds})
+            res = tier.load(job.keys, job.gpu(), call.device_access, tenant=job.tenant, remote=client is not None)
+        self.tally.add(**{k: tier.stats[k] - counts[k] for k in TIER_COUNTS},
+                       **{f"{'store' if kind == 'store' else 'load'}_seconds": res.seconds})
         if client is not None and client.unreachable != before:  # the client is kept: see `StoreClient`
             raise PoolUnavailable(f"Mooncake Store at {self.conn.settings.master} stopped answering during a {kind}")
         return res
 
+    def _queue_put(self, sealed: list[HostEntry]) -> None:
+        """On the store thread: hand what a store sealed into the host tier to the put thread."""
+        assert self._put_thread is not None
+        call = self._put_thread.submit(self._put, sealed)
+        if call is None:  # behind (a hung master): the host tier holds them, other hosts recompute them
+            self.tally.add(puts_dropped=1)
+        else:
+            self._new_puts.append(call)
+
+    def _put(self, call: Call, sealed: list[HostEntry]) -> TierResult:
+        """On the put thread: put into the store what a store sealed into the host tier."""
+        tier = self._ensure_tier("put")
+        if tier.client is None:
+            raise PoolUnavailable(f"Mooncake Store at {self.conn.settings.master} is away")
+        before, counts = tier.client.unreachable, dict(tier.stats)
+        res = tier.put_sealed(sealed)
+        self.tally.add(**{k: tier.stats[k] - counts[k] for k in TIER_COUNTS}, store_seconds=res.seconds)
+        if tier.client.unreachable != before:
+            raise PoolUnavailable(f"Mooncake Store at {self.conn.settings.master} stopped answering during a put")
+        return res
+
     def _probe_store(self, call: Call) -> None:
-        client = self._ensure_tier("load").client
+        client = self._ensure_tier("fetch" if self._split else "load").client
         if client is None or not client.answers():
             raise PoolUnavailable(f"Mooncake Store at {self.conn.settings.master} did not answer")
 
@@ -266,12 +319,29 @@ class PoolWorker:
         remote = self.breaker.is_closed
         if not (self._caches and (remote or self.conn.config.host_bytes)):
             return None
-        return (self._store_thread if kind == "store" else self._load_thread).submit(self._job, kind, job, remote)
+        if kind == "store":
+            return self._store_thread.submit(self._job, kind, job, remote)
+        if self._split and remote and not self._on_host(job):
+            return self._fetch_thread.submit(self._job, "fetch", job, remote)
+        return self._load_thread.submit(self._job, kind, job, remote and not self._split)
 
-    @staticmethod
-    def _remote(call: Call) -> bool:
-        """Whether `call` asked the store (only those say anything about it to the breaker)."""
-        return bool(call.args[2]) if len(call.args) > 2 else True
+    def _on_host(self, job: PoolJob) -> bool:
+        """Whether the host tier holds all `job` reads now (asked on the engine's thread: the
+        arena's lock, no call to the store). Before any tier exists: no (the fetch thread)."""
+        try:
+            tier = next((t for t in list(self._tiers.values()) if t.host is not None), None)  # all map the same arenas
+            return tier is not None and tier.on_host(job.keys)
+        except Exception as e:  # noqa: BLE001 - a cache's error must not reach the engine
+            logger.warning("KVBridgePoolConnector rank %d: %s", self.rank, one_line(e))
+            return False
+
+    def _remote(self, call: Call) -> bool:
+        """Whether `call` asked the store (only those say anything about it to the breaker): a
+        put always, a load or store when submitted with `remote` and not the host tier's alone."""
+        if call.fn == self._put:
+            return True
+        kind, remote = call.args[0], bool(call.args[2]) if len(call.args) > 2 else True
+        return remote and not (self._split and kind in ("load", "store"))
 
     def _give_up_load(self, call: Call, job: PoolJob) -> None:
         call.abandon()  # from here on the late answer never reaches the blocks
@@ -310,6 +380,9 @@ class PoolWorker:
         for rid, calls in list(self._stores.items()):
             self._set_stores(rid, [(c, b) for c, b in calls if not self._settled(rid, c) and not self._released(rid, c)])
         self._putting = [(rid, c) for rid, c in self._putting if not self._settled(rid, c)]
+        while self._new_puts:
+            self._puts.append(self._new_puts.popleft())
+        self._puts = [c for c in self._puts if not self._settled("", c)]
 
     def _released(self, rid: str, call: Call) -> bool:
         """Whether a finished request's store no longer needs its blocks (issue 42.3): it read them
@@ -334,16 +407,20 @@ class PoolWorker:
             if call.error is not None:
                 if remote:
                     self.breaker.failure(one_line(call.error))
+                else:  # the host tier's: the breaker is the store's, yet it must be seen
+                    logger.warning("KVBridgePoolConnector rank %d: store of %s failed: %s", self.rank, rid or "(put)",
+                                   one_line(call.error))
             elif not call.result.ok:
                 logger.warning("KVBridgePoolConnector rank %d: store of %s incomplete: %s", self.rank, rid,
                                "; ".join(call.result.reasons)[:500])
             else:
                 if remote:
                     self.breaker.success()
-                self.tally.add(stores=1)
+                if call.fn != self._put:
+                    self.tally.add(stores=1)
         elif call.age() > self.store_timeout:
             call.abandon(wait=False)  # nothing it reads from here on is put: the blocks may go
-            self.tally.add(timeouts=1, stores_dropped=1)
+            self.tally.add(timeouts=1, **{"puts_dropped" if call.fn == self._put else "stores_dropped": 1})
             if remote:
                 self.breaker.failure(f"a store took over {self.conn.settings.store_timeout_ms} ms")
         else:
@@ -386,9 +463,12 @@ class PoolWorker:
                 call.abandon()
         for call, _ in self._loads.values():
             call.abandon()
-        for thread in (self._store_thread, self._load_thread):
+        for call in [*self._puts, *self._new_puts]:
+            call.abandon()
+        threads = {self._store_thread, self._load_thread, self._fetch_thread, self._put_thread} - {None}
+        for thread in threads:
             thread.close(timeout=10.0)
-        if self._store_thread.current is None and self._load_thread.current is None:
+        if all(thread.current is None for thread in threads):
             self._drop_tiers()
 
 
