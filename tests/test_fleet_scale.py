@@ -9,9 +9,13 @@ rank of every decode engine (each decode rank's handshake starts there).
 
 from __future__ import annotations
 
+import resource
+import subprocess
+import sys
 from dataclasses import asdict
 
 from kvbridge.bench.fleet_scale import decode_scan, law, prefill_scan, zmq_caps
+from kvbridge.transport.descriptors import socket_budget
 
 TP = 2
 STEPS = (1, 2)
@@ -46,8 +50,30 @@ def test_prefill_rank_zero_holds_one_peer_per_decode_rank():
     assert [tuple(r) for r in scan.crowd_ranks] == [(1, STEPS[-1], STEPS[-1])]
 
 
-def test_zmq_refuses_the_socket_past_its_per_context_cap():
-    caps = zmq_caps()
-    cap = caps["max_sockets_per_context"]
-    assert caps["transport_channel_peers"] == cap - 1  # its PULL is the first socket
-    assert caps["side_channel_clients"] <= cap // 3  # a DEALER and its monitor pair each
+def test_zmq_contexts_hold_as_many_sockets_as_the_descriptors_allow():
+    """Issue 44.2: ZMQ's default 1,023 sockets per context capped a transport channel at 1,022
+    peers and a process's side channels at 341 (docs/fleet-scale.json of 2026-11-27)."""
+    caps = zmq_caps(probe_peers=2048)
+    budget = caps["max_sockets_per_context"]
+    assert budget == socket_budget() == max(1023, min(65535, caps["descriptor_limit"] // 2))
+    assert caps["transport_channel_peers"] == min(2048, budget - 1)  # its PULL is the first socket
+    if budget >= 3 * 2048 + 64:  # room for every probe client beside the tests' other sockets
+        assert caps["side_channel_clients"] == 2048, caps
+    assert caps["side_channel_clients"] <= budget // 3  # a DEALER and its monitor pair each
+
+
+def test_a_process_raises_its_soft_descriptor_limit_to_the_hard_one():
+    code = ("import resource; soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE); "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard)); "
+            "from kvbridge.connector.side_channel import SideChannelClient; "
+            "c = SideChannelClient('127.0.0.1:9', b'probe'); c.close(); "
+            "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    soft, hard = (int(v) for v in out.stdout.split())
+    assert soft == (hard if hard != resource.RLIM_INFINITY else soft) and soft > 256
+
+
+def test_the_socket_budget_follows_the_limit():
+    assert socket_budget(1024) == 1023  # never below ZMQ's default
+    assert socket_budget(20_000) == 10_000  # a mailbox and a TCP link per connected socket
+    assert socket_budget(1 << 20) == 65535  # what libzmq can poll

@@ -398,31 +398,36 @@ def prefill_scan(steps: tuple[int, ...] = STEPS, tp: int = 8, crowds: int = 4) -
         crowd.close()
 
 
-def zmq_caps() -> dict:
-    """How many peers one process's contexts take before ZMQ refuses a socket (its default
-    `MAX_SOCKETS`, 1,023 per context), counted on the real classes: a transport agent's
-    notification channel (one PUSH per peer agent) and side-channel clients (a DEALER and its
-    monitor pair per connection, in the process-wide context). Connects go to a closed port:
-    ZMQ connects lazily, so nothing is sent."""
-    from kvbridge.connector.side_channel import SideChannelClient
+def zmq_caps(probe_peers: int = 4096) -> dict:
+    """How many peers one process takes before ZMQ refuses a socket, up to `probe_peers`, counted
+    on the real classes: a transport agent's notification channel (one PUSH per peer agent) and
+    side-channel clients (a DEALER and its monitor pair per connection, in the process-wide
+    context). Each context is sized to the process's descriptors (`transport.descriptors`; ZMQ's
+    default was 1,023 sockets: 1,022 peers, 341 clients). Connects go to a closed port: ZMQ
+    connects lazily, so nothing is sent."""
+    from kvbridge.connector.side_channel import SideChannelClient, _context
+    from kvbridge.transport.descriptors import raise_descriptor_limit
     from kvbridge.transport.notify import Channel
-    out = {"max_sockets_per_context": zmq.Context.instance().get(zmq.MAX_SOCKETS)}
+    out: dict = {"descriptor_limit": raise_descriptor_limit(), "probe_peers": probe_peers,
+                 "max_sockets_per_context": _context().get(zmq.MAX_SOCKETS)}
     channel, peers = Channel("fleet-scale-probe"), 0
     try:
-        while peers < 4096:
+        while peers < probe_peers:
             channel.connect(f"peer-{peers}", "tcp://127.0.0.1:9")
             peers += 1
     except zmq.ZMQError as e:
-        out["transport_channel_peers"], out["transport_channel_error"] = peers, str(e)
+        out["transport_channel_error"] = str(e)
     finally:
+        out["transport_channel_peers"] = peers
         channel.close()
     clients: list[SideChannelClient] = []
     try:
-        while len(clients) < 4096:
+        while len(clients) < probe_peers:
             clients.append(SideChannelClient("127.0.0.1:9", f"probe-{len(clients)}".encode()))
     except Exception as e:  # noqa: BLE001 - SideChannelError or ZMQError: the cap, reported
-        out["side_channel_clients"], out["side_channel_error"] = len(clients), str(e)
+        out["side_channel_error"] = str(e)
     finally:
+        out["side_channel_clients"] = len(clients)
         for c in clients:
             c.close()
     return out

@@ -46,6 +46,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvbridge.connector.messages import MAX_FRAME_BYTES, FrameTooLarge, Message, ProtocolError, decode, encode
 from kvbridge.errors import KVBridgeError
+from kvbridge.transport.descriptors import sized
 from kvbridge.transport.frame_auth import AUTH_BYTES, FrameAuth as _FrameAuth
 
 
@@ -110,7 +111,16 @@ def _endpoint(host: str, port: int | str) -> str:
 
 
 def _context() -> zmq.Context:
-    return zmq.Context.instance()
+    """The process-wide context, allowed as many sockets as the process's descriptors (issue 44.2)."""
+    global _sized
+    ctx = zmq.Context.instance()
+    if not _sized:
+        sized(ctx)
+        _sized = True
+    return ctx
+
+
+_sized = False
 
 
 def _configure(sock: zmq.Socket, host: str, max_frame_bytes: int) -> None:

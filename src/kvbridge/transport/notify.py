@@ -30,6 +30,7 @@ import zmq
 
 from kvbridge.errors import KVBridgeError
 from kvbridge.transport.frame_auth import FrameAuth, FrameAuthError
+from kvbridge.transport.descriptors import sized
 
 NOTIFY = 0
 """A user notification (`Transport.send_notification`, or a transfer's `notify`)."""
@@ -59,7 +60,7 @@ class Channel:
         self.name = name
         self._name_bytes = name.encode()
         self._send_timeout_ms = send_timeout_ms
-        self._ctx = zmq.Context()
+        self._ctx = sized(zmq.Context())  # one PUSH per peer agent: as many as the descriptors allow
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, 0)
