@@ -20,6 +20,12 @@ from kvbridge.errors import ConfigError
 if TYPE_CHECKING:
     from kvbridge.integrations.vllm.fleet_file import FleetFile
 
+PROGRESS_S = 30.0
+"""Without a terminal, how often the start says what it waits for."""
+FIRST_REQUEST = ("The first request waits while vLLM compiles on first use (tens of seconds on vLLM CPU); "
+                 "the next ones do not.")
+"""Said under the ready banner: "ready" is health, and a first answer 20-30 s later looked like a hang."""
+
 _EXAMPLE = "e.g. --prefill tp=1,block=64 --prefill tp=2,block=32 --decode tp=2,block=32 --decode tp=1,block=128"
 
 
@@ -108,9 +114,11 @@ def serve(
                                       "instances store into and load from it as memory copies; what it does not "
                                       "hold comes from the master's store."),
     pool_secret_file: Optional[Path] = typer.Option(None, help="The pool's secret (a 0600 file of 16+ bytes, the "
-                                                    "same for every fleet that shares the pool): keeps what the "
-                                                    "pool stored usable across restarts [default: a new secret per "
-                                                    "run]."),
+                                                    "same for every fleet that shares the pool): keeps the pool's "
+                                                    "names across restarts, so objects still held by a master and "
+                                                    "memory that outlived the restart (other instances, a host "
+                                                    "tier) stay usable; what only the restarted instances lent is "
+                                                    "gone with them [default: a new secret per run]."),
     fleet_file: Optional[Path] = typer.Option(None, "--fleet", help="A fleet across hosts: a TOML file, the same "
                                               "on every host, naming each instance (name, role, host, port, "
                                               "side_channel_port, shape) and the router's host and port (see "
@@ -171,6 +179,11 @@ def serve(
                           "garbage; a fleet to try, not a model to use", highlight=False, markup=False,
                           soft_wrap=True)
     elif not model.exists() and "/" not in str(model):
+        from kvbridge.models.presets import PRESETS
+        if str(model) in PRESETS:  # `kvbridge plan llama-3-8b` takes it: say why serve does not
+            raise ConfigError(f"{model}: a preset geometry that `kvbridge plan` and `bench` take (no weights, no "
+                              "tokenizer); serve runs vLLM, which needs a model directory (config.json, weights, "
+                              f"tokenizer), or a built-in tiny model ({', '.join(TINY_SERVABLE)})")
         raise ConfigError(f"{str(model)[:80]}: no such model directory, nor a built-in tiny model "
                           f"({', '.join(TINY_SERVABLE)})")
     made = None if log_dir or dry_run else Path(tempfile.mkdtemp(prefix="kvbridge-serve-"))
@@ -210,9 +223,15 @@ def serve(
     code = 0
     t0 = time.monotonic()
     where = f"logs in {fleet.log_dir}" + (f"; pool master {fleet.pool_address}" if fleet.pool_address else "")
+    # Said at once, on every output: without a terminal (nohup, systemd, CI) the spinner shows
+    # nothing, and a start that hangs for minutes must leave the log directory in its output.
+    what = f"{len(fleet.members)} instance{'s' if len(fleet.members) != 1 else ''}" + (
+        " and the router" if fleet.router is not None else "")
+    err_console.print(f"starting {what} ({where})", highlight=False, markup=False, soft_wrap=True)
     try:
         fleet.start()
-        with console.status("starting", spinner="dots") if not as_json else _Quiet() as status:
+        with console.status("starting", spinner="dots") if console.is_terminal and not as_json else \
+                _Lines(PROGRESS_S) as status:
             fleet.wait_ready(startup_timeout, lambda states: status.update(
                 f"{time.monotonic() - t0:.0f} s, waiting for health: " + ", ".join(f"{n} {s}" for n, s in states)
                 + f" ({where})"))
@@ -227,7 +246,10 @@ def serve(
                 console.print(f"{on}'s part of the fleet is ready (logs in {config.log_dir}); {router} serves it "
                               f"at [bold]{fleet.endpoint}[/] once every host's part is", highlight=False)
             if fleet.pool_address:
-                where = "the fleet's own master" if fleet.master else "a running master"
+                # asked again: a master named by --pool may have come up while the fleet started
+                where = ("the fleet's own master" if fleet.master else
+                         "a master that does not accept connections: the instances serve without the pool until "
+                         "it does" if fleet.pool_unreachable() else "a running master")
                 secret = (f"secret from {fleet.pool_secret_file}" if config.pool_secret_file
                           else "secret new this run: --pool-secret-file keeps one across restarts")
                 console.print(f"  {'pool':<10} {fleet.pool_address} ({where}; {secret})", highlight=False,
@@ -235,6 +257,7 @@ def serve(
             for m in fleet.members:
                 console.print(f"  {m.name:<10} {m.shape.describe():<32} {m.url}", highlight=False, markup=False)
             console.print(fleet.curl_example(), highlight=False, markup=False, soft_wrap=True)
+            console.print(FIRST_REQUEST, highlight=False, markup=False, soft_wrap=True)
             console.print("Ctrl-C stops the fleet.", highlight=False)
         supervisor = Supervisor(fleet, _reporter(as_json))
         while not stop.is_set():  # supervise: a member that dies is restarted; one that keeps dying ends it
@@ -293,6 +316,26 @@ def _reporter(as_json: bool):
                 "back": "serving again, {after_s:g} s after it died"}[event["event"]]
         err_console.print(f"{event['member']} {what.format(**event)}", highlight=False, markup=False)
     return report
+
+
+class _Lines:
+    """The start's progress without a terminal: the spinner's text as a line on stderr, the first
+    at once, then at most one every `every` seconds (a hung start leaves a trail in a log file)."""
+
+    def __init__(self, every: float):
+        self.every, self.last = every, None
+
+    def __enter__(self) -> _Lines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, text: str) -> None:
+        now = time.monotonic()
+        if self.last is None or now - self.last >= self.every:
+            self.last = now
+            err_console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
 class _Quiet:

@@ -7,6 +7,8 @@ processes, ports and segments in seconds, without vLLM (whose start takes minute
 `make_tools(DIR)` writes `python` (this interpreter), `vllm` and `vllm-router` into DIR: give
 `DIR/python` as `--vllm-python` (or KVBRIDGE_VLLM_PYTHON). `vllm bench serve` writes
 `RESULT_DIR/bench-started` (its pid) and waits: a benchmark round that never ends.
+`KVBRIDGE_STAND_IN_HEALTHY_AFTER_S` in their environment: `/health` answers 503 for that long
+first (a start that takes a while, as vLLM's does).
 Only the standard library: each stand-in starts in well under a second.
 """
 
@@ -35,9 +37,14 @@ while True:
 """
 
 
+STARTED = time.monotonic()
+HEALTHY_AFTER_S = float(os.environ.get("KVBRIDGE_STAND_IN_HEALTHY_AFTER_S", "0"))
+
+
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
+        up = time.monotonic() - STARTED >= HEALTHY_AFTER_S
+        self.send_response((200 if up else 503) if self.path == "/health" else 404)
         self.send_header("Content-Length", "0")
         self.end_headers()
 

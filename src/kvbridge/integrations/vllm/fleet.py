@@ -67,7 +67,9 @@ class Fleet:
         vllm = find_tool(self.python, "vllm")
         router = find_tool(self.python, "vllm-router")
         if vllm is None:
-            raise ConfigError(f"no `vllm` command beside {self.python}: run `make vllm-env`")
+            raise ConfigError(f"no `vllm` command beside {self.python} (the vLLM environment's python): pass "
+                              "--vllm-python PATH of an environment with vLLM, or run `make vllm-env` in the kvbridge "
+                              "repository")
         if router is None:
             raise ConfigError("no `vllm-router` command: `pip install 'kvbridge[serve]'` into the vLLM environment "
                               "(make vllm-env does)")

@@ -31,16 +31,27 @@ REPO = Path(__file__).resolve().parents[4]
 
 def vllm_python(python: str | os.PathLike | None = None) -> str:
     """The interpreter that runs vLLM: `python`, $KVBRIDGE_VLLM_PYTHON, .venv-vllm, or this one; a
-    KVBRIDGE_VLLM_PYTHON that names no file is refused in one line (not passed over for another)."""
+    `python` or KVBRIDGE_VLLM_PYTHON that names no file is refused in one line (not passed over for
+    another), and finding none says where it looked and how to name one."""
+    if python and not Path(python).is_file():
+        raise ConfigError(f"--vllm-python {str(python)[:200]!r}: no such file (the python of an environment with vLLM)")
     named = os.environ.get("KVBRIDGE_VLLM_PYTHON")
     if not python and named and not Path(named).is_file():
         raise ConfigError(f"KVBRIDGE_VLLM_PYTHON {named[:200]!r}: no such file (the vLLM environment's python)")
-    for cand in (python, named, REPO / ".venv-vllm" / "bin" / "python"):
+    beside_repo = REPO / ".venv-vllm" / "bin" / "python"
+    for cand in (python, named, beside_repo):
         if cand and Path(cand).is_file():
             return str(cand)
-    if importlib.util.find_spec("vllm") is not None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.origin not in (None, "namespace"):  # not a directory named vllm in the cwd
         return sys.executable
-    raise ConfigError("no vLLM environment: run `make vllm-env` (creates .venv-vllm) or set KVBRIDGE_VLLM_PYTHON")
+    # Where it looked, and every way to name one: run from another directory (or from an installed
+    # kvbridge) a bare "run make vllm-env" sent users to rebuild 3.4 GB they already had.
+    looked = ("no --vllm-python", "KVBRIDGE_VLLM_PYTHON unset", f"{beside_repo} (no such file)",
+              f"{sys.executable} (no vllm module)")
+    raise ConfigError(f"no vLLM environment (looked at: {'; '.join(looked)}): pass --vllm-python PATH, the python "
+                      f"of an environment with vLLM, or set KVBRIDGE_VLLM_PYTHON, or run `make vllm-env` in the "
+                      f"kvbridge repository (creates .venv-vllm, ~3.4 GB)")
 
 
 @dataclass
