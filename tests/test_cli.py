@@ -56,6 +56,18 @@ def test_unknown_model_exits_2():
     assert r.exit_code == 2 and "unknown model" in r.output
 
 
+def test_a_preset_name_given_to_a_command_that_runs_a_model_says_why_it_is_refused():
+    # `kvbridge plan llama-3-8b` plans it; demo and prefill-server run a model, and said only
+    # "unknown model" (issue 43, a new user's first hour)
+    assert run("plan", "llama-3-8b").exit_code == 0
+    for args in (("demo", "--model", "llama-3-8b"), ("demo", "--engine", "vllm", "--model", "llama-3-8b")):
+        r = run(*args)
+        lines = [line for line in r.output.splitlines() if line.strip()]
+        assert r.exit_code == 2 and len(lines) == 1, r.output
+        assert "--model llama-3-8b: a preset geometry that `kvbridge plan` and `bench` take (no weights)" in lines[0]
+        assert "tiny-llama" in lines[0]
+
+
 def test_verify_json_reports_zero_failures():
     r = run("verify", "--cases", "25", "--seed", "3", "--json")
     assert r.exit_code == 0, r.output

@@ -235,6 +235,11 @@ def load_spec(model: str, flag: str = "MODEL", presets: bool = True):  # -> Mode
         return spec_from_hf_config(path)
     if presets and model in PRESETS:
         return preset_spec(model)  # stored: no transformers import
+    if model in PRESETS:  # `kvbridge plan llama-3-8b` takes it: say why this command does not
+        from kvbridge.proofs.tiny_models import BUILTIN_MODELS
+        raise ConfigError(f"{flag} {model}: a preset geometry that `kvbridge plan` and `bench` take (no weights); "
+                          f"this command runs a model: give its DIR (config.json; weights optional) or one of: "
+                          f"{', '.join(BUILTIN_MODELS)}")
     from kvbridge.proofs.tiny_models import BUILTIN_MODELS, spec_for
     if model in BUILTIN_MODELS:
         return spec_for(BUILTIN_MODELS[model]())
