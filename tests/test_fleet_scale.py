@@ -3,8 +3,8 @@ the scans of `make fleet-scale`, at 2 engines of TP 2 a side, with real connecto
 agents and authenticated side channels on loopback in a spawned crowd process.
 
 Counts only (connections, descriptors, ZMQ mailboxes, mapped segments, threads), never timings:
-a rank's holdings grow by a fixed amount per remote engine, and prefill rank 0 pays for every
-rank of every decode engine (each decode rank's handshake starts there).
+a rank's holdings grow by a fixed amount per remote engine, and prefill rank 0, where every
+decode rank's handshake starts, holds only the decode ranks that read it (issue 44.1).
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ def test_a_decode_rank_holds_a_fixed_set_per_prefill_engine():
     _check(decode_scan(STEPS, tp=TP, crowds=1), "decode")
 
 
-def test_prefill_rank_zero_holds_one_peer_per_decode_rank():
+def test_prefill_rank_zero_holds_only_the_decode_ranks_that_read_it():
+    """Issue 44.1: every decode rank says Hello to rank 0 first, to learn the engine's ranks;
+    before, each Hello connected rank 0's transport to it (TP peers per decode engine)."""
     scan = prefill_scan(STEPS, tp=TP, crowds=2)
     _check(scan, "prefill")
     # rank 1 of the same engine hears only its own readers: one decode rank per decode engine

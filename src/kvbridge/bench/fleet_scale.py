@@ -116,13 +116,13 @@ def law(side: str, engines: int, tp: int) -> dict[str, int]:
     decode rank: per prefill engine one source rank: its DEALER (+ monitor pair), a PUSH to the
     source's notification channel and the source's PUSH to ours, one mapped segment.
     prefill rank 0: every rank of every decode engine says Hello here first (rank 0 lists the
-    engine's ranks), and each Hello connects this rank's transport to that decode rank: a PUSH and
-    a mapped segment per decode rank, plus decode rank 0's DEALER and its PUSH to us."""
+    engine's ranks), but only its readers are connected (issue 44.1; before, each Hello connected
+    this rank's transport to that decode rank: TP peers per engine): at equal TP decode rank 0
+    alone, its DEALER and its PUSH to us, our PUSH to it and its mapped segment."""
     if side == "decode":
         per = {"side_channels": 1, "transport_peers": 1, "tcp_established": 3, "eventfds": 4, "shm_maps": 1}
     else:
-        per = {"side_channels": tp, "transport_peers": tp, "tcp_established": tp + 2, "eventfds": tp,
-               "shm_maps": tp}
+        per = {"side_channels": 1, "transport_peers": 1, "tcp_established": 3, "eventfds": 1, "shm_maps": 1}
     per["fds"] = per["tcp_established"] + per["eventfds"] + per["shm_maps"]
     return {k: v * engines for k, v in per.items()}
 

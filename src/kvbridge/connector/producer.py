@@ -303,9 +303,17 @@ class Producer(RankEndpoint):
             self.stats["unexpected_messages"] += 1
 
     def _on_hello(self, peer: bytes, hello: m.Hello) -> None:
+        """A decode rank's handshake. One that does not read from this rank (it came here, usually
+        to rank 0, only to learn the engine's rank addresses from this Hello's reply) is answered
+        as a directory answers: no transport connection and no reader entry for it, so a rank
+        holds only the decode ranks that read it (issue 44.1)."""
         mine = self.hello
         try:
             validate_peer(self.topology, mine, hello)
+            if hello.rank not in self.topology.reader_ranks(hello.engine_id):
+                self.stats["directory_answers"] += 1
+                self._reply(peer, mine)
+                return
             self.transport.connect(hello.agent_name, hello.transport_metadata)
         except KVBridgeError as e:
             self.stats["handshakes_refused"] += 1
