@@ -56,3 +56,37 @@ def test_a_pool_the_fleet_cannot_use_is_refused_in_one_line(tmp_path, pool, bloc
     with pytest.raises(ConfigError, match=why) as e:
         check_shapes(config)
     assert "\n" not in str(e.value)
+
+
+def test_the_shape_check_remembers_a_models_spec_and_says_its_warnings_again(tmp_path, monkeypatch, capfd):
+    """Deriving the spec imports transformers (5-7 s at every `kvbridge serve` start): a second
+    check of an unchanged model directory takes it from the cache, warnings included; a changed
+    config.json is derived again."""
+    import json
+
+    import kvbridge.models as models
+    from kvbridge.integrations.vllm.fleet_config import FleetConfig, InstanceShape, check_shapes
+    from kvbridge.models import config as model_config
+    from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = add_byte_tokenizer(make_tiny_llama(tmp_path / "m", seed=1))
+    cfg = json.loads((model / "config.json").read_text())
+    del cfg["num_hidden_layers"]  # left to the class's default: a warning line
+    (model / "config.json").write_text(json.dumps(cfg))
+    calls = []
+    derive = models.spec_from_hf_config
+    monkeypatch.setattr(models, "spec_from_hf_config", lambda *a, **k: calls.append(a) or derive(*a, **k))
+    config = FleetConfig(model=model, prefill=[InstanceShape(tp=1)], decode=[InstanceShape(tp=2)],
+                         log_dir=tmp_path, port=1)
+    for _ in range(2):
+        model_config._WARNED.clear()  # a new process: its own warnings
+        check_shapes(config)
+    warned = capfd.readouterr().err
+    assert len(calls) == 1, calls
+    assert warned.count("config.json omits num_hidden_layers") == 2, warned  # said at both starts
+    from kvbridge.models.spec_cache import spec_of_dir
+    assert spec_of_dir(model) == derive(str(model)) and len(calls) == 1
+    cfg["num_hidden_layers"] = 3
+    (model / "config.json").write_text(json.dumps(cfg))
+    assert len(spec_of_dir(model).layers) == 3 and len(calls) == 2

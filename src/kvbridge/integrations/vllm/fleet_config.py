@@ -126,7 +126,7 @@ def check_shapes(config: FleetConfig) -> list[str]:
     """Refuse, before anything starts, a fleet vLLM or kvbridge cannot run; returns notes."""
     from kvbridge.core.layout import EngineLayout
     from kvbridge.core.topology import TransferTopology
-    from kvbridge.models import spec_from_hf_config
+    from kvbridge.models.spec_cache import spec_of_dir
 
     if not config.prefill or not config.decode:
         raise ConfigError("a P/D fleet needs at least one --prefill and one --decode instance")
@@ -139,7 +139,7 @@ def check_shapes(config: FleetConfig) -> list[str]:
     if len(kinds) > 1:
         raise ConfigError("every instance of a fleet must use the same transport and mode (a prefill and a decode "
                           f"instance of different ones cannot pair); got {', '.join(sorted(map('/'.join, kinds)))}")
-    spec = spec_from_hf_config(str(model))
+    spec = spec_of_dir(model)  # remembered per config: deriving it imports transformers, 5-7 s a start
     heads = {layer.num_kv_heads for layer in spec.layers if layer.is_attention and layer.kind != "mla"}
     layers = len(spec.layers)
     cpu = _is_cpu_build(config)
