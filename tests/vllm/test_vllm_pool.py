@@ -1,7 +1,7 @@
 """Two `vllm serve` instances of different shapes (X: TP 1, block 64; Y: TP 2, block 32) on one
 Mooncake Store pool, as a shared fleet uses it (issues 23 and 27). The key file, the master and X
-are started from docs/pool.md's standalone example as written (the test adds its ports, the
-served model's name, eager mode, LoRA adapters and shorter deadlines), so the docs stay true:
+are started from docs/pool.md's standalone example as written (the test adds its ports, eager
+mode, LoRA adapters and shorter deadlines), so the docs stay true:
 
 1. the master is down when they start: they serve, say once that the pool is unavailable, and
    use it once it is up (Y loads what X stored, as external hits, answering as X computed);
@@ -114,13 +114,15 @@ def _from_doc(work: Path, model: Path, vllm: str, port: int, lora: list[str]) ->
     env_words = list(itertools.takewhile(lambda w: "=" in w and w[0].isupper(), serve_words))
     words = serve_words[len(env_words):]
     assert words[:3] == ["vllm", "serve", "MODEL_DIR"], words[:3]
+    # the name requests give ("model": "model", as a kvbridge serve fleet's): without it, a 404
+    assert words[words.index("--served-model-name") + 1] == "model", words
     kv = json.loads(words[words.index("--kv-transfer-config") + 1])
     extra = kv["kv_connector_extra_config"]
     assert extra["master"] == "127.0.0.1:50051" and kv["kv_load_failure_policy"] == "recompute"
     extra.update(master=master.address, **FAST)
     words[words.index("--kv-transfer-config") + 1] = json.dumps(kv)
     argv = [vllm, "serve", str(model), *words[3:], "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", "model", "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", *lora]
+            "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", *lora]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
            "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-x"), **dict(w.split("=", 1) for w in env_words)}
     return master, Member("pool-x", argv, env, work / "pool-x.log", port, InstanceShape(tp=1, block=64))

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 PROGRESS_S = 30.0
 """Without a terminal, how often the start says what it waits for."""
+SUPERVISE_S = 1.0
+"""How often the supervisor looks at the fleet (restarts, and notes the segments its processes map)."""
 FIRST_REQUEST = ("The first request waits while vLLM compiles on first use (tens of seconds on vLLM CPU); "
                  "the next ones do not.")
 """Said under the ready banner: "ready" is health, and a first answer 20-30 s later looked like a hang."""
@@ -261,7 +263,7 @@ def serve(
             console.print("Ctrl-C stops the fleet.", highlight=False)
         supervisor = Supervisor(fleet, _reporter(as_json))
         while not stop.is_set():  # supervise: a member that dies is restarted; one that keeps dying ends it
-            stop.wait(1.0)
+            stop.wait(SUPERVISE_S)
             supervisor.step()
     except KeyboardInterrupt:
         pass
