@@ -88,6 +88,48 @@ def leaks(data: Any, hostname: str | None = None) -> list[str]:
     return found
 
 
+GENERATED_TAGS = ("figures", "serve-check")
+"""The tags of generated blocks (scripts/doc_tables.py's and scripts/serve_tables.py's)."""
+_DECIMAL = re.compile(r"(?<![\w.])\d+\.\d+(?![\w.])")
+"""A decimal number (not a version such as 0.3.13, nor an address)."""
+_MEASURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?\s?(?:ms|µs|us|ns|s|min|GB/s|GiB/s|MB/s|MiB/s|Gbit/s|Gb/s|x|×|%)"
+                      r"(?![\w/])")
+"""A number with a unit of time, rate, ratio or share: what a measurement reads."""
+
+
+def tables_outside_blocks(text: str) -> list[tuple[int, str, list[str]]]:
+    """Each markdown table of `text` that is neither in a generated block nor in a code fence:
+    (its first line's number, its header row, its body rows)."""
+    tables: list[tuple[int, str, list[str]]] = []
+    block = fence = False
+    current: list[str] = []
+    start = 0
+    for i, line in enumerate([*text.splitlines(), ""], 1):
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            fence = not fence
+        opened = re.match(r"<!-- ([a-z-]+): [a-z0-9_]+ -->$", stripped)
+        if opened and opened.group(1) in GENERATED_TAGS:
+            block = True
+        elif re.match(r"<!-- /([a-z-]+) -->$", stripped):
+            block = False
+        if stripped.startswith("|") and not fence and not block:
+            start = start or i
+            current.append(stripped)
+            continue
+        if current:
+            tables.append((start, current[0], current[2:]))
+        current, start = [], 0
+    return tables
+
+
+def holds_figures(rows: list[str]) -> bool:
+    """Whether table rows read as measured figures: several decimal numbers, or numbers in units of
+    time, rate, ratio or share."""
+    body = "\n".join(rows)
+    return len(_DECIMAL.findall(body)) >= 3 or len(_MEASURE.findall(body)) >= 2
+
+
 def render(text: str, pattern: re.Pattern[str], renderers: Mapping[str, Renderer], data: dict[str, Any]) -> str:
     """`text` with every block of `pattern` rewritten by its renderer from `data`."""
     def block(m: re.Match) -> str:

@@ -1,6 +1,8 @@
 """The docs' figure tables outside the serving runs are renderings of committed JSON (issue 43
 point 6): every `figures` block equals its rendering, a changed figure makes it stale, and the
-check refuses JSON holding a machine path or name (scripts/doc_tables.py, scripts/doc_blocks.py)."""
+check refuses JSON holding a machine path or name (scripts/doc_tables.py, scripts/doc_blocks.py);
+and no table of measured figures in README.md or docs/*.md sits outside a generated block, but for
+a short allow-list of tables that hold no measurement, each with its reason."""
 
 from __future__ import annotations
 
@@ -152,3 +154,61 @@ def test_the_reliability_report_writes_the_record_the_blocks_render(tables) -> N
     assert tables.reliability_bad_inputs(data)[1].startswith("- atheris fuzzing of the side-channel decoder: not run")
     assert tables.reliability_lost(data) == ["2 soak requests failed or did not complete: see above."]
     assert not tables.report_ok(rel)
+
+
+HAND_WRITTEN_ALLOWED = {
+    ("README.md", "| command | what it does |"):
+        "what each command does: the bounds and defaults it applies (5 s out of the router's rotation, a few "
+        "seconds for 1M tokens) are the code's, not a run's",
+    ("pool.md", "| case | what happens | test |"):
+        "test outcomes: each row is what the named test asserts (the deadlines are the ones the test sets)",
+    ("pool.md", "| what | where | result |"):
+        "test outcomes: each row's result is asserted by the test it names",
+    ("pool.md", "| counters | what to read from them |"):
+        "what each metric counts: its periods are the code's constants (ANSWER_KEPT_S)",
+}
+"""Tables outside generated blocks that read as figures but are not a run's measurements, each
+with the reason. Everything else that holds measured figures is rendered from committed JSON."""
+
+
+def _docs() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _figure_tables(blocks, text: str) -> list[tuple[int, str]]:
+    return [(line, head) for line, head, rows in blocks.tables_outside_blocks(text) if blocks.holds_figures(rows)]
+
+
+def test_no_figure_table_is_written_by_hand() -> None:
+    """Issue 43 point 6: every table of measured figures in README.md and docs/*.md sits in a
+    generated block (`figures`, `serve-check`) rendered from committed JSON, so a stale figure fails
+    `test_every_generated_block_is_the_committed_json`; a table of figures written into the markdown
+    outside one fails here. (Before scripts/doc_tables.py, at 30f1a4d, this named 19 tables of
+    docs/gpu.md, pool.md, reliability.md, security.md, transports.md and vllm.md.)"""
+    blocks = sys.modules.get("doc_blocks") or _script("doc_blocks")
+    found, seen = [], set()
+    for doc in _docs():
+        for line, head in _figure_tables(blocks, doc.read_text()):
+            if (doc.name, head) in HAND_WRITTEN_ALLOWED:
+                seen.add((doc.name, head))
+            else:
+                found.append(f"{doc.relative_to(ROOT)}:{line}: {head[:100]}")
+    assert not found, ("tables of figures outside generated blocks (render them from committed JSON: "
+                       "scripts/doc_tables.py; or allow-list one that holds no measurement, with the reason):\n  "
+                       + "\n  ".join(found))
+    assert seen == set(HAND_WRITTEN_ALLOWED), f"allow-listed tables no longer there: {set(HAND_WRITTEN_ALLOWED) - seen}"
+
+
+def test_the_figure_table_check_sees_a_hand_written_table_and_spares_generated_ones() -> None:
+    blocks = sys.modules.get("doc_blocks") or _script("doc_blocks")
+    table = ("| path | store vs copy | load vs copy |\n|---|---|---|\n| host tier | 0.097 | 0.124 |\n"
+             "| Mooncake | 0.048 | 0.050 |\n")
+    timed = "| step | time |\n|---|---|\n| plan | 17 ms |\n| copy | 25 ms |\n"
+    config = "| key | default | meaning |\n|---|---|---|\n| `block_tokens` | 64 | the pool's block |\n"
+    assert [h for _, h in _figure_tables(blocks, f"# Doc\n\n{table}\ntext\n\n{timed}\n{config}")] == [
+        "| path | store vs copy | load vs copy |", "| step | time |"]
+    generated = f"<!-- figures: pool_phases -->\n{table}<!-- /figures -->\n<!-- serve-check: bench -->\n{timed}" \
+                "<!-- /serve-check -->\n"
+    fenced = f"```\n{table}```\n"
+    versions = "| package | version |\n|---|---|\n| mooncake | 0.3.13 |\n| vllm | 0.32.0 |\n| nixl | 1.5.1 |\n"
+    assert _figure_tables(blocks, generated + fenced + versions) == []
