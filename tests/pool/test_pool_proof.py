@@ -47,3 +47,21 @@ def test_recurrent_checkpoints_load_into_another_shape(master, lender, model, st
     assert r.cache_equal and r.tokens_offload == r.tokens_reference  # the state included (`prove_cache`)
     assert r.hit_tokens == r.prefix_len and not r.recomputed
     assert r.events["seal_failures"] == r.events["missing"] == 0
+
+
+def test_two_proofs_of_one_model_and_seed_on_one_master_do_not_read_each_others_objects(master, lender):
+    """The first object written under a key stays; a proof of the same (model, seed) with a longer
+    prompt computes its prefix in a longer prefill, whose last bits differ, and loaded the first
+    proof's bytes: a false "cache differs" (issue 43, noted and left). Each run now stores under
+    a namespace of its own; two runs given one `run` share, as a fleet restarted with its secret."""
+    first = run_pool_demo("tiny-llama", seed=3, store=Shape(tp=2, block=4), load=Shape(tp=1, block=8), pool_block=8,
+                          prompt_len=40, master=master, client=lender)
+    second = run_pool_demo("tiny-llama", seed=3, store=Shape(tp=1, block=8), load=Shape(tp=2, block=4), pool_block=8,
+                           prompt_len=200, master=master, client=lender)
+    for r in (first, second):
+        assert r.ok and r.cache_equal, r.summary()
+        assert r.hit_tokens == r.prefix_len and r.events["objects_got"] > 0
+    shared = [run_pool_demo("tiny-llama", seed=4, store=Shape(tp=1, block=8), load=Shape(tp=2, block=4),
+                            pool_block=8, prompt_len=40, master=master, client=lender, run="shared")
+              for _ in range(2)]
+    assert shared[0].ok and shared[1].ok

@@ -10,6 +10,7 @@ the loaded prefix cache must be bit-identical to the stored one. A load that can
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,12 +123,18 @@ def run_pool_demo(model: str = "tiny-gemma2", seed: int = 0, store: Shape = Shap
                   new_tokens: int = 8, master: MooncakeMaster | None = None, log_dir: str | Path = "/tmp",
                   secret: bytes = b"proof-secret-0123456789",
                   tamper: Callable[[StoreClient, list[str]], None] | None = None,
-                  client: StoreClient | None = None) -> OffloadDemoResult:
+                  client: StoreClient | None = None, run: str | None = None) -> OffloadDemoResult:
     """Prefill A on `store`, put it in a Mooncake Store, load B's shared prefix on `load`, decode, compare.
 
     Starts a `mooncake_master` unless one is given, and a store client unless `client` is given
     (a client of that master, left open). `tamper(client, keys)` may damage the stored
     objects between the two requests (the fault tests): the load must then refuse and recompute.
+
+    Each run stores under a namespace of its own (`run`, default a fresh random one): two proofs of
+    one (model, seed) on one master share token keys, the first object written under a key stays,
+    and a prefix computed in another prefill (a longer prompt, another chunking) differs in its
+    last bits, so the second proof loaded the first one's bytes and failed falsely. Give two runs
+    the same `run` to have one load what the other stored.
     """
     for s in (store, load):
         if pool_block % s.block:
@@ -143,7 +150,8 @@ def run_pool_demo(model: str = "tiny-gemma2", seed: int = 0, store: Shape = Shap
         master = MooncakeMaster.start(Path(log_dir) / f"kvbridge-pool-master-{seed}.log")
     try:
         backend = SharedPoolBackend(StoreConfig(master.address, master.metadata_url),
-                                    PoolConfig(model_id=f"{model}@{seed}", block_tokens=pool_block,
+                                    PoolConfig(model_id=f"{model}@{seed}/{run or os.urandom(6).hex()}",
+                                               block_tokens=pool_block,
                                                staging_blocks=8, secret=secret), spec, tamper,
                                     shared=client, own_client=client is None)
         blocks = 2 * cdiv(max(prompt_len, len(prompt_b)), min(store.block, load.block)) + 4
