@@ -113,3 +113,43 @@ def test_demo_result_json_keys_end_with_ok() -> None:
     keys = list(r.to_dict())
     assert keys[:4] == ["model", "spec", "prefill", "decode"] and keys[-5:] == ["num_cached_tokens", "kv_conversion", "conversion_mismatches", "elements_checked", "ok"]
     assert not r.ok and r.summary().startswith("MISMATCH: m prefill [p] -> decode [d]")
+
+
+def test_the_token_by_token_rest_of_a_prompt_is_at_its_positions_and_continues_the_returned_cache(monkeypatch):
+    """Where a multi-token forward does not continue from a cache (Mamba1 mixers), the proof feeds
+    the rest of the prompt one token at a time. Those steps gave no `position_ids`, so a RoBERTa
+    decoder put them at its padding-offset positions (K/V 0.34 off a plain prefill's; its tokens
+    can still agree, so the proof could pass on a wrong cache), and they ignored a cache the
+    model returned instead of updating the given one (issue 43, noted and left)."""
+    import copy
+
+    import torch
+    from transformers import RobertaConfig, RobertaForCausalLM
+
+    from kvbridge.proofs import proof
+
+    torch.manual_seed(0)
+    model = RobertaForCausalLM(RobertaConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                             intermediate_size=64, max_position_embeddings=64, is_decoder=True,
+                                             pad_token_id=1)).eval()
+    ids = [int(x) for x in torch.randint(3, 97, (20,), generator=torch.Generator().manual_seed(1))]
+    full, _ = prefill(model, ids[:19])
+    prefix, _ = prefill(model, ids[:8])
+    monkeypatch.setattr(proof, "_continues_in_chunks", lambda *a, **k: False)  # the Mamba1 path
+    given = {}
+    monkeypatch.setattr(model, "generate", lambda input_ids, **kw: given.update(kw) or torch.cat(
+        [input_ids, torch.zeros(1, 2, dtype=torch.long)], 1))
+    proof.continue_greedy(model, ids, copy.deepcopy(prefix), 8, 2)
+    stepped = given["cache"] if "cache" in given else given["past_key_values"]
+    assert stepped.get_seq_length() == 19
+    for i in range(2):
+        assert torch.allclose(stepped.layers[i].keys, full.layers[i].keys, atol=1e-5)
+        assert torch.allclose(stepped.layers[i].values, full.layers[i].values, atol=1e-5)
+
+    class Returns(torch.nn.Module):  # a model that returns a new cache object at every step
+        device = torch.device("cpu")
+
+        def forward(self, input_ids, past_key_values=None, use_cache=True, position_ids=None):
+            return type("Out", (), {"past_key_values": past_key_values + [int(position_ids[0, 0])]})()
+
+    assert proof._step_through(Returns(), ids, 8, 12, {"past_key_values": []}) == {"past_key_values": [8, 9, 10, 11]}

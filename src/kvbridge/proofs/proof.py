@@ -152,8 +152,7 @@ def continue_greedy(model: PreTrainedModel, prompt_ids: Sequence[int], cache: Dy
         if keeps_state_on_modules(model) or not _continues_in_chunks(model, prompt_ids, num_cached, kwarg):
             # Then the rest of the prompt goes in one token at a time (decode steps, which read the
             # state): a check of a loaded state must not pass whatever the state held.
-            for token in prompt_ids[num_cached:n - 1]:
-                model(torch.tensor([[int(token)]], device=model.device), use_cache=True, **kwarg)
+            kwarg = _step_through(model, prompt_ids, num_cached, n - 1, kwarg)
             num_cached, skip = n - 1, (n - 1 if skip else 0)
         input_ids, mask = _input(prompt_ids[skip:], model)
         return model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens,
@@ -166,6 +165,26 @@ def continue_greedy(model: PreTrainedModel, prompt_ids: Sequence[int], cache: Dy
         rest = model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens - 1, **kwarg)
         tokens += rest[0, n + 1 - skip:].tolist()
     return tokens
+
+
+def _step_through(model: PreTrainedModel, prompt_ids: Sequence[int], start: int, stop: int,
+                  kwarg: dict[str, object]) -> dict[str, object]:
+    """Tokens `start..stop-1` of the prompt as one-token decode steps from the cache in `kwarg`:
+    each at its own position (the ones `generate` and `prefill` give: a model whose positions
+    default otherwise, such as RoBERTa's decoders, would read the wrong ones) and each from the
+    cache the previous step returned (not only the one given: a model may return a new object).
+    The cache argument for what follows."""
+    (name, cache), = kwarg.items()
+    positions = "position_ids" in inspect.signature(model.forward).parameters
+    for pos in range(start, stop):
+        extra = {"position_ids": torch.tensor([[pos]], device=model.device)} if positions else {}
+        out = model(torch.tensor([[int(prompt_ids[pos])]], device=model.device), use_cache=True, **{name: cache},
+                    **extra)
+        names = (name, "past_key_values" if name == "cache" else "cache") if name in ("cache", "past_key_values") \
+            else (name,)  # transformers 5 renames past_key_values to cache, output and argument alike
+        returned = next((c for c in (getattr(out, n, None) for n in names) if c is not None), None)
+        cache = cache if returned is None else returned
+    return {name: cache}
 
 
 def _continues_in_chunks(model: PreTrainedModel, prompt_ids: Sequence[int], num_cached: int,
