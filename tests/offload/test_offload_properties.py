@@ -62,6 +62,8 @@ def fill_pattern(caches: list[RankCache], salt: int) -> None:
         a = c.addr
         for li in range(c.spec.num_layers):
             for ci in range(int(a.num_components[li])):
+                if int(a.region[li, ci]) < 0:  # another PP stage's layer: not on this rank
+                    continue
                 view = c.logical_view(li, ci, as_int=True)
                 nkb, kbs, nh, dim = view.shape
                 vals = pattern(c.spec, li, ci, np.arange(nkb * kbs) + salt, int(a.first_head[li, ci]), nh, dim)
@@ -258,3 +260,14 @@ def test_per_block_tables_move_the_bytes_the_whole_plan_moves(data):
     for s in split_groups(gpu, cpu, factor, len(spec.groups)):
         assert all(w.planner._unit_tables(s.group, k, store) is not None
                    for k in range(len(w.planner._parts[s.group])) for store in (True, False))
+
+
+def test_the_pattern_fill_writes_only_this_pp_stages_layers() -> None:
+    # `logical_view` refuses another stage's layer; looping it over every layer raised on PP > 1
+    # (issue 43, noted and left)
+    spec = ModelSpec((LayerSpec("full", 2, 8, 8),) * 4, "float16")
+    caches = RankCache.allocate_engine(spec, EngineLayout(tp_size=2, pp_size=2, block_size=4, num_blocks=3), fill=None)
+    fill_pattern(caches, 5)
+    for c in caches:
+        held = [li for li in range(4) if int(c.addr.region[li, 0]) >= 0]
+        assert len(held) == 2 and all(c.logical_view(li, 0, as_int=True).abs().sum() > 0 for li in held)

@@ -109,6 +109,8 @@ def blocks_are(dest: list[RankCache], want: list[RankCache], blocks) -> bool:
         rows = (idx[:, None] * kb + torch.arange(kb)[None, :]).reshape(-1)
         for li in range(c.spec.num_layers):
             for ci in range(int(c.addr.num_components[li])):
+                if int(c.addr.region[li, ci]) < 0:  # another PP stage's layer: not on this rank
+                    continue
                 if not torch.equal(c.logical_view(li, ci, as_int=True)[rows], w.logical_view(li, ci, as_int=True)[rows]):
                     return False
     return True

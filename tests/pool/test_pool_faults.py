@@ -504,3 +504,18 @@ def test_vllm_cpu_full_and_sliding_groups_round_trip_with_the_windows_blocks_onl
     finally:
         for t in writers + readers:
             t.close()
+
+
+def test_the_block_comparison_reads_only_this_pp_stages_layers() -> None:
+    # `logical_view` refuses another stage's layer; looping it over every layer raised on PP > 1
+    # (issue 43, noted and left)
+    from kvbridge.core.layout import EngineLayout
+    from kvbridge.proofs.verify import random_bytes
+    from kvbridge.transport.cache import RankCache
+    layout = EngineLayout(tp_size=1, pp_size=2, block_size=4, num_blocks=4)
+    a, b = RankCache.allocate_engine(SPEC, layout, fill=None), RankCache.allocate_engine(SPEC, layout, fill=None)
+    random_bytes(a, 1)
+    random_bytes(b, 1)
+    assert blocks_are(a, b, [0, 3])
+    b[1].logical_view(1, 0, as_int=True)[3] += 1  # stage 1's layer, block 3
+    assert blocks_are(a, b, [0]) and not blocks_are(a, b, [3])
