@@ -223,6 +223,17 @@ def scale(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def scale_storm(report: dict[str, Any]) -> list[str]:
+    """Every decode rank of the crowd at a restarted prefill engine at once (docs/fleet-scale.json, `prefill.storm`)."""
+    st = report["fleet_scale"]["prefill"].get("storm")
+    if not st:
+        return ["(this run has no storm)"]
+    return ["| decode ranks at once | handshake timeout | failed | connect median | connect max | all done |",
+            "|---:|---:|---:|---:|---:|---:|",
+            f"| {_num(st['decode_ranks'])} | {st['handshake_timeout_s']:.0f} s | {_num(st['failed'])} "
+            f"| {st['connect_ms_median']:,.0f} ms | {st['connect_ms_max']:,.0f} ms | {st['all_done_s']:.1f} s |"]
+
+
 def scale_pool(report: dict[str, Any]) -> list[str]:
     """Lookups against one master (docs/fleet-scale.json, `pool`)."""
     out = ["| clients | keys per call | calls/s | keys/s |", "|---:|---:|---:|---:|"]
@@ -296,7 +307,7 @@ def pool_transfer(report: dict[str, Any]) -> list[str]:
 
 RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "faults_table": faults_table, "faults_summary": faults_summary, "rotation": rotation, "bench": bench_tables,
-    "supervision": supervision, "scale": scale, "scale_pool": scale_pool, "pool": pool,
+    "supervision": supervision, "scale": scale, "scale_storm": scale_storm, "scale_pool": scale_pool, "pool": pool,
     "pool_transfer": pool_transfer}
 
 

@@ -50,6 +50,8 @@ def test_prefill_rank_zero_holds_only_the_decode_ranks_that_read_it():
     _check(scan, "prefill")
     # rank 1 of the same engine hears only its own readers: one decode rank per decode engine
     assert [tuple(r) for r in scan.crowd_ranks] == [(1, STEPS[-1], STEPS[-1])]
+    # A restarted prefill engine: every decode rank of the crowd reaches it at once, none times out.
+    assert scan.storm["decode_ranks"] == STEPS[-1] * TP and scan.storm["failed"] == 0, scan.storm
 
 
 def test_zmq_contexts_hold_as_many_sockets_as_the_descriptors_allow():

@@ -231,6 +231,22 @@ def _crowd(conn, secret: bytes) -> None:
                         c.connect(address, 10.0)
                         times.append(time.perf_counter() - t0)
                 conn.send(times)
+            elif cmd == "storm":  # every rank of every engine connects to `address` at once: (seconds, error)
+                address, timeout = args
+                results: list[tuple[float, str]] = []
+                def one(c: Consumer) -> None:
+                    t0, error = time.perf_counter(), ""
+                    try:
+                        c.connect(address, timeout)
+                    except Exception as e:  # noqa: BLE001 - a refusal or timeout: counted, with its reason
+                        error = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+                    results.append((time.perf_counter() - t0, error))
+                threads = [threading.Thread(target=one, args=(c,), daemon=True) for cs in consumers.values() for c in cs]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(timeout + 60)
+                conn.send(results)
             elif cmd == "readers":  # per producer: decode ranks handshaken with it, transport peers
                 conn.send([(p.rank, p.stats["handshakes"], len(p.transport._peers)) for p in producers])
     finally:
@@ -300,6 +316,7 @@ class Scan:
     rows: list[Row] = field(default_factory=list)
     hello_service_ms: float = 0.0  # prefill scan: observed rank-0 time per Hello it answered
     crowd_ranks: list = field(default_factory=list)  # prefill scan: (rank, handshakes, peers) of ranks 1..tp-1
+    storm: dict = field(default_factory=dict)  # prefill scan: every decode rank of the crowd at a fresh engine at once
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -388,6 +405,26 @@ def prefill_scan(steps: tuple[int, ...] = STEPS, tp: int = 8, crowds: int = 4) -
         scan.hello_service_ms = 1000 * pump.busy_s / max(1, handshakes)
         if tp > 1:
             scan.crowd_ranks = crowd.ask(0, "readers")
+        # A restarted prefill engine: every decode rank of every engine reaches its rank 0 at once.
+        pump.stop.set()
+        thread.join(5)
+        fresh_rest = crowd.ask(0, "prefill", ["prefill-restarted"], tp, (1, tp))[0] if tp > 1 else []
+        fresh = _producers("prefill-restarted", tp, range(0, 1), ConnectorConfig(secret=secret))
+        observed += fresh
+        fresh[0].set_peer_addresses([fresh[0].address, *fresh_rest])
+        pump = _Pump(observed)
+        thread = pump.thread()
+        timeout = ConnectorConfig(secret=secret).handshake_timeout
+        t0 = time.perf_counter()
+        for i in range(1, len(parts) + 1):
+            crowd.send(i, "storm", fresh[0].address, timeout)
+        results = [r for i in range(1, len(parts) + 1) for r in crowd.answer(i, 600.0)]
+        seconds = [t for t, _ in results]
+        scan.storm = {"decode_ranks": len(results), "handshake_timeout_s": timeout,
+                      "failed": sum(1 for _, e in results if e), "errors": sorted({e for _, e in results if e})[:5],
+                      "connect_ms_median": 1000 * statistics.median(seconds) if seconds else 0.0,
+                      "connect_ms_max": 1000 * max(seconds, default=0.0),
+                      "all_done_s": time.perf_counter() - t0}
         return scan
     finally:
         if pump is not None:
