@@ -255,6 +255,10 @@ def _hybrid_spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheCon
     return spec, layout, names
 
 
+_FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+"""vLLM's fp8 `--kv-cache-dtype` names and the torch dtype whose bytes its CPU kernels write."""
+
+
 def _probe_cpu_kv(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto",
                   isa_dtype: torch.dtype | None = None) -> tuple[str, bool, str]:
     """vLLM's own CPU cache-write kernel on a scratch block of `dtype`, with the ISA vLLM's backend
@@ -274,12 +278,20 @@ def _probe_cpu_kv(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_
                                        k_scale=1.0, v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
     except (RuntimeError, TypeError, ValueError) as e:  # a kernel that takes no such scratch block: not shown
         return isa, False, f"nothing it would show ({one_line(e)[:120]})"
-    raw, key, value = kv.view(2 * n, d), key.to(dtype), value.to(dtype)
+    # An fp8 cache (uint8 in vLLM) holds the fp8 encoding of K and V (scales of 1 here), not an
+    # integer cast of them: compared as bytes with that encoding (before, with the cast, which can
+    # never match, so every fp8 kernel was said to keep "an unknown order").
+    fp8 = _FP8.get(kv_cache_dtype) if torch.empty((), dtype=dtype).element_size() == 1 else None
+    if fp8 is not None:
+        raw = kv.view(torch.uint8).view(2 * n, d)
+        key, value = (t.to(getattr(torch, fp8)).view(torch.uint8) for t in (key, value))
+    else:
+        raw, key, value = kv.view(2 * n, d), key.to(dtype), value.to(dtype)
     k_ok = torch.equal(raw[:n].reshape(d, n), key[:, 0, :].t())
     v_ok = torch.equal(raw[n:], value[:, 0, :])
     rows = torch.equal(raw[:n], key[:, 0, :])
     found = (f"K {'transposed' if k_ok else 'by rows' if rows else 'in an unknown order'} and V "
-             f"{'by rows' if v_ok else 'in an unknown order'}")
+             f"{'by rows' if v_ok else 'in an unknown order'}" + (f" ({fp8} bytes)" if fp8 else ""))
     return isa, k_ok and v_ok, found
 
 
