@@ -120,3 +120,45 @@ def test_an_attention_module_nothing_can_read_is_refused_by_name(monkeypatch):
     # the forward measured: it answers for the module
     monkeypatch.setattr(probe, "cached_kv", lambda model, n: dict.fromkeys(range(n), (2, 8, 8)))
     assert [(x.num_kv_heads, x.key_dim) for x in spec_from_hf_config(llama, warn=False).layers] == [(2, 8)] * 2
+
+
+@pytest.mark.parametrize("in_a_thread", [False, True])
+def test_a_meta_forward_that_does_not_end_is_stopped_and_measures_nothing(monkeypatch, caplog, in_a_thread):
+    """The meta-device forward had no time bound: a forward that never ends on meta (a loop on a
+    value meta cannot give, a modeling file that waits) held `kvbridge plan` or a fleet's start
+    for ever (issue 43, noted and left). It is stopped after PROBE_SECONDS, in whichever thread it
+    runs, and nothing is measured, said in one line."""
+    import threading
+    import time
+
+    import torch
+
+    from kvbridge.models import probe
+
+    class Hangs(torch.nn.Module):
+        def forward(self, input_ids, use_cache=True):
+            end = time.monotonic() + 20
+            while time.monotonic() < end:
+                time.sleep(0.01)
+            raise AssertionError("not stopped")
+
+    monkeypatch.setattr(probe, "PROBE_SECONDS", 0.5, raising=False)  # (raising=False: the old code runs too)
+    got, took = [], []
+
+    def run() -> None:
+        t0 = time.monotonic()
+        got.append(probe.cached_kv(Hangs(), 2))
+        took.append(time.monotonic() - t0)
+
+    with caplog.at_level("WARNING", logger="kvbridge"):
+        if in_a_thread:
+            t = threading.Thread(target=run)
+            t.start()
+            t.join(30)
+        else:
+            run()
+    assert got == [None] and took[0] < 5, took
+    assert "ran past 0 s and was stopped" in caplog.text or "ran past 1 s and was stopped" in caplog.text, caplog.text
+    # a forward that ends in time is measured as before, and no stop lands after it
+    assert probe.cached_kv(type("Quick", (torch.nn.Module,), {"forward": lambda self, x, use_cache: None})(), 2) == {}
+    time.sleep(1.0)

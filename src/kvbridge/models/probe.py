@@ -18,11 +18,52 @@ cast to bfloat16 first (MoE grouped matmuls take no other dtype; on meta this co
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
+import logging
+import threading
 import warnings
 from typing import Any
 
 TOKENS = 2  # the probe's prompt: the cache's token axis must read 2 (any other value is not a K/V layer)
+PROBE_SECONDS = 30.0
+"""The forward's bound: DeepSeek-V3's 61 layers take a few seconds on meta; a forward past this
+(a loop that never ends on meta, a modeling file that waits) is stopped and nothing is measured,
+said in one line, instead of holding `kvbridge plan` or a fleet's start without end."""
+
+logger = logging.getLogger("kvbridge")
+
+
+class _TooLong(Exception):
+    """Raised in the probing thread when its forward outlives `PROBE_SECONDS`."""
+
+
+@contextlib.contextmanager
+def _bounded(seconds: float):
+    """Raise `_TooLong` in this thread once `seconds` pass (at its next Python instruction: a
+    forward on meta is Python), whichever thread it is; the timer's raise and the block's end
+    are ordered by a lock, so it never lands after the block."""
+    state = {"done": False, "fired": False}
+    lock = threading.Lock()
+    tid = threading.get_ident()
+
+    def fire() -> None:
+        with lock:
+            if not state["done"]:
+                state["fired"] = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(_TooLong))
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+        with lock:
+            state["done"] = True
+    finally:
+        with lock:
+            state["done"] = True
+        timer.cancel()
 
 
 def cached_kv(model: Any, num_layers: int) -> dict[int, tuple[int, int, int]] | None:
@@ -42,8 +83,13 @@ def cached_kv(model: Any, num_layers: int) -> dict[int, tuple[int, int, int]] | 
                 torch.no_grad():
             warnings.simplefilter("ignore")
             model.to(torch.bfloat16)
-            out = model(torch.zeros(1, TOKENS, dtype=torch.long, device="meta"), use_cache=True)
+            with _bounded(PROBE_SECONDS):
+                out = model(torch.zeros(1, TOKENS, dtype=torch.long, device="meta"), use_cache=True)
             return kv_shapes(_cache(out), num_layers)
+    except _TooLong:
+        logger.warning("%s: its forward on the meta device ran past %.0f s and was stopped: the cached K/V heads "
+                       "are not measured (its modules and config decide)", type(model).__name__, PROBE_SECONDS)
+        return None
     except Exception:  # noqa: BLE001 - value-dependent code cannot run on meta: nothing measured
         return None
     finally:
