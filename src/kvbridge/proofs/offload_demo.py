@@ -273,7 +273,14 @@ def round_trip(model: str, net, spec: ModelSpec, prompt_a: list[int], prompt_b: 
     look B up, load its hit (or recompute it where the load is refused, the whole prompt on a miss),
     decode from the load engine's blocks, compare. Each prefill is `proof.prefill`, a forward as the
     direct proof runs it: the model's own cache argument and class, state kept on modules, and the
-    positions `generate` passes (RoBERTa-style decoders default to others)."""
+    positions `generate` passes (RoBERTa-style decoders default to others).
+
+    The second prefill computes the prefix again, on purpose: each is one monolithic forward from
+    an empty cache. A recurrent hybrid's state checkpoint at the prefix's end exists only from a
+    forward that stops there (the first), and a continuation from it would need each model's own
+    way to continue (Mamba1 mixers take one token at a time, RecurrentGemma keeps state on its
+    modules, RWKV and xLSTM outside any Cache) for blocks B never loads; on these tiny models the
+    repeat costs milliseconds."""
     prompt_len = len(prompt_a)
     windows = group_windows(spec)
     keys_a = [group_keys(chained_block_hashes(prompt_a, obs), g) for g in range(len(spec.groups))]
