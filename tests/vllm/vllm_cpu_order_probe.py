@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 
-from kvbridge.integrations.vllm.registration import _probe_cpu_kv, cpu_byte_order, sliding_window_of
+from kvbridge.integrations.vllm.registration import _probe_cpu_kv, cpu_byte_order, pd_window_note, sliding_window_of
 
 
 def config(dtype: torch.dtype, groups: list, cache_dtype: str = "auto") -> tuple[SimpleNamespace, SimpleNamespace]:
@@ -42,6 +42,10 @@ def main() -> None:
                                                         sliding_window=128)),
         "sliding": sliding_window_of(SlidingWindowSpec(64, num_kv_heads=2, head_size=64, dtype=torch.float32,
                                                        sliding_window=128))}
+    full = FullAttentionSpec(64, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    sliding = SlidingWindowSpec(64, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=128)
+    out["pd_notes"] = {name: pd_window_note(config(torch.float32, groups)[1]) for name, groups in
+                       (("full", [full]), ("every layer slides", [sliding]), ("full and sliding", [full, sliding]))}
     print(json.dumps(out))
 
 

@@ -73,7 +73,7 @@ from kvbridge.errors import ConfigError, IncompatibleEngines
 from kvbridge.integrations.vllm.kv_identity import vllm_kv_identity
 from kvbridge.integrations.vllm.cache_handles import share_tensors
 from kvbridge.integrations.vllm.idle_wake import IdleWait
-from kvbridge.integrations.vllm.registration import check_cpu_kv_layout, group_order, spec_and_layout
+from kvbridge.integrations.vllm.registration import check_cpu_kv_layout, group_order, pd_window_note, spec_and_layout
 from kvbridge.integrations.vllm.sidecar import (Abandon, Expect, Fatal, Init, Received, Recv, Released, Send, Settings,
                                                 SidecarClient)
 from kvbridge.integrations.vllm.step_profile import StepProfile
@@ -380,6 +380,8 @@ class _Worker:
         isa = "none (no attention layers)" if li is None else check_cpu_kv_layout(
             kv_caches[name_of[li]].dtype, layout.group_kernel_size(spec.layer_group[li]), spec.layers[li].key_dim,
             self.conn._vllm_config.cache_config.cache_dtype)
+        if self.rank == 0 and (note := pd_window_note(self.conn._kv_cache_config)):
+            logger.info("KVBridgeConnector %s: %s", self.conn.engine_id, note)
         self._keep = [kv_caches[n] for n in names]
         t0 = time.perf_counter()
         storages, regions = share_tensors(self._keep, f"vllm-{self.conn.engine_id[:24]}-r{self.rank}")

@@ -50,6 +50,23 @@ def sliding_window_of(kv_spec: object) -> int | None:
     return int(kv_spec.sliding_window) if isinstance(kv_spec, SlidingWindowSpec) else None
 
 
+def pd_window_note(kv_cache_config: KVCacheConfig) -> str:
+    """One line for the P/D connector's log when every layer slides (one group of vLLM's
+    `SlidingWindowSpec`), '' otherwise. The P/D connector describes such a group as full
+    attention and moves every prompt token's K/V, of which vLLM reads only the window: correct
+    (the decode side's out-of-window blocks are written, never read, and freed the step after the
+    load), more bytes than needed for prompts past the window. Describing it as sliding, as the
+    pool does, changes the P/D geometry and wants an every-layer-sliding P/D pair through real
+    vLLM to test it, which has not been run; until then this says so."""
+    groups = kv_cache_config.kv_cache_groups
+    window = sliding_window_of(groups[0].kv_cache_spec) if len(groups) == 1 else None
+    if window is None:
+        return ""
+    return (f"every layer slides (window {window} tokens): this connector moves every prompt token's K/V (it "
+            f"describes the group as full attention), of which vLLM reads only the last {window}; correct, more "
+            "bytes than needed for prompts past the window (the pool connector moves only the window)")
+
+
 def spec_and_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_caches: dict[str, torch.Tensor],
                     tp_size: int, prefix_states: bool = False) -> tuple[ModelSpec, VllmCpuLayout, list[str]]:
     """kvbridge's description of this rank's vLLM CPU cache, and the layer names in layer order.
@@ -336,5 +353,6 @@ def cpu_byte_order(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> s
     return order
 
 
-__all__ = ["check_cpu_kv_layout", "check_cpu_mla_layout", "cpu_byte_order", "group_order", "sliding_window_of",
+__all__ = ["check_cpu_kv_layout", "check_cpu_mla_layout", "cpu_byte_order", "group_order", "pd_window_note",
+           "sliding_window_of",
            "spec_and_layout"]
