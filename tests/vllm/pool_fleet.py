@@ -24,14 +24,17 @@ START_S = 900.0
 def pool_fleet(vllm_env, work: Path, model: Path, shapes: Sequence[tuple[str, InstanceShape]], secret: bytes,
                dtype: str = "float32", extra_args: Sequence[str] = (), block_tokens: int = 64,
                max_model_len: int = 1024, member_args: dict[str, Sequence[str]] | None = None,
-               member_kv: dict[str, dict] | None = None) -> Iterator[tuple]:
+               member_kv: dict[str, dict] | None = None, master_host: str = "127.0.0.1",
+               elsewhere: dict[str, tuple[str, str]] | None = None) -> Iterator[tuple]:
     """(master, member per shape in order), started; everything stopped on exit. `extra_args`
     go to every `vllm serve`, `member_args[name]` to that member's only, `member_kv[name]` into
-    that member's connector settings."""
+    that member's connector settings; `elsewhere[name]` = (network namespace, its address) runs
+    that member in that namespace (its Mooncake `local_hostname` goes in `member_kv`), and
+    `master_host` is where the master listens (an address the namespace reaches)."""
     (work / "pool.key").write_bytes(secret)
     (work / "pool.key").chmod(0o600)
     vllm = str(vllm_env.python.parent / "vllm")
-    master = MooncakeMaster.start(work / "master.log")
+    master = MooncakeMaster.start(work / "master.log", host=master_host)
     config = FleetConfig(model=model, prefill=[], decode=[], log_dir=work, dtype=dtype, max_model_len=max_model_len)
     kv = {"kv_connector": "KVBridgePoolConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
           "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
@@ -51,6 +54,10 @@ def pool_fleet(vllm_env, work: Path, model: Path, shapes: Sequence[tuple[str, In
                for i, (name, shape) in enumerate(shapes)]
     for (name, _), m in zip(shapes, members):
         m.argv += list(extra_args) + list((member_args or {}).get(name, ()))
+        if name in (elsewhere or {}):  # another 'host': its own network namespace, reached over a veth
+            ns, addr = elsewhere[name]
+            m.argv[m.argv.index("--host") + 1] = m.argv_host = addr
+            m.argv = ["ip", "netns", "exec", ns, *m.argv]
     try:
         with running(members, work, START_S):
             yield (master, *members)
@@ -73,7 +80,7 @@ def stored_prompt(master, writer, seed: int, length: int, timeout_s: float = 900
     """A fresh `length`-token prompt the writer answered (`greedy_logprobs`) and stored, and how many
     objects it stored: fresh prompts until a store lands (a store is dropped while the writer's
     breaker is open, e.g. after its first client start)."""
-    keys = lambda: metric_total(f"http://{master.host}:{master.metrics_port}", "master_key_count")  # noqa: E731
+    keys = lambda: metric_total(master.metrics_url, "master_key_count")  # noqa: E731
     end = time.monotonic() + timeout_s
     while True:
         assert time.monotonic() < end, "the writer never stored a prompt"

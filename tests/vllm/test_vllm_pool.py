@@ -58,7 +58,7 @@ class Pool:
     y: Member
 
     def keys(self) -> float:
-        return metric_total(f"http://{self.master.host}:{self.master.metrics_port}", "master_key_count")
+        return metric_total(self.master.metrics_url, "master_key_count")
 
     def wait_keys(self, at_least: float, timeout: float = 300.0) -> None:
         """Until the store holds `at_least` objects (a finished request is stored on the rank's pool

@@ -1,12 +1,15 @@
 """Instances of different shapes on one host share prefixes through the pool's host tier (issue 42
 point 1): X (TP 1, block 64) and Y (TP 2, block 32) map one host tier; Y loads what X stored out of
 shared memory, no object fetched from the store, answering as X computed it (a plain instance's
-answer: X computed the prompt itself). Z (TP 1, block 32), with a host tier of its own standing for
-another host's, finds the prefix through Mooncake (that a load from the store is kept in the
+answer: X computed the prompt itself). Z (TP 1, block 32) is another host: its own network
+namespace, joined to this one by a veth pair, with a host tier of its own; it finds the prefix
+through Mooncake, whose bytes cross the veth link (that a load from the store is kept in the
 reader's host tier for its next reader: tests/pool/test_pool_host_tier.py)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 
 import pytest
@@ -15,6 +18,7 @@ from pool_fleet import greedy_logprobs, pool_fleet, stored_prompt
 
 from kvbridge.integrations.vllm.fleet import InstanceShape
 from kvbridge.proofs.vllm.model import add_byte_tokenizer, make_tiny_llama
+from kvbridge.testing.netns import Unavailable, namespace_beside_root
 from kvbridge.testing.serving import metric_total, prompt_text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.fleet]
@@ -37,7 +41,25 @@ def _reported(m, name: str, timeout_s: float = 300.0) -> float:
     return _count(m, name)
 
 
-def test_instances_of_one_host_share_through_its_tier_and_another_host_through_the_store(vllm_env, tmp_path_factory):
+@pytest.fixture
+def other_host():
+    """(namespace, this host's address on the link, the namespace's address), or a skip saying why."""
+    try:
+        with namespace_beside_root() as found:
+            yield found
+    except Unavailable as e:
+        pytest.skip(str(e))
+
+
+def _rx_bytes(ns: str) -> int:
+    """Bytes the namespace's end of the veth link received."""
+    out = subprocess.run(["ip", "-n", ns, "-j", "-s", "link", "show"], capture_output=True, text=True, check=True)
+    return sum(link["stats64"]["rx"]["bytes"] for link in json.loads(out.stdout) if link["ifname"] != "lo")
+
+
+def test_instances_of_one_host_share_through_its_tier_and_another_host_through_the_store(vllm_env, tmp_path_factory,
+                                                                                         other_host):
+    ns, root_addr, ns_addr = other_host
     work = tmp_path_factory.mktemp("vllm-pool-host")
     model = add_byte_tokenizer(make_tiny_llama(work / "tiny", seed=13))
     here, there = work / "host-a", work / "host-b"
@@ -45,9 +67,12 @@ def test_instances_of_one_host_share_through_its_tier_and_another_host_through_t
     there.mkdir()
     shapes = (("x", InstanceShape(tp=1, block=64)), ("y", InstanceShape(tp=2, block=32)),
               ("z", InstanceShape(tp=1, block=32)))
-    tiers = {"x": {"host_mib": 64, "host_dir": str(here)}, "y": {"host_mib": 64, "host_dir": str(here)},
-             "z": {"host_mib": 64, "host_dir": str(there)}}
-    with pool_fleet(vllm_env, work, model, shapes, b"h" * 32, member_kv=tiers) as (master, x, y, z):
+    tiers = {"x": {"host_mib": 64, "host_dir": str(here), "local_hostname": root_addr},
+             "y": {"host_mib": 64, "host_dir": str(here), "local_hostname": root_addr},
+             "z": {"host_mib": 64, "host_dir": str(there), "local_hostname": ns_addr}}
+    with pool_fleet(vllm_env, work, model, shapes, b"h" * 32, member_kv=tiers, master_host=root_addr,
+                    elsewhere={"z": (ns, ns_addr)}) as (master, x, y, z):
+        assert z.url.startswith(f"http://{ns_addr}:")
         text, reference, stored = stored_prompt(master, x, seed=7, length=300)
         assert stored > 0 and _reported(x, "host_objects_put") > 0
         hits, from_store = metric_total(y.url, HITS), _count(y, "objects_got")
@@ -55,10 +80,12 @@ def test_instances_of_one_host_share_through_its_tier_and_another_host_through_t
         assert metric_total(y.url, HITS) - hits >= 256, "Y did not load X's prefix"
         assert _count(y, "host_objects_got") > 0 and _count(y, "objects_got") == from_store, \
             "Y's load went to the store, not the host tier"
-        hits_z = metric_total(z.url, HITS)
+        hits_z, rx = metric_total(z.url, HITS), _rx_bytes(ns)
         assert [t for t, _ in greedy_logprobs(z.url, text)] == [t for t, _ in reference]
         assert metric_total(z.url, HITS) - hits_z >= 256, "Z (another host) did not find the prefix in the store"
         assert _count(z, "objects_got") > 0 and _count(z, "host_objects_got") == 0
+        got = _count(z, "bytes_got")
+        assert _rx_bytes(ns) - rx >= got > 0, "Z's objects did not cross the link to its host"
 
         # The master goes: the host tier goes on. Y's next lookup beyond the host tier fails and
         # opens its breakers; X's store puts into the host tier (its put to the store fails);

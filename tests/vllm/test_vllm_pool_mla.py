@@ -61,7 +61,7 @@ def _reaches(url: str, name: str, want: float, timeout_s: float = 60.0) -> float
 
 def test_mla_latents_are_shared_across_shapes(fleet):
     master, x, z, y = fleet
-    keys = lambda: metric_total(f"http://{master.host}:{master.metrics_port}", "master_key_count")  # noqa: E731
+    keys = lambda: metric_total(master.metrics_url, "master_key_count")  # noqa: E731
     # Fresh prompts until X stored one (a store is dropped while X's breaker is open, e.g. after
     # its first client start): 4 pool blocks of 64 tokens, one latent object per layer each.
     end, seed = time.monotonic() + 600, 51

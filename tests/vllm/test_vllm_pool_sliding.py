@@ -42,7 +42,7 @@ def fleet(vllm_env, tmp_path_factory):
 
 def test_sliding_and_full_groups_are_shared_across_shapes(fleet):
     master, x, y = fleet
-    keys = lambda: metric_total(f"http://{master.host}:{master.metrics_port}", "master_key_count")  # noqa: E731
+    keys = lambda: metric_total(master.metrics_url, "master_key_count")  # noqa: E731
     # Full group: 4 blocks. Sliding group: at X's finish (307 tokens computed) its window holds
     # tokens 244.. only, so block 3 (192-255) is the one left to store. Fresh prompts until X
     # stored one (a store is dropped while X's breaker is open, e.g. after its first client start).
@@ -96,7 +96,7 @@ def test_a_pool_block_the_window_left_in_part_is_never_stored(fleet):
     the full group's four blocks and no sliding block, and X, asking for the same prompt, gets no
     hit from it and answers as Y computed."""
     master, x, y = fleet
-    keys = lambda: metric_total(f"http://{master.host}:{master.metrics_port}", "master_key_count")  # noqa: E731
+    keys = lambda: metric_total(master.metrics_url, "master_key_count")  # noqa: E731
     text = prompt_text(44, 300)
     before = _settled(keys)  # the stores of the test before (X's and Y's answers) have landed
     reference = request(y.url, text, 8)

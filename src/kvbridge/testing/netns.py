@@ -57,4 +57,33 @@ def veth_pair() -> Iterator[tuple[tuple[str, str], tuple[str, str]]]:
             ip("netns", "del", ns)  # removes the veth pair with it
 
 
-__all__ = ["Unavailable", "ip", "veth_pair"]
+@contextlib.contextmanager
+def namespace_beside_root() -> Iterator[tuple[str, str, str]]:
+    """(namespace, root's address, the namespace's address): one namespace joined to this one by a
+    veth pair, for a 'second host' whose processes reach this host's (and are reached from it)
+    only over that link; deleted (veth and all) on exit."""
+    if os.geteuid() != 0:
+        raise Unavailable("needs root to create network namespaces (ip netns add)")
+    if shutil.which("ip") is None:
+        raise Unavailable("the `ip` command (iproute2) is not installed")
+    tag = f"kvr{os.getpid() % 100000}"
+    subnet = 200 + os.getpid() % 50
+    root_addr, ns_addr = f"10.254.{subnet}.1", f"10.254.{subnet}.2"
+    r = ip("netns", "add", tag)
+    if r.returncode:
+        raise Unavailable(f"cannot create a network namespace: {r.stderr.strip()}")
+    try:
+        steps = [("link", "add", f"{tag}r", "type", "veth", "peer", "name", f"{tag}n"),
+                 ("link", "set", f"{tag}n", "netns", tag), ("addr", "add", f"{root_addr}/30", "dev", f"{tag}r"),
+                 ("-n", tag, "addr", "add", f"{ns_addr}/30", "dev", f"{tag}n"), ("-n", tag, "link", "set", "lo", "up"),
+                 ("link", "set", f"{tag}r", "up"), ("-n", tag, "link", "set", f"{tag}n", "up")]
+        for step in steps:
+            r = ip(*step)
+            if r.returncode:
+                raise Unavailable(f"cannot set up the veth pair (ip {' '.join(step)}): {r.stderr.strip()}")
+        yield tag, root_addr, ns_addr
+    finally:
+        ip("netns", "del", tag)  # removes the veth pair, the root's end with it
+
+
+__all__ = ["Unavailable", "ip", "namespace_beside_root", "veth_pair"]

@@ -458,8 +458,7 @@ class Fleet:
                            "log": str(self.router.log_path)} if self.router is not None else
                           {"url": self.endpoint, "on": self.config.fleet_file.router_host},
                 "pool": {"master": self.pool_address, "block_tokens": self.config.pool_block_tokens,
-                         "metrics": (f"http://{self.master.host}:{self.master.metrics_port}" if self.master
-                                     else None),
+                         "metrics": self.master.metrics_url if self.master else None,  # on loopback
                          "pid": self.master.proc.pid if self.master and self.master.proc else None,
                          "log": str(self.master.log_path) if self.master else None} if self.pool_address else None}
 
