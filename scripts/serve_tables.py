@@ -144,6 +144,29 @@ def _step_path(bench: dict[str, Any]) -> list[str]:
     return out
 
 
+ROUND_NAMES = {"mean_ttft_ms": "TTFT mean ms", "p99_ttft_ms": "TTFT p99 ms", "itl_p50_ms": "ITL p50 ms",
+               "itl_p99_ms": "ITL p99 ms", "output_throughput": "out tok/s"}
+
+
+def _rounds(bench: dict[str, Any]) -> list[str]:
+    """Round by round, kvbridge / NIXL, and in how many rounds kvbridge was at or ahead (issue 46.2;
+    runs before 2026-11-29 kept medians only and render nothing here)."""
+    rows = [r for r in bench["table"] if r.get("rounds_ahead")]
+    if not rows:
+        return []
+    out = ["", "| dataset | figure | per round: kvbridge / NIXL | kvbridge spread | NIXL spread | at or ahead |",
+           "|---|---|---|---|---|---:|"]
+    for row in rows:
+        k, n = row["kvbridge"], row["nixl"]
+        for f, name in ROUND_NAMES.items():
+            pairs = " ".join(f"{_num(a)} / {_num(b)}" for a, b in zip(k["per_round"][f], n["per_round"][f]))
+            spread = ["-" if not x["spread"][f] else f"{_num(x['spread'][f][0])}..{_num(x['spread'][f][1])}"
+                      for x in (k, n)]
+            better, of = row["rounds_ahead"][f]
+            out.append(f"| {row['dataset']} | {name} | {pairs} | {spread[0]} | {spread[1]} | {better} of {of} |")
+    return out
+
+
 def bench_tables(report: dict[str, Any]) -> list[str]:
     out: list[str] = []
     for bench in report.get("bench", []):
@@ -184,6 +207,7 @@ def bench_tables(report: dict[str, Any]) -> list[str]:
                            + " | ".join("-" if r.get(k) is None else f"**{r[k]:.2f}**" if k == "itl_p99_ms"
                                         else f"{r[k]:.2f}" for k in BENCH_KEYS) + " | | |")
         out += steps if buckets else []
+        out += _rounds(bench)
         out += _step_path(bench)
         line = _host_line(bench)
         out += ["", line, ""] if line else [""]

@@ -46,6 +46,26 @@ def test_rounds_pool_their_gaps_and_a_failed_round_counts() -> None:
     assert row["decode_steps"]["steps"] == 4 and len(row["host"]) == 4
 
 
+def test_each_round_is_kept_and_rounds_ahead_pairs_round_i_with_round_i() -> None:
+    """Issue 46.2: a tail judged round by round. Round ITL percentiles come from that round's own
+    gaps; a failed round is None and compared with nothing."""
+    from kvbridge.bench.serving import rounds_ahead
+    host = {"seconds": 1.0}
+
+    def rnd(p99: float, tail: float, tps: float) -> dict:
+        return {"mean_ttft_ms": p99 / 2, "median_ttft_ms": p99 / 3, "p99_ttft_ms": p99, "output_throughput": tps,
+                "completed": 64, "failed": 0, "itls_ms": [10.0] * 980 + [tail] * 20, "steps_ms": [], "host": host}
+
+    ours = summarize([rnd(100, 50, 20), rnd(300, 500, 10), {"error": "died", "steps_ms": [], "host": host}])
+    theirs = summarize([rnd(200, 40, 15), rnd(250, 400, 12), rnd(100, 10, 30)])
+    assert ours["per_round"]["p99_ttft_ms"] == [100, 300, None]
+    assert ours["per_round"]["itl_p99_ms"][:2] == [50.0, 500.0] and ours["per_round"]["itl_p50_ms"][0] == 10.0
+    assert ours["spread"]["p99_ttft_ms"] == [100, 300] and theirs["spread"]["output_throughput"] == [12, 30]
+    ahead = rounds_ahead(ours, theirs)
+    assert ahead["p99_ttft_ms"] == [1, 2]  # 100 <= 200; 300 > 250; the failed round is not compared
+    assert ahead["itl_p99_ms"] == [0, 2] and ahead["output_throughput"] == [1, 2]  # tok/s: higher is better
+
+
 def test_the_cli_prints_both_tables(capsys) -> None:
     from kvbridge.cli.bench import serve_table
     host = {"seconds": 1.0, "load_avg_1m": [3.0, 4.0], "host_cpu_s": 2.0, "benchmark_cpu_s": 1.5,
@@ -54,6 +74,8 @@ def test_the_cli_prints_both_tables(capsys) -> None:
          "itls_ms": [10.0, 30.0], "steps_ms": [20.0, 700.0], "host": host}
     row = {"dataset": "random", "kvbridge": summarize([r]), "nixl": summarize([r]),
            "ratios": {"itl_p99_ms": 1.0, "output_throughput": 1.0}}
+    from kvbridge.bench.serving import rounds_ahead
+    row["rounds_ahead"] = rounds_ahead(row["kvbridge"], row["nixl"])
     row["kvbridge"]["step_path"] = {"seconds": 9.0, "calls": {
         "get_finished": {"calls": 7, "p50_ms": 0.02, "p99_ms": 0.5, "max_ms": 0.6, "total_ms": 1.25}}}
     serve_table({"prefill": "tp=1", "decode": "tp=2", "prompts": 32, "concurrency": 8, "rounds": 1, "cores": 2,
@@ -61,6 +83,7 @@ def test_the_cli_prints_both_tables(capsys) -> None:
     text = capsys.readouterr().out
     assert "ITL p99" in text and "<=640" in text and "load average" in text and "other processes used" in text
     assert "step path" in text and "get_finished" in text and "1.2 ms" in text
+    assert "round by round" in text and "1 of 1" in text
 
 
 def test_the_idle_fleet_is_stopped_and_continued_whole() -> None:

@@ -126,3 +126,19 @@ def test_json_naming_the_machine_is_refused_and_strip_paths_clears_it(tmp_path) 
         assert mod.main(["--check", "--json", str(path)]) == 1, leak
         path.write_text(json.dumps(mod.strip_paths(bad)))
         assert mod.main(["--check", "--json", str(path)]) == 0, leak
+
+
+def test_a_run_with_rounds_renders_each_round_and_the_rounds_ahead() -> None:
+    """Issue 46.2: the bench's per-round figures and `rounds_ahead` reach the docs' table."""
+    from kvbridge.bench.serving import rounds_ahead, summarize
+    mod = _tables()
+
+    def rnd(p99: float) -> dict:
+        return {"mean_ttft_ms": p99 / 2, "median_ttft_ms": p99, "p99_ttft_ms": p99, "output_throughput": 10.0,
+                "completed": 64, "failed": 0, "itls_ms": [10.0] * 100, "steps_ms": [], "host": {}}
+
+    k, n = summarize([rnd(100), rnd(300)]), summarize([rnd(200), rnd(250)])
+    lines = mod._rounds({"table": [{"dataset": "random", "kvbridge": k, "nixl": n, "rounds_ahead": rounds_ahead(k, n)}]})
+    row = next(line for line in lines if "TTFT p99" in line)
+    assert "100 / 200 300 / 250" in row and row.endswith("| 1 of 2 |")
+    assert mod._rounds({"table": [{"dataset": "random", "kvbridge": k, "nixl": n}]}) == []  # older runs: medians only

@@ -8,9 +8,11 @@ stopped (SIGSTOP of its sessions) meanwhile, so that its own idle work does not 
 reported as refused and only kvbridge runs.
 
 Figures (issue 31): TTFT p50/p99 and output tokens/s as the median over the rounds; inter-token
-latency p50/p90/p99 and max over every gap of every round together (a p99 of one round of 32
-requests is its 5th-worst gap: pooling the rounds is what makes a tail figure out of them);
-completed and failed summed. Before the rounds each fleet serves one unmeasured warm-up of every
+latency p50/p90/p99 and max over every gap of every round together; completed and failed summed.
+And round by round (issue 46.2: five rounds of 64 prompts by default, so a round's p99 TTFT is
+read off 64 requests): each round's mean and p99 TTFT, ITL p50 and p99 over its own gaps and
+tokens/s, their spread, and in how many rounds kvbridge was at or ahead of NIXL on each
+(`rounds_ahead`, round i against round i: they ran in turns). Before the rounds each fleet serves one unmeasured warm-up of every
 dataset (as many prompts as are in flight, other prompts than the rounds'): a fleet's first steps
 compile (10-60 s here), a one-time start cost that otherwise lands in one round's TTFT or ITL
 tail. The decode instance's step times come from vLLM's own per-iteration
@@ -49,6 +51,9 @@ DATASETS = {
 ROUND_FIGURES = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "output_throughput")
 ITL_FIGURES = ("itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms")
 TIME_FIGURES = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", *ITL_FIGURES)
+PER_ROUND = ("mean_ttft_ms", "p99_ttft_ms", "itl_p50_ms", "itl_p99_ms", "output_throughput")
+"""Figures kept per round (issue 46.2): a tail is judged round by round, not only as a median."""
+HIGHER_IS_BETTER = ("output_throughput",)
 STEP_EDGES_MS = (10, 20, 40, 80, 160, 320, 640, 1280)
 """Upper edges of the step-time histogram's buckets; the last bucket is everything above."""
 _ITERATION = re.compile(r"Iteration\(\d+\): .*?iteration elapsed time: ([0-9.]+) ms")
@@ -227,7 +232,39 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row["decode_steps"] = step_histogram([v for x in runs for v in x["steps_ms"]])
     row["host"] = [x["host"] for x in runs]
     row["errors"] = [x["error"] for x in runs if "error" in x]
+    row["per_round"] = per_round(runs)
+    row["spread"] = {k: [min(v), max(v)] if (v := [x for x in row["per_round"][k] if x is not None]) else None
+                     for k in PER_ROUND}
     return row
+
+
+def per_round(runs: list[dict[str, Any]]) -> dict[str, list[float | None]]:
+    """Each round's figures, in round order (None for a round that failed): TTFT and throughput as
+    `vllm bench serve` gave them, ITL p50/p99 over that round's own gaps (a round of at least 64
+    requests of 16 tokens has 960 of them)."""
+    out: dict[str, list[float | None]] = {k: [] for k in PER_ROUND}
+    for x in runs:
+        ok = "error" not in x and bool(x.get("completed"))
+        for k in PER_ROUND:
+            if not ok:
+                v = None
+            elif k.startswith("itl_"):
+                v = percentile(x["itls_ms"], 50 if k == "itl_p50_ms" else 99)
+            else:
+                v = x.get(k)
+            out[k].append(v)
+    return out
+
+
+def rounds_ahead(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, list[int]]:
+    """Per figure, [rounds where kvbridge's figure is at or better than NIXL's, rounds compared]:
+    round i of one is paired with round i of the other (they ran in turns)."""
+    out = {}
+    for k in PER_ROUND:
+        pairs = [(a, b) for a, b in zip(ours["per_round"][k], theirs["per_round"][k]) if a is not None and b is not None]
+        better = sum((a >= b) if k in HIGHER_IS_BETTER else (a <= b) for a, b in pairs)
+        out[k] = [better, len(pairs)]
+    return out
 
 
 def _flush_request(fleet: Fleet) -> None:
@@ -236,7 +273,7 @@ def _flush_request(fleet: Fleet) -> None:
 
 
 def bench_serve(model: Path | None = None, prefill: str = "tp=1,block=32", decode: str = "tp=2,block=32",
-                prompts: int = 32, concurrency: int = 8, rounds: int = 3, python: str | None = None,
+                prompts: int = 64, concurrency: int = 8, rounds: int = 5, python: str | None = None,
                 work: Path | None = None) -> dict[str, Any]:
     """Run both fleets (or kvbridge's alone where NIXL refuses the shape) and return the table."""
     work = Path(work or tempfile.mkdtemp(prefix="kvbridge-bench-serve-")).resolve()
@@ -298,11 +335,12 @@ def bench_serve(model: Path | None = None, prefill: str = "tp=1,block=32", decod
             row["ratios"]["output_throughput"] = (k["output_throughput"] / n["output_throughput"]
                                                   if k.get("output_throughput") and n.get("output_throughput")
                                                   else None)
+            row["rounds_ahead"] = rounds_ahead(k, n)
         table.append(row)
     return {"prefill": p.describe(), "decode": d.describe(), "prompts": prompts, "concurrency": concurrency,
             "rounds": rounds, "startup_seconds": round(startup, 1), "warmup_seconds": warmup, "nixl_refused": refused, "table": table,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": os.cpu_count(), "work": str(work)}
 
 
-__all__ = ["bench_serve", "iteration_times", "pause_sessions", "percentile", "step_histogram", "step_path_profile",
-           "summarize"]
+__all__ = ["PER_ROUND", "bench_serve", "iteration_times", "pause_sessions", "per_round", "percentile", "rounds_ahead",
+           "step_histogram", "step_path_profile", "summarize"]

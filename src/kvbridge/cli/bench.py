@@ -74,7 +74,7 @@ def bench(
     prefill_block_size: int = typer.Option(16, min=1), decode_block_size: int = typer.Option(16, min=1),
     prefill_layout: Order = typer.Option(Order.HND, case_sensitive=False), decode_layout: Order = typer.Option(Order.HND, case_sensitive=False),
     repeats: int = typer.Option(7, min=1, help="Interleaved repetitions; medians are reported (--serve: rounds "
-                                "per dataset and connector, default 3)."),
+                                "per dataset and connector of 64 prompts each, default 5)."),
     transport: Transport = typer.Option(Transport.local, help="local executor, or a real engine between processes."),
     op: Mode = typer.Option(Mode.pull, help="pull (READ) or push (WRITE), for --transport shm/nixl/mooncake."),
     offload: bool = typer.Option(False, help="GPU<->CPU offload store and load instead of a P/D transfer."),
@@ -137,7 +137,7 @@ def bench(
         exit_on_sigterm()  # a killed run still stops the fleets it started
         with console.status("starting both fleets, then vllm bench serve in turns", spinner="dots") \
                 if not as_json else _nothing():
-            rounds = repeats if ctx.get_parameter_source("repeats").name == "COMMANDLINE" else 3
+            rounds = repeats if ctx.get_parameter_source("repeats").name == "COMMANDLINE" else 5
             if not 1 <= rounds <= 20:
                 raise ConfigError(f"--repeats for --serve (rounds of each dataset per connector) must be in 1..20, "
                                   f"got {rounds}")
@@ -283,6 +283,32 @@ def _step_path_table(out: dict[str, Any]) -> None:
     console.print(t)
 
 
+def _rounds_table(out: dict[str, Any]) -> None:
+    """Each round's figures side by side, and in how many rounds kvbridge was at or ahead (issue 46.2)."""
+    rows = [r for r in out["table"] if "rounds_ahead" in r]
+    if not rows:
+        return
+    from kvbridge.bench.serving import PER_ROUND
+    names = {"mean_ttft_ms": "TTFT mean ms", "p99_ttft_ms": "TTFT p99 ms", "itl_p50_ms": "ITL p50 ms",
+             "itl_p99_ms": "ITL p99 ms", "output_throughput": "out tok/s"}
+    table = Table(title="round by round (kvbridge / NIXL; rounds ran in turns), and rounds kvbridge was at or ahead")
+    for col in ("dataset", "figure", "per round: kvbridge / NIXL", "kvbridge spread", "NIXL spread", "at or ahead"):
+        table.add_column(col)
+
+    def fmt(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
+
+    for row in rows:
+        k, n = row["kvbridge"], row["nixl"]
+        for f in PER_ROUND:
+            pairs = " ".join(f"{fmt(a)}/{fmt(b)}" for a, b in zip(k["per_round"][f], n["per_round"][f]))
+            spread = [("-" if not x["spread"][f] else f"{fmt(x['spread'][f][0])}..{fmt(x['spread'][f][1])}")
+                      for x in (k, n)]
+            better, of = row["rounds_ahead"][f]
+            table.add_row(row["dataset"], names[f], pairs, *spread, f"{better} of {of}")
+    console.print(table)
+
+
 def serve_table(out: dict[str, Any]) -> None:
     """The serving benchmark as tables: both connectors' figures and the ratios per dataset, then
     the decode instance's step-time histogram and what else the host ran."""
@@ -317,6 +343,7 @@ def serve_table(out: dict[str, Any]) -> None:
                                                                    for k in ("p50_ms", "p99_ms", "max_ms")],
                               *[str(h["buckets"][b]) for b in buckets])
     console.print(table)
+    _rounds_table(out)
     if buckets:
         console.print(steps)
     _step_path_table(out)
