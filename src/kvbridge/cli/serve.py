@@ -24,9 +24,10 @@ PROGRESS_S = 30.0
 """Without a terminal, how often the start says what it waits for."""
 SUPERVISE_S = 1.0
 """How often the supervisor looks at the fleet (restarts, and notes the segments its processes map)."""
-FIRST_REQUEST = ("The first request waits while vLLM compiles on first use (tens of seconds on vLLM CPU); "
-                 "the next ones do not.")
-"""Said under the ready banner: "ready" is health, and a first answer 20-30 s later looked like a hang."""
+FIRST_REQUEST = ("The first request may wait while vLLM compiles on first use (tens of seconds on vLLM CPU, the "
+                 "first time on a host); the next ones do not.")
+"""Said under the ready banner: "ready" is health, and a first answer 20-30 s later looked like a hang
+(a host whose compiler caches are warm answers at once: 0.4 s here on a second day)."""
 
 _EXAMPLE = "e.g. --prefill tp=1,block=64 --prefill tp=2,block=32 --decode tp=2,block=32 --decode tp=1,block=128"
 
@@ -214,7 +215,7 @@ def serve(
         fleet.port_locks.release()
         return
     if (unreachable := fleet.pool_unreachable()):
-        err_console.print(f"warning: {unreachable}", highlight=False, markup=False)
+        err_console.print(f"warning: {unreachable}", highlight=False, markup=False, soft_wrap=True)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -255,7 +256,7 @@ def serve(
                 secret = (f"secret from {fleet.pool_secret_file}" if config.pool_secret_file
                           else "secret new this run: --pool-secret-file keeps one across restarts")
                 console.print(f"  {'pool':<10} {fleet.pool_address} ({where}; {secret})", highlight=False,
-                              markup=False)
+                              markup=False, soft_wrap=True)  # one line in a log file too
             for m in fleet.members:
                 console.print(f"  {m.name:<10} {m.shape.describe():<32} {m.url}", highlight=False, markup=False)
             console.print(fleet.curl_example(), highlight=False, markup=False, soft_wrap=True)
