@@ -18,8 +18,9 @@ import torch
 from kvbridge.proofs.vllm.cluster import free_ports
 from kvbridge.integrations.vllm.cache_handles import CpuSegment, Region
 from kvbridge.integrations.vllm.layout import vllm_cpu_layout, vllm_cpu_spec
-from kvbridge.integrations.vllm.sidecar import (Abandon, Init, Received, Recv, Released, Send, Settings,
-                                                SidecarClient, SidecarError)
+from kvbridge.integrations.vllm.settings import Settings
+from kvbridge.integrations.vllm.sidecar import SidecarClient, SidecarError
+from kvbridge.integrations.vllm.sidecar_protocol import Abandon, Init, Received, Recv, Released, Send
 from kvbridge.transport.cache import RankCache
 from kvbridge.core.spec import ModelSpec
 from kvbridge.transport.shm import SharedSegment

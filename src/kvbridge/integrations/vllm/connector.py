@@ -74,8 +74,9 @@ from kvbridge.integrations.vllm.kv_identity import vllm_kv_identity
 from kvbridge.integrations.vllm.cache_handles import share_tensors
 from kvbridge.integrations.vllm.idle_wake import IdleWait
 from kvbridge.integrations.vllm.registration import check_cpu_kv_layout, group_order, pd_window_note, spec_and_layout
-from kvbridge.integrations.vllm.sidecar import (Abandon, Expect, Fatal, Init, Received, Recv, Released, Send, Settings,
-                                                SidecarClient)
+from kvbridge.integrations.vllm.settings import Settings
+from kvbridge.integrations.vllm.sidecar import SidecarClient
+from kvbridge.integrations.vllm.sidecar_protocol import Abandon, Expect, Fatal, Init, Received, Recv, Released, Send
 from kvbridge.integrations.vllm.step_profile import StepProfile
 
 if TYPE_CHECKING:

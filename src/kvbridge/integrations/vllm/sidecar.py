@@ -12,7 +12,7 @@ Memory: the worker hands over a handle to the memory behind the KV cache tensors
 moved into once, at registration); the sidecar maps the same memory and adopts each layer's
 bytes as a `RankCache` region, so the transport reads and writes vLLM's own cache, no copy.
 
-Protocol: `connector.rank_host`'s typed messages as length-prefixed frames, commands on the
+Protocol (`sidecar_protocol.py`): `connector.rank_host`'s typed messages as length-prefixed frames, commands on the
 sidecar's stdin, events on its stdout (the sidecar's own prints and logs go to stderr, which is
 the worker's log; stdin/stdout because the worker starts it with `subprocess`, outside any
 multiprocessing context vLLM owns):
@@ -33,18 +33,15 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
-from kvbridge.core.kv_identity import KVIdentity
-from kvbridge.connector.rank_host import (Failed, Peer, Stop, StreamChannel, report_failure, serve, stderr_logging,
-                                          union_of, warm_copier)
+from kvbridge.connector.rank_host import (Peer, StreamChannel, report_failure, serve, stderr_logging, union_of,
+                                          warm_copier)
 from kvbridge.errors import KVBridgeError
-from kvbridge.integrations.vllm.cache_handles import Region, StorageHandle
-from kvbridge.integrations.vllm.settings import Settings
-from kvbridge.core.layout import EngineLayout
-from kvbridge.core.spec import ModelSpec
+from kvbridge.integrations.vllm.sidecar_protocol import (Abandon, Close, Command, Event, Expect, Fatal, Init, Ready,
+                                                         Received, Recv, Released, Send)
 
 log = logging.getLogger("kvbridge.vllm.sidecar")
 
@@ -59,74 +56,6 @@ millisecond poll rounds to 0: the sidecar spun a whole core at nice -10 for as l
 prefill request waited for its reader, starving the vLLM processes of both engines on a 2-core
 host; measured: a prefill sidecar at 89 % CPU, the decode engine's worker at 4 %, its engine
 core waiting 60 s for a step.)"""
-
-
-# -- frames ---------------------------------------------------------------------------------------
-class Init(msgspec.Struct, tag="init"):
-    engine_id: str
-    rank: int
-    produce: bool
-    consume: bool
-    spec: ModelSpec
-    layout: EngineLayout  # the fields of a VllmCpuLayout
-    storages: list[StorageHandle]  # the worker's cache memory (cache_handles.py)
-    regions: list[Region]  # each layer's bytes in it, in layer order
-    settings: Settings
-    identity: KVIdentity | None = None  # what the engine's KV means (stated in every Hello)
-
-
-class Send(msgspec.Struct, tag="send"):
-    request_id: str
-    block_ids: tuple[tuple[int, ...], ...]
-    num_tokens: int
-    to_engine: str | None = None
-
-
-class Recv(msgspec.Struct, tag="recv"):
-    request_id: str  # the decode engine's id (reported back)
-    remote_request_id: str
-    remote_engine_id: str
-    remote_address: str
-    block_ids: tuple[tuple[int, ...], ...]
-    num_tokens: int
-    num_cached_tokens: int
-    report: bool = True
-
-
-class Expect(msgspec.Struct, tag="expect"):
-    remote_engine_id: str
-    remote_address: str
-    remote_request_id: str
-
-
-class Abandon(msgspec.Struct, tag="abandon"):
-    remote_engine_id: str
-    remote_request_id: str
-
-
-Close = Stop
-"""Worker -> sidecar: close and exit (answered with `rank_host.Stopped`)."""
-class Ready(msgspec.Struct, tag="ready"):
-    address: str
-    pid: int
-
-
-class Released(msgspec.Struct, tag="released"):
-    request_id: str
-    reason: str
-
-
-class Received(msgspec.Struct, tag="received"):
-    request_id: str
-    ok: bool
-    reason: str = ""
-
-
-Fatal = Failed
-"""Sidecar -> worker: it failed (one line); it exits."""
-
-Command = Union[Init, Send, Recv, Expect, Abandon, Close]
-Event = Union[Ready, Released, Received, Fatal]
 
 
 # -- the sidecar (child side) -----------------------------------------------------------------------
@@ -436,7 +365,7 @@ class SidecarClient(Peer):
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         # never_block: the worker sends from its engine step, which must not wait for a sidecar that
         # is starved, stopped or busy (issue 31); what the pipe cannot take goes with the next call.
-        super().__init__(StreamChannel(self.proc.stdout.fileno(), self.proc.stdin, union_of(Event, Failed),
+        super().__init__(StreamChannel(self.proc.stdout.fileno(), self.proc.stdin, union_of(Event, Fatal),
                                        never_block=True), f"kvbridge sidecar of rank {init.rank}", SidecarError)
         self.send(init)
         try:
@@ -497,8 +426,7 @@ class SidecarClient(Peer):
                 pass
 
 
-__all__ = ["Abandon", "Close", "Expect", "Fatal", "Init", "Ready", "Received", "Recv", "Released", "Send", "Settings",
-           "Sidecar", "SidecarClient", "SidecarError", "main"]
+__all__ = ["Sidecar", "SidecarClient", "SidecarError", "main"]
 
 
 if __name__ == "__main__":
