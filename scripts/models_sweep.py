@@ -39,8 +39,8 @@ def main() -> int:
     import transformers
     import transformers.utils.logging as hf_logging
 
-    from kvbridge.proofs.model_sweep import (SweepRow, chosen_types, parse_markdown, render_markdown, sweep_one,
-                                             unknown_types_error)
+    from kvbridge.proofs.model_sweep import SweepRow, chosen_types, sweep_one, unknown_types_error
+    from kvbridge.proofs.sweep_report import parse_markdown, render_markdown
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

@@ -37,7 +37,7 @@ PROMPT_LEN = 40  # > the tiny sliding window / chunk (8), so windows drop tokens
 NEW_TOKENS = 4
 
 # Sizes of a tiny model, applied to whichever of these fields the architecture's config has.
-_TINY: dict[str, Any] = {
+TINY: dict[str, Any] = {
     # 12 query and 6 KV heads of 8, so that TP 3 and TP 2 both divide them (a non-divisible pair)
     "hidden_size": 96, "n_embd": 96, "d_model": 96, "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128,
     "num_attention_heads": 12, "n_head": 12, "num_heads": 12, "num_key_value_heads": 6, "num_kv_heads": 6,
@@ -170,14 +170,14 @@ def tiny_config(arch: str) -> Any:
     try:
         base = cls(**_BASE.get(arch, {})).to_dict()
     except Exception as e:  # noqa: BLE001 - the class rejects its own defaults
-        raise _Unbuildable(_one_line(e)) from None
+        raise Unbuildable(one_line(e)) from None
     text = base.get("text_config")
     if isinstance(text, dict) and text.get("num_kv_shared_layers") == text.get("num_hidden_layers"):
         from kvbridge.models import spec_from_hf_config
         spec_from_hf_config(base, warn=False)  # the library's refusal: no layer keeps a cache of its own
     if any(isinstance(base.get(k), dict) for k in ("text_config", "vision_config", "audio_config")):
         raise _Skip("a multimodal wrapper: its text model is swept under its own model_type")
-    kw = {k: v for k, v in _TINY.items() if k in base}
+    kw = {k: v for k, v in TINY.items() if k in base}
     if base.get("multi_query") is True:  # the architecture's MQA decides its KV heads
         kw.pop("num_key_value_heads", None)
     if "kv_lora_rank" in base:  # MLA configs use head_dim for the rope part
@@ -189,7 +189,7 @@ def tiny_config(arch: str) -> Any:
     # its layers would have more KV heads than the tiny query heads
     for key, value in base.items():
         own = next((k for k in _PER_KIND if key.endswith("_" + k) and k in kw), None)
-        if own and key not in _TINY and value is not None:
+        if own and key not in TINY and value is not None:
             kw[key] = kw[own]
     layers_key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if k in base), None)
     if layers_key:
@@ -235,16 +235,16 @@ class _Skip(Exception):
     pass
 
 
-class _Timeout(Exception):
+class SweepTimeout(Exception):
     pass
 
 
-class _Unbuildable(Exception):
+class Unbuildable(Exception):
     """transformers fails on a tiny config of the architecture's own class (its bug, not kvbridge's)."""
 
 
 def _alarm(signum: int, frame: Any) -> None:
-    raise _Timeout()
+    raise SweepTimeout()
 
 
 @contextlib.contextmanager
@@ -259,21 +259,21 @@ def row_outcome(row: Any, timeout: int, unbuildable: str = "{}") -> Iterator[Non
         yield
     except _Skip as e:
         row.status, row.detail = "skipped", str(e)
-    except _Unbuildable as e:
+    except Unbuildable as e:
         row.status, row.detail = "unbuildable", unbuildable.format(e)
-    except _Timeout:
+    except SweepTimeout:
         row.status, row.detail = "error", f"over {timeout} s"
     except ConfigError as e:
-        row.status, row.detail = "refused", _one_line(e)
+        row.status, row.detail = "refused", one_line(e)
     except Exception as e:  # noqa: BLE001 - any failure of a foreign architecture is a row, not a crash
-        row.status, row.detail = "error", _one_line(e)
+        row.status, row.detail = "error", one_line(e)
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
         row.seconds = round(time.perf_counter() - t0, 1)
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     from kvbridge.models.untrusted import safe_text
     text = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     first = " ".join(text[:2]) if text and text[0].endswith(":") else (text[0] if text else "")
@@ -281,7 +281,7 @@ def _one_line(e: BaseException) -> str:
                      else (first or type(e).__name__), 240)
 
 
-def _kinds(spec: Any) -> str:
+def layer_kinds(spec: Any) -> str:
     counts = Counter(layer.recurrent_type or (f"{layer.kind}(w={layer.window})" if layer.window else
                                               f"{layer.kind}(1/{layer.tokens_per_row})" if layer.tokens_per_row > 1
                                               else layer.kind)
@@ -301,7 +301,7 @@ def sweep_one(arch: str, seed: int = 0, timeout: int = SECONDS_PER_ARCH) -> Swee
     with row_outcome(row, timeout, "transformers cannot build or run it from its config class: {}"):
         config = tiny_config(arch)
         spec = spec_from_hf_config(config.to_dict(), view="transformers", dtype="float32", warn=False)
-        row.kinds = _kinds(spec)
+        row.kinds = layer_kinds(spec)
         torch.manual_seed(seed)
         # a real prompt holds no padding: RoBERTa-style position ids skip pad tokens
         special = {getattr(config, "pad_token_id", None)}
@@ -312,10 +312,10 @@ def sweep_one(arch: str, seed: int = 0, timeout: int = SECONDS_PER_ARCH) -> Swee
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             with torch.inference_mode():
                 model.generate(torch.tensor([prompt]), max_new_tokens=1, do_sample=False)
-        except (_Timeout, KVBridgeError):
+        except (SweepTimeout, KVBridgeError):
             raise
         except Exception as e:  # noqa: BLE001 - transformers' own failure on its own config class
-            raise _Unbuildable(_one_line(e)) from None
+            raise Unbuildable(one_line(e)) from None
         with tempfile.TemporaryDirectory(prefix=f"kvbridge-{arch}-") as d:
             model.save_pretrained(d)
             spec_from_hf_config(Path(d), warn=False)  # what `kvbridge plan DIR` reads (an engine's view) must take it
@@ -379,125 +379,3 @@ def representatives() -> dict[str, str]:
             "kda": "kimi_linear", "indexer": "deepseek_v32", "lightning": "minimax", "cca": "zaya",
             "kv_conv": "inkling2_text", "mla+sliding": "dots3_note_text", "rwkv": "rwkv",
             "mlstm": "xlstm", "compressed": "deepseek_v4", "looped": "dory"}
-
-
-TP_RULES = """\
-## State kinds and how each is sharded over TP
-
-Each kind is split the way vLLM splits it (both sides of a move use the same rule; a TP pair is
-allowed when, per component, one of the unit count and the TP size divides the other, and ranks
-beyond the units hold replicas):
-
-| kind | what transformers caches | units sharded over TP |
-|---|---|---|
-| full | `DynamicLayer`: K and V `[heads, tokens, dim]` (key dim may differ from value dim) | KV heads (MQA: one head, replicated) |
-| sliding | `DynamicSlidingWindowLayer`: the last `window - 1` tokens | KV heads |
-| chunked (Llama 4) | `DynamicSlidingWindowLayer` with the chunk size as its window | KV heads |
-| mla | `DynamicLayer` holding the normalized latent and the rope part, one head each | none: every rank holds the whole latent |
-| sliding mla (dots3) | `DynamicSlidingWindowLayer` holding the same two tensors for the last `window - 1` tokens | none, as mla; only the window's tokens move (vLLM `SlidingWindowMLASpec`) |
-| mamba1 | conv `[intermediate, kernel]`, SSM `[intermediate, d_state]` | expanded channels (vLLM `mamba1_state_shape`) |
-| mamba2 | conv `[x \\| B \\| C, kernel]`, SSM `[heads, head_dim, d_state]` | x and SSM by heads, B and C by groups (replicated when TP > groups, vLLM `mamba_mixer2`) |
-| gdn | conv `[Q \\| K \\| V, kernel]`, state `[v_heads, k_dim, v_dim]` | Q, K by key heads; V and state by value heads (vLLM `qwen3_next`) |
-| short_conv | conv `[hidden, L_cache]` | hidden channels (vLLM `short_conv`) |
-| attention+state (Zamba2, Falcon-H1) | `LinearAttentionAnd{Full,SlidingWindow}AttentionLayer`: K/V and a recurrent state in one layer | two logical layers, each by its own rule (vLLM registers an attention and a Mamba cache per such decoder layer) |
-| mla indexer (DeepSeek-V3.2, GLM-MoE-DSA, HY-V4, Qwen4-Exp) | `DynamicIndexedLayer`: the attention K/V (MLA latent or heads), plus indexer keys `[tokens, index_head_dim]` | the indexer is a layer of its own after its attention, one row per token held whole by every rank (vLLM `DeepseekV32IndexerCache`, an `MLAAttentionSpec` of one KV head); a layer reusing another's selection (HY-V4 "shared") keeps none |
-| kda (Kimi-Linear, Bailing hybrid) | conv `[Q \\| K \\| V, kernel]`, state `[heads, head_dim, head_dim]` | heads, Q, K, V and state alike (vLLM `kda_state_shape`) |
-| mamba1_heads (Zamba) | conv `[intermediate, kernel]`, SSM `[heads, head_dim, d_state]` | Mamba heads, conv channels with their head (no vLLM model; derived: the mixer's x_proj / dt_proj are per head) |
-| lightning (MiniMax-Text-01) | `MiniMaxCache.linear_cache`: no conv, state `[heads, head_dim, head_dim]` (its decayed K^T V), beside `DynamicLayer` K/V | heads (vLLM `linear_attention_state_shape`, each rank its heads' decay slopes) |
-| rglru (RecurrentGemma) | nothing in a cache: the module keeps conv `[lru_width, kernel - 1]` and a float32 state `[lru_width]` as attributes; the proof copies them into the layer's `LinearAttentionLayer` after the prefill and back onto a model's modules before decoding (`module_state.py`) | RG-LRU gate blocks (`num_attention_heads` of `lru_width / heads`; no vLLM model: derived, the gates are block-diagonal) |
-| cca (ZAYA) | attention+state layer: K/V, then conv `[Q \\| K, (t0-1)+(t1-1)]` (that many columns in both views) and the last token's delayed value projection `[kv_heads * head_dim / 2]` | Q heads, K and the delayed value by KV head (no vLLM model; derived: the grouped conv's groups are whole heads, `v_proj_delayed` splits by KV head like `v_proj_current`) |
-| kv_conv (Inkling, Inkling-2) | attention+state layer: K/V, then `number_of_conv_states` conv states, each its own tensor: K conv `[kv_heads * key_dim, kernel]`, V conv, then residual-stream convs `[hidden, kernel]`, all float32 | K and V convs by the layer's KV heads like K/V; residual-stream convs whole on every rank (no vLLM model; derived: the K/V convs are depthwise per KV head, the others follow the all-reduced output projections) |
-| rwkv (RWKV) | nothing in a cache layer: the forward returns `state`, 5 tensors `[batch, hidden, layers]`, viewed per layer as one recurrent state per component: token shifts `ffn_x`, `att_x` `[hidden]` (model dtype), WKV `att_num`, `att_den`, `att_max` `[hidden]` (float32) | WKV state by channel, token shifts whole on every rank (no vLLM model; derived: key / value / receptance are column-parallel, the WKV recurrence is per channel, and the shifts are the whole input of those projections) |
-| mlstm (xLSTM) | nothing in a cache layer: the forward returns an `xLSTMCache` (not a transformers `Cache`) whose `rnn_state` holds per layer `C` `[heads, qk_head_dim, v_head_dim]`, `n` `[heads, qk_head_dim]`, `m` `[heads, 1]` (model dtype), viewed per layer as one recurrent state per component | heads, C, n and m alike (no vLLM model; derived: q / k / v, the output gate and the per-head input / forget gates are column-parallel by head, the recurrence and its norm per head, `out_proj` row-parallel) |
-| compressed (DeepSeek-V4) | `DeepseekV4HCACache` / `DeepseekV4CSACache`: K=V window rows, per compressor (`compressor`, `indexer`) one compressed row per `compress_rate` tokens, the open window's raw rows and gates, overlaps (CSA) | the window and each compressor's rows are mla layers (one row per `compress_rate` tokens: vLLM `tokens_per_state`), held whole by every rank; the open window is a recurrent layer of replicated components (vLLM `CircularBufferSpec`); CP refused |
-| looped (Dory) | per-loop K/V: the forward appends `n_recurrent_loops - 1` copies of the looped layers' cache layers after the model's own | each copy by its layer's own rule (the spec appends the same copies, `models/looped.py`) |
-| stateless | `DummyLayer` (MLP / MoE blocks of Nemotron-H, layers reading another layer's K/V): nothing | nothing to shard: no components, no group, no region (vLLM allocates no cache for it) |
-
-Serving engines keep `kernel - 1` conv columns, transformers `kernel`; `spec_from_hf_config(view=...)`
-describes either.
-"""
-
-
-NOTES = """\
-## Reading the table
-
-* **moved**: both pairs bit-exact (every cache tensor, and the greedy tokens equal plain `generate`).
-* **refused**: one line; from the spec it names the layer and its kind (`indexed_attention`,
-  `hybrid`, an unknown recurrent mixer...); from the proof, its reason (for example a
-  model whose forward returns no per-layer cache: GPT-1, XLM, XLNet's memories, Reformer's buckets).
-* **mismatch**: the proof ran and something differed (a kvbridge bug).
-* **error**: kvbridge or the proof failed on an architecture transformers runs (a bug to fix).
-  The reason is shown.
-* **unbuildable**: transformers itself cannot build the model from a tiny config of its own class
-  or cannot `generate` with it (checked before kvbridge is asked); its error is shown.
-* **skipped**: multimodal wrappers; their text model is a row of its own.
-"""
-
-
-DUMP = """\
-## The decode-cache dump (`kvbridge demo --dump-decode-cache FILE`)
-
-The decode engine's cache, imported back into transformers, as one safetensors file; the sweep
-writes it for every architecture it moves and reads it back bit for bit. One naming rule,
-`layers.{layer}.{tensor}` with `layer` the transformers cache layer:
-
-| tensor | what |
-|---|---|
-| `keys`, `values` | attention K/V `[1, heads, tokens held, dim]` (MLA: the latent and the rope part) |
-| `indexer_keys`, `indexer_position_ids` | a sparse-attention indexer's keys (DeepSeek-V3.2) and its position history |
-| `conv_states.{j}`, `recurrent_states.{j}` | recurrent state `j` of the layer, always indexed: `.0` for a layer with one state, `.0`, `.1`, ... for several (Inkling's K, V and residual convs) |
-| `{compressed_kv,buffer_kv,buffer_gate,overlap_kv,overlap_gate}.{compressor}`, `entry_count.{compressor}` | a compressed layer's rows per compressor (DeepSeek-V4) |
-
-Every name is its own copy. Where the cache keeps one tensor under two names (DeepSeek-V4's window
-layers hold K and V as one tensor) each name is written as a clone, and the file's metadata maps
-the second name to the first (`"layers.3.values": "layers.3.keys"`).
-"""
-
-
-def parse_markdown(text: str) -> tuple[list[SweepRow], float]:
-    """The rows and total seconds of a docs/models.md that `render_markdown` wrote (to merge a re-run
-    subset into it without sweeping everything again)."""
-    import re
-    seconds = float(m.group(1)) if (m := re.search(r"MAPPING_NAMES`\) in (\d+) s", text)) else 0.0
-    rows = []
-    for m in re.finditer(r"^\| (\S+) \| ([^|]*) \| (moved|refused|mismatch|error|unbuildable|skipped) \| (.*) \|$", text, re.MULTILINE):
-        arch, kinds, status, why = m.groups()
-        moved = status == "moved"
-        rows.append(SweepRow(arch, status, "" if kinds == "-" else kinds, "" if moved else why,
-                             why.split(", ") if moved else []))
-    return rows, seconds
-
-
-def render_markdown(rows: list[SweepRow], version: str, seconds: float, strays: list[Any] | None = None) -> str:
-    counts = Counter(r.status for r in rows)
-    lines = [
-        "# Models: every causal LM of the installed transformers",
-        "",
-        "Generated by `scripts/models_sweep.py` (`make models`); do not edit by hand.",
-        f"transformers {version}; {len(rows)} architectures (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`) in {seconds:.0f} s.",
-        "",
-        "Each architecture: a tiny random config (its config class's defaults, sizes shrunk, "
-        f"{NUM_LAYERS} layers with every layer kind kept), its spec, the model saved with `save_pretrained` "
-        "(its config.json read back as `kvbridge plan DIR` reads it, to the same geometry) and the transformers proof "
-        f"from that directory, as `kvbridge demo --model DIR` runs it ({PROMPT_LEN}-token prompt, {NEW_TOKENS} new "
-        "tokens; greedy tokens and every cache bit compared with plain `generate`) on "
-        + " and ".join(f"`{p[0]}`" for p in PAIRS) + ".",
-        "",
-        "| status | count |", "|---|---|",
-        *[f"| {k} | {counts.get(k, 0)} |" for k in ("moved", "refused", "mismatch", "error", "unbuildable", "skipped")],
-        "",
-        TP_RULES,
-        NOTES,
-        DUMP,
-        "## Every architecture",
-        "",
-        "| architecture | layer kinds | result | pairs / why not |", "|---|---|---|---|",
-    ]
-    for r in rows:
-        why = ", ".join(r.pairs) if r.status == "moved" else r.detail.replace("|", "/")
-        lines.append(f"| {r.arch} | {r.kinds or '-'} | {r.status} | {why} |")
-    text = "\n".join(lines) + "\n"
-    if strays:
-        from kvbridge.proofs.stray_sweep import render_strays
-        text += "\n" + render_strays(strays)
-    return text

@@ -19,7 +19,7 @@ from kvbridge.core.layout import EngineLayout
 from kvbridge.errors import IncompatibleEngines, InvalidRequest, ShardingError
 from kvbridge.offload.errors import NotCanonicalizable
 from kvbridge.models.untrusted import safe_text
-from kvbridge.proofs.model_sweep import (NEW_TOKENS, PROMPT_LEN, SweepRow, _kinds, _one_line, pre_check, row_outcome,
+from kvbridge.proofs.model_sweep import (NEW_TOKENS, PROMPT_LEN, SweepRow, layer_kinds, one_line, pre_check, row_outcome,
                                          tiny_config)
 
 # Store on one shape, load on another: TP and PP and block size all change. The first pair whose
@@ -63,7 +63,7 @@ def pool_sweep_one(arch: str, seed: int = 0, timeout: int = 240) -> SweepRow:
     with row_outcome(row, timeout, "transformers cannot build or run it from its config class: {}"):
         config = tiny_config(arch)
         spec = spec_from_hf_config(config.to_dict(), view="transformers", dtype="float32", warn=False)
-        row.kinds = _kinds(spec)
+        row.kinds = layer_kinds(spec)
         pair = next(((name, kw) for name, kw in POOL_PAIRS if _legal(spec, kw)), None)
         if pair is None:
             row.status, row.detail = "refused", "no pair's TP sizes split its units"
@@ -76,7 +76,7 @@ def pool_sweep_one(arch: str, seed: int = 0, timeout: int = 240) -> SweepRow:
                 r = run_offload_demo(d, seed=seed, prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS, canonical=True,
                                      block_size_factor=kw["pool"] // kw["block_size"], **shapes)
             except (InvalidRequest, NotCanonicalizable) as e:
-                row.status, row.detail = "refused", _one_line(e)
+                row.status, row.detail = "refused", one_line(e)
                 return row
         row.pairs = [name]
         if r.ok and r.hit_tokens == r.prefix_len:

@@ -109,8 +109,8 @@ def stray_groups(arch: str, own: bool = True, flips: bool = True) -> list[str]:
 def _own_fields(defaults: dict[str, Any], fields: tuple[str, ...]) -> list[str]:
     """The fields of `fields` the class defines, and their per-layer-kind copies (`swa_head_dim`;
     as the tiny config reads them: a field with a tiny size of its own, `v_head_dim`, is no copy)."""
-    from kvbridge.proofs.model_sweep import _TINY
-    return [k for k in defaults if k in fields or (k not in _TINY and any(k.endswith("_" + f) for f in fields))]
+    from kvbridge.proofs.model_sweep import TINY
+    return [k for k in defaults if k in fields or (k not in TINY and any(k.endswith("_" + f) for f in fields))]
 
 
 def group_fields(arch: str, group: str, base: dict[str, Any]) -> dict[str, Any]:
@@ -133,7 +133,7 @@ def check_stray(arch: str, group: str, seed: int = 0, timeout: int = SECONDS) ->
     from kvbridge.errors import KVBridgeError
     from kvbridge.models import spec_from_hf_config
     from kvbridge.proofs.hf_cache import export_cache
-    from kvbridge.proofs.model_sweep import _one_line, _Timeout, _Unbuildable, row_outcome, tiny_config
+    from kvbridge.proofs.model_sweep import one_line, SweepTimeout, Unbuildable, row_outcome, tiny_config
     from kvbridge.proofs.proof import prefill
     from kvbridge.proofs.verify import random_request
     from kvbridge.transport.cache import RankCache
@@ -150,10 +150,10 @@ def check_stray(arch: str, group: str, seed: int = 0, timeout: int = SECONDS) ->
             special = {getattr(config, "pad_token_id", None)}
             ids = [t for t in random.Random(seed).sample(range(vocab), PROMPT_LEN + 2) if t not in special][:PROMPT_LEN]
             cache, _ = prefill(model, ids)
-        except (_Timeout, KVBridgeError):
+        except (SweepTimeout, KVBridgeError):
             raise
         except Exception as e:  # noqa: BLE001 - transformers cannot run the model with this field
-            raise _Unbuildable(_one_line(e)) from None
+            raise Unbuildable(one_line(e)) from None
         with redirect_stderr(io.StringIO()):  # the warnings are the CLI's business; the geometry is checked here
             spec = spec_from_hf_config(raw, view="transformers", dtype="float32")
         layout = EngineLayout(tp_size=1, block_size=16, num_blocks=max(4, 2 * len(spec.groups) + 2))
@@ -162,7 +162,7 @@ def check_stray(arch: str, group: str, seed: int = 0, timeout: int = SECONDS) ->
         try:
             export_cache(cache, spec, ranks, request.src_block_ids, PROMPT_LEN)
         except KVBridgeError as e:
-            row.status, row.detail = "mismatch", _one_line(e)
+            row.status, row.detail = "mismatch", one_line(e)
             return row
         row.status = "ok"
     return row
