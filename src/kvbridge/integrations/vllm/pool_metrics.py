@@ -25,8 +25,9 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 COUNTERS = {
-    "lookups": "Pool lookups sent to the store (one per request whose prompt goes beyond its local hit; none "
-               "for a request vLLM reads no cache for, such as one asking for its prompt's log-probs).",
+    "lookups": "Requests asked about in the pool (one per request per 10 s whose prompt goes beyond its local "
+               "hit, its answer kept meanwhile; the requests of one scheduler step go in one batched call to the "
+               "store; none for a request vLLM reads no cache for, such as one asking for its prompt's log-probs).",
     "lookup_timeouts": "Pool lookups not answered within lookup_timeout_ms (a miss).",
     "lookups_skipped": "Pool lookups answered as a miss at once because the breaker was open.",
     "queried_tokens": "Prompt tokens beyond the local prefix-cache hit that pool lookups asked about.",
