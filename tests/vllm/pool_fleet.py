@@ -25,18 +25,21 @@ def pool_fleet(vllm_env, work: Path, model: Path, shapes: Sequence[tuple[str, In
                dtype: str = "float32", extra_args: Sequence[str] = (), block_tokens: int = 64,
                max_model_len: int = 1024, member_args: dict[str, Sequence[str]] | None = None,
                member_kv: dict[str, dict] | None = None, master_host: str = "127.0.0.1",
-               elsewhere: dict[str, tuple[str, str]] | None = None) -> Iterator[tuple]:
+               elsewhere: dict[str, tuple[str, str]] | None = None,
+               connector: tuple[str, str] = ("KVBridgePoolConnector", "kvbridge.integrations.vllm"),
+               member_env: dict[str, dict[str, str]] | None = None) -> Iterator[tuple]:
     """(master, member per shape in order), started; everything stopped on exit. `extra_args`
     go to every `vllm serve`, `member_args[name]` to that member's only, `member_kv[name]` into
     that member's connector settings; `elsewhere[name]` = (network namespace, its address) runs
     that member in that namespace (its Mooncake `local_hostname` goes in `member_kv`), and
-    `master_host` is where the master listens (an address the namespace reaches)."""
+    `master_host` is where the master listens (an address the namespace reaches); `connector` is
+    the (class, module) vLLM loads, `member_env[name]` added to that member's environment."""
     (work / "pool.key").write_bytes(secret)
     (work / "pool.key").chmod(0o600)
     vllm = str(vllm_env.python.parent / "vllm")
     master = MooncakeMaster.start(work / "master.log", host=master_host)
     config = FleetConfig(model=model, prefill=[], decode=[], log_dir=work, dtype=dtype, max_model_len=max_model_len)
-    kv = {"kv_connector": "KVBridgePoolConnector", "kv_connector_module_path": "kvbridge.integrations.vllm",
+    kv = {"kv_connector": connector[0], "kv_connector_module_path": connector[1],
           "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
               "master": master.address, "secret_file": str(work / "pool.key"), "block_tokens": block_tokens,
               "segment_mib": 32, "staging_blocks": 16,
@@ -54,6 +57,7 @@ def pool_fleet(vllm_env, work: Path, model: Path, shapes: Sequence[tuple[str, In
                for i, (name, shape) in enumerate(shapes)]
     for (name, _), m in zip(shapes, members):
         m.argv += list(extra_args) + list((member_args or {}).get(name, ()))
+        m.env.update((member_env or {}).get(name, {}))
         if name in (elsewhere or {}):  # another 'host': its own network namespace, reached over a veth
             ns, addr = elsewhere[name]
             m.argv[m.argv.index("--host") + 1] = m.argv_host = addr
