@@ -59,9 +59,9 @@ def test_zmq_contexts_hold_as_many_sockets_as_the_descriptors_allow():
     peers and a process's side channels at 341 (docs/fleet-scale.json of 2026-11-27)."""
     caps = zmq_caps(probe_peers=2048)
     budget = caps["max_sockets_per_context"]
-    assert budget == socket_budget() == max(1023, min(65535, caps["descriptor_limit"] // 2))
+    assert budget == socket_budget() == max(1023, min(65535, caps["descriptor_limit"] // 4))
     assert caps["transport_channel_peers"] == min(2048, budget - 1)  # its PULL is the first socket
-    if budget >= 3 * 2048 + 64:  # room for every probe client beside the tests' other sockets
+    if budget >= 3 * 2048 + 64:  # room for every probe client (3 sockets each) in the side channel's context
         assert caps["side_channel_clients"] == 2048, caps
     assert caps["side_channel_clients"] <= budget // 3  # a DEALER and its monitor pair each
 
@@ -74,10 +74,10 @@ def test_a_process_raises_its_soft_descriptor_limit_to_the_hard_one():
             "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     soft, hard = (int(v) for v in out.stdout.split())
-    assert soft == (hard if hard != resource.RLIM_INFINITY else soft) and soft > 256
+    assert soft == min(hard if hard != resource.RLIM_INFINITY else soft, 1 << 17) and soft > 256
 
 
 def test_the_socket_budget_follows_the_limit():
     assert socket_budget(1024) == 1023  # never below ZMQ's default
-    assert socket_budget(20_000) == 10_000  # a mailbox and a TCP link per connected socket
+    assert socket_budget(20_000) == 5_000  # a quarter: two or more contexts, each socket a descriptor or two
     assert socket_budget(1 << 20) == 65535  # what libzmq can poll

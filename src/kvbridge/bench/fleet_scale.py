@@ -246,6 +246,7 @@ def _crowd(conn, secret: bytes) -> None:
                     t.start()
                 for t in threads:
                     t.join(timeout + 60)
+                results += [(float(timeout + 60), "no end")] * sum(t.is_alive() for t in threads)
                 conn.send(results)
             elif cmd == "readers":  # per producer: decode ranks handshaken with it, transport peers
                 conn.send([(p.rank, p.stats["handshakes"], len(p.transport._peers)) for p in producers])
@@ -438,7 +439,7 @@ def prefill_scan(steps: tuple[int, ...] = STEPS, tp: int = 8, crowds: int = 4) -
 def zmq_caps(probe_peers: int = 4096) -> dict:
     """How many peers one process takes before ZMQ refuses a socket, up to `probe_peers`, counted
     on the real classes: a transport agent's notification channel (one PUSH per peer agent) and
-    side-channel clients (a DEALER and its monitor pair per connection, in the process-wide
+    side-channel clients (a DEALER and its monitor pair per connection, in the side channel's
     context). Each context is sized to the process's descriptors (`transport.descriptors`; ZMQ's
     default was 1,023 sockets: 1,022 peers, 341 clients). Connects go to a closed port: ZMQ
     connects lazily, so nothing is sent."""

@@ -312,6 +312,8 @@ class Producer(RankEndpoint):
             validate_peer(self.topology, mine, hello)
             if hello.rank not in self.topology.reader_ranks(hello.engine_id):
                 self.stats["directory_answers"] += 1
+                if hello.engine_id not in self._engines:  # no reader of it here: nothing forgets it later
+                    self.topology.unregister_remote_engine(hello.engine_id)
                 self._reply(peer, mine)
                 return
             self.transport.connect(hello.agent_name, hello.transport_metadata)

@@ -37,6 +37,7 @@ Addresses are `host:port`, `[ipv6]:port` or `tcp://...`; port 0 binds an ephemer
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -111,16 +112,17 @@ def _endpoint(host: str, port: int | str) -> str:
 
 
 def _context() -> zmq.Context:
-    """The process-wide context, allowed as many sockets as the process's descriptors (issue 44.2)."""
-    global _sized
-    ctx = zmq.Context.instance()
-    if not _sized:
-        sized(ctx)
-        _sized = True
-    return ctx
+    """This process's side-channel context, of its own and sized before its first socket (issue
+    44.2): the shared `zmq.Context.instance()` may have made sockets already, and libzmq reads
+    `MAX_SOCKETS` only at a context's first socket; a forked child makes its own."""
+    global _ctx, _ctx_pid
+    if _ctx is None or _ctx_pid != os.getpid() or _ctx.closed:
+        _ctx, _ctx_pid = sized(zmq.Context()), os.getpid()
+    return _ctx
 
 
-_sized = False
+_ctx: zmq.Context | None = None
+_ctx_pid = 0
 
 
 def _configure(sock: zmq.Socket, host: str, max_frame_bytes: int) -> None:

@@ -5,10 +5,10 @@ rank, a notification PUSH per peer agent), and ZMQ refuses the 1,024th socket of
 default (`MAX_SOCKETS` 1,023): a prefill rank 0 then turned away the 128th TP-8 decode engine and a
 decode rank held at most 341 source ranks, whatever the host could carry. And a soft descriptor
 limit of 1,024, common in containers, stopped it sooner, though the hard limit is usually far
-above. So a process that makes ZMQ contexts raises its soft limit to the hard one once (as vLLM's
-API server does), and each context it makes may hold as many sockets as that limit allows: every
-ZMQ socket takes a descriptor for its mailbox, and a connected one another for its TCP link, so
-half the limit, within what libzmq can poll (`SOCKET_LIMIT`) and never below ZMQ's default.
+above. So a process that makes ZMQ contexts raises its soft limit toward the hard one once (as
+vLLM's API server does, at most `MAX_RAISE`), and each context it makes may hold a quarter of that
+limit in sockets (`socket_budget`), within what libzmq can poll (`SOCKET_LIMIT`) and never below
+ZMQ's default.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import threading
 import zmq
 
 ZMQ_DEFAULT_SOCKETS = 1023
+MAX_RAISE = 1 << 17
+"""The soft descriptor limit is raised at most to this (vLLM's API server raises its to 65,535)."""
 _raised: int | None = None
 _lock = threading.Lock()
 
@@ -44,7 +46,9 @@ def raise_descriptor_limit() -> int:
             _raised = ZMQ_DEFAULT_SOCKETS + 1
             return _raised
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        target = _nr_open() if hard == resource.RLIM_INFINITY else hard
+        # Up to what the sockets can use, not to a hard limit of 2^20 or more: every child
+        # inherits the limit, and code that loops over or selects on descriptors slows or breaks.
+        target = min(MAX_RAISE, _nr_open() if hard == resource.RLIM_INFINITY else hard)
         if soft != resource.RLIM_INFINITY and soft < target:
             try:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
@@ -56,9 +60,12 @@ def raise_descriptor_limit() -> int:
 
 
 def socket_budget(limit: int | None = None) -> int:
-    """Sockets one context may hold under a descriptor limit of `limit` (this process's, raised)."""
+    """Sockets one context may hold under a descriptor limit of `limit` (this process's, raised): a
+    quarter of it, since a process holds two or more contexts (its side channel's and each agent's
+    notification channel) and every socket takes a descriptor or two, and the rest of the process
+    (vLLM, Mooncake, files) needs its own."""
     limit = raise_descriptor_limit() if limit is None else limit
-    return max(ZMQ_DEFAULT_SOCKETS, min(_socket_limit(), limit // 2))
+    return max(ZMQ_DEFAULT_SOCKETS, min(_socket_limit(), limit // 4))
 
 
 _zmq_limit: int | None = None
@@ -85,4 +92,4 @@ def sized(ctx: zmq.Context) -> zmq.Context:
     return ctx
 
 
-__all__ = ["ZMQ_DEFAULT_SOCKETS", "raise_descriptor_limit", "socket_budget", "sized"]
+__all__ = ["MAX_RAISE", "ZMQ_DEFAULT_SOCKETS", "raise_descriptor_limit", "socket_budget", "sized"]
