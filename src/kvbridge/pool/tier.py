@@ -344,7 +344,9 @@ class PoolTier:
             return TierResult([], reasons=["no store client or no host tier"])
         t0 = time.perf_counter()
         result = TierResult([])
+        failed = self.stats["put_failures"]
         self._put_from_host(list(sealed), skip_present, result)
+        result.done = [self.stats["put_failures"] == failed]  # one entry: every put of the call went in
         result.seconds = time.perf_counter() - t0
         return result
 

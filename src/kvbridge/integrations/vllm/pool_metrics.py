@@ -43,6 +43,7 @@ COUNTERS = {
     "puts_dropped": "Puts into the store of objects a store sealed into the host tier, dropped (the put thread "
                     "behind, or its deadline passed): the host tier holds them; other hosts recompute them.",
     "objects_put": "Objects put into the store.",
+    "put_failures": "Objects the store refused to take (Mooncake's code per object: no space, ...).",
     "objects_got": "Objects read from the store.",
     "bytes_put": "Payload bytes put into the store.",
     "bytes_got": "Payload bytes read from the pool (its host tier and the store).",

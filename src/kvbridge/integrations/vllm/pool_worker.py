@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 import torch
@@ -60,7 +60,7 @@ STORE_NICE = 10
 """How far the store thread steps aside (nice +10: about a tenth of a forward thread's share of a
 contended core; an idle core it takes whole)."""
 TIER_COUNTS = ("objects_put", "objects_got", "bytes_put", "bytes_got", "seal_failures", "missing", "removed",
-               "host_objects_put", "host_objects_got")
+               "host_objects_put", "host_objects_got", "put_failures")
 
 
 def layer_region(t: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -76,6 +76,18 @@ def layer_region(t: torch.Tensor, nbytes: int) -> torch.Tensor:
         raise IncompatibleEngines(f"a KV cache tensor {tuple(t.shape)} at byte {start} of its {storage.numel()}-byte "
                                   f"allocation cannot hold the {nbytes} bytes its layout addresses")
     return storage[start:start + nbytes]
+
+
+class Moved(NamedTuple):
+    """What a host-tier load that missed returns: the fetch thread's call now carrying it."""
+
+    call: Call
+
+
+def _moved(call: Call) -> Call | None:
+    """The call a finished load moved to (`Moved`), or None."""
+    result = call.result if call.error is None else None
+    return result.call if isinstance(result, Moved) else None
 
 
 class PoolWorker:
@@ -177,9 +189,9 @@ class PoolWorker:
                         raise
                     return None
             client = self._client
-        for kind, tier in list(self._tiers.items()):
-            if tier.client is None and self._calls_store(kind):
-                tier.attach(client)
+            for kind, tier in list(self._tiers.items()):  # under the lock: the fetch and put threads both attach
+                if tier.client is None and self._calls_store(kind):
+                    tier.attach(client)
         return client
 
     def _calls_store(self, kind: str) -> bool:
@@ -198,18 +210,25 @@ class PoolWorker:
         """One load or store; `remote=False` while the breaker is open: the host tier alone.
         `kind` "load" and "store" on their threads; with a host tier, "fetch" (a load that needs
         the store) on the fetch thread, and a store's put queued on the put thread (`_put`)."""
-        put_later = self._split and kind == "store"  # the store thread never calls the store then
-        tier = self._ensure_tier(kind, connect=remote and not put_later)  # the store away: no client built now
-        client = tier.client if remote and not put_later else None
+        calls_store = self._calls_store(kind)  # with a host tier only the fetch thread's loads (and puts)
+        tier = self._ensure_tier(kind, connect=remote and calls_store)  # the store away: no client built now
+        client = tier.client if remote and calls_store else None
         before, counts = client.unreachable if client else 0, dict(tier.stats)
         if kind == "store":
             res = tier.store(job.gpu(), job.keys, call.device_access, skip_present=True, tenant=job.tenant,
                              still_allowed=call.still_allowed, device_done=call.device_released.set,
                              remote=client is not None)
-            if put_later and remote and res.sealed:
+            if self._split and remote and res.sealed:  # its put on the put thread
                 self._queue_put(res.sealed)
         else:
             res = tier.load(job.keys, job.gpu(), call.device_access, tenant=job.tenant, remote=client is not None)
+            if kind == "load" and self._split and remote and not res.ok and self.breaker.is_closed:
+                # The host tier held the blocks when the load was queued and lost some since (an
+                # eviction, a bad seal): the store may hold them. Not waited for here: the engine's
+                # side follows the load to the fetch thread (`_moved`).
+                moved = self._fetch_thread.submit(self._job, "fetch", job, True)
+                if moved is not None:
+                    return Moved(moved)  # type: ignore[return-value]
         self.tally.add(**{k: tier.stats[k] - counts[k] for k in TIER_COUNTS},
                        **{f"{'store' if kind == 'store' else 'load'}_seconds": res.seconds})
         if client is not None and client.unreachable != before:  # the client is kept: see `StoreClient`
@@ -303,7 +322,12 @@ class PoolWorker:
                     self._fail_load(job, "the pool is unavailable")
                 elif self.conn.settings.load_async:
                     self._loads[job.request_id] = (call, job)
-                elif call.wait(self.load_timeout):
+                elif call.wait(self.load_timeout) and (moved := _moved(call)) is not None:
+                    if moved.wait(max(0.0, self.load_timeout - call.age())):
+                        self._settle_load(moved, job)
+                    else:
+                        self._give_up_load(moved, job)
+                elif call.done.is_set():
                     self._settle_load(call, job)
                 else:
                     self._give_up_load(call, job)
@@ -323,7 +347,7 @@ class PoolWorker:
             return self._store_thread.submit(self._job, kind, job, remote)
         if self._split and remote and not self._on_host(job):
             return self._fetch_thread.submit(self._job, "fetch", job, remote)
-        return self._load_thread.submit(self._job, kind, job, remote and not self._split)
+        return self._load_thread.submit(self._job, kind, job, remote)  # the host tier's alone (`_remote`)
 
     def _on_host(self, job: PoolJob) -> bool:
         """Whether the host tier holds all `job` reads now (asked on the engine's thread: the
@@ -411,7 +435,7 @@ class PoolWorker:
                     logger.warning("KVBridgePoolConnector rank %d: store of %s failed: %s", self.rank, rid or "(put)",
                                    one_line(call.error))
             elif not call.result.ok:
-                logger.warning("KVBridgePoolConnector rank %d: store of %s incomplete: %s", self.rank, rid,
+                logger.warning("KVBridgePoolConnector rank %d: store of %s incomplete: %s", self.rank, rid or "(put)",
                                "; ".join(call.result.reasons)[:500])
             else:
                 if remote:
@@ -434,6 +458,9 @@ class PoolWorker:
             self._finished.popitem(last=False)
         try:
             for rid, (call, job) in list(self._loads.items()):
+                if call.done.is_set() and (moved := _moved(call)) is not None:
+                    self._loads[rid] = (moved, job)  # followed to the fetch thread; its deadline runs on
+                    continue
                 if call.done.is_set():
                     self._settle_load(call, job)
                 elif call.age() > self.load_timeout:
@@ -466,8 +493,9 @@ class PoolWorker:
         for call in [*self._puts, *self._new_puts]:
             call.abandon()
         threads = {self._store_thread, self._load_thread, self._fetch_thread, self._put_thread} - {None}
+        end = time.monotonic() + 10.0  # one deadline for all: a hung master holds two of them
         for thread in threads:
-            thread.close(timeout=10.0)
+            thread.close(timeout=max(0.1, end - time.monotonic()))
         if all(thread.current is None for thread in threads):
             self._drop_tiers()
 
