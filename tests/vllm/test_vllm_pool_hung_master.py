@@ -41,4 +41,12 @@ def test_stores_reach_the_host_tier_one_after_the_other_while_their_puts_hang(se
 
 def test_after_the_outage_the_hung_calls_end_and_the_puts_settle(seen):
     assert seen["b_ended_after"] and seen["puts_settled_after"]
-    assert seen["tally"].get("stores") == 3 and seen["tally"].get("loads") == 1
+    assert seen["tally"].get("stores") == 3 and seen["tally"].get("loads") == 2  # the moved one and a-again
+
+
+def test_a_host_tier_load_whose_blocks_went_before_it_ran_loads_from_the_store(seen):
+    """Routed to the load thread while the host tier held its blocks, evicted before it ran: it
+    moves to the fetch thread and loads from the store, byte-exact (it failed before the review fix)."""
+    assert seen["a_gone_from_host"]
+    assert seen["moved_done"] and not seen["moved_failed"]
+    assert seen["moved_bytes_equal"]

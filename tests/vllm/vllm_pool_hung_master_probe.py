@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -123,6 +124,22 @@ def main() -> dict:
 
         out["a_put"] = until(put_done)
         before = blocks(10)
+
+        # A host-tier load whose blocks the host tier loses between its queueing and its run (an
+        # eviction): it moves to the fetch thread and loads from the store (the master is up here).
+        gate = threading.Event()
+        worker._load_thread.submit(lambda call: gate.wait(WAIT_S))  # the load thread is busy meanwhile
+        worker.run(PoolMetadata(loads=[job("moved", "A", 50)]))
+        store_tier = worker._tiers["store"]
+        keys_a = block_keys(N, "A")
+        for key, hit in zip(keys_a, store_tier.host.find(keys_a, [store_tier.reads[0]] * N)):
+            if hit is not None:
+                store_tier.host.forget(key, hit[1], hit[2], store_tier.layout.group_objects[0])
+        out["a_gone_from_host"] = not store_tier.on_host(keys_a)
+        gate.set()
+        out["moved_done"] = until(lambda: (poll(), "moved" in loaded)[1])
+        out["moved_failed"] = "moved" in failed
+        out["moved_bytes_equal"] = blocks(50) == blocks(0)
 
         os.kill(master.proc.pid, signal.SIGSTOP)
         RETURNED.clear()
