@@ -34,8 +34,8 @@ def _nr_open() -> int:
 
 
 def raise_descriptor_limit() -> int:
-    """Raise this process's soft RLIMIT_NOFILE to its hard limit, once; returns the soft limit now
-    (unchanged where the platform or the hard limit does not allow more)."""
+    """Raise this process's soft RLIMIT_NOFILE toward its hard limit, at most to `MAX_RAISE`, once;
+    returns the soft limit now (unchanged where the platform or the hard limit does not allow more)."""
     global _raised
     with _lock:
         if _raised is not None:
