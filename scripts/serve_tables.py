@@ -23,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import doc_blocks  # noqa: E402  (scripts/ is not a package)
 from doc_blocks import strip_paths  # noqa: E402,F401  (scripts/serve_check.py imports it from here)
 
+from kvbridge.bench.serving import round_cells  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 JSON = ROOT / "docs" / "serve-check.json"
 SCALE_JSON = ROOT / "docs" / "fleet-scale.json"
@@ -144,10 +146,6 @@ def _step_path(bench: dict[str, Any]) -> list[str]:
     return out
 
 
-ROUND_NAMES = {"mean_ttft_ms": "TTFT mean ms", "p99_ttft_ms": "TTFT p99 ms", "itl_p50_ms": "ITL p50 ms",
-               "itl_p99_ms": "ITL p99 ms", "output_throughput": "out tok/s"}
-
-
 def _rounds(bench: dict[str, Any]) -> list[str]:
     """Round by round, kvbridge / NIXL, and in how many rounds kvbridge was at or ahead (issue 46.2;
     runs before 2026-11-29 kept medians only and render nothing here)."""
@@ -157,13 +155,7 @@ def _rounds(bench: dict[str, Any]) -> list[str]:
     out = ["", "| dataset | figure | per round: kvbridge / NIXL | kvbridge spread | NIXL spread | at or ahead |",
            "|---|---|---|---|---|---:|"]
     for row in rows:
-        k, n = row["kvbridge"], row["nixl"]
-        for f, name in ROUND_NAMES.items():
-            pairs = " ".join(f"{_num(a)} / {_num(b)}" for a, b in zip(k["per_round"][f], n["per_round"][f]))
-            spread = ["-" if not x["spread"][f] else f"{_num(x['spread'][f][0])}..{_num(x['spread'][f][1])}"
-                      for x in (k, n)]
-            better, of = row["rounds_ahead"][f]
-            out.append(f"| {row['dataset']} | {name} | {pairs} | {spread[0]} | {spread[1]} | {better} of {of} |")
+        out += [f"| {row['dataset']} | " + " | ".join(cells) + " |" for cells in round_cells(row, _num, " / ")]
     return out
 
 

@@ -34,7 +34,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +256,23 @@ def per_round(runs: list[dict[str, Any]]) -> dict[str, list[float | None]]:
     return out
 
 
+ROUND_NAMES = {"mean_ttft_ms": "TTFT mean ms", "p99_ttft_ms": "TTFT p99 ms", "itl_p50_ms": "ITL p50 ms",
+               "itl_p99_ms": "ITL p99 ms", "output_throughput": "out tok/s"}
+
+
+def round_cells(row: dict[str, Any], fmt: Callable[[Any], str], sep: str = "/") -> list[tuple[str, ...]]:
+    """A table row's round-by-round figures as text, for the CLI and the docs alike: per figure,
+    (name, each round's kvbridge`sep`NIXL, kvbridge's spread, NIXL's spread, "k of n" at or ahead)."""
+    k, n = row["kvbridge"], row["nixl"]
+    out = []
+    for f, name in ROUND_NAMES.items():
+        pairs = " ".join(f"{fmt(a)}{sep}{fmt(b)}" for a, b in zip(k["per_round"][f], n["per_round"][f]))
+        spread = ["-" if not x["spread"][f] else f"{fmt(x['spread'][f][0])}..{fmt(x['spread'][f][1])}" for x in (k, n)]
+        better, of = row["rounds_ahead"][f]
+        out.append((name, pairs, *spread, f"{better} of {of}"))
+    return out
+
+
 def rounds_ahead(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, list[int]]:
     """Per figure, [rounds where kvbridge's figure is at or better than NIXL's, rounds compared]:
     round i of one is paired with round i of the other (they ran in turns)."""
@@ -342,5 +359,5 @@ def bench_serve(model: Path | None = None, prefill: str = "tp=1,block=32", decod
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": os.cpu_count(), "work": str(work)}
 
 
-__all__ = ["PER_ROUND", "bench_serve", "iteration_times", "pause_sessions", "per_round", "percentile", "rounds_ahead",
+__all__ = ["PER_ROUND", "ROUND_NAMES", "bench_serve", "iteration_times", "pause_sessions", "per_round", "percentile", "round_cells", "rounds_ahead",
            "step_histogram", "step_path_profile", "summarize"]

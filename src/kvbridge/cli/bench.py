@@ -288,9 +288,7 @@ def _rounds_table(out: dict[str, Any]) -> None:
     rows = [r for r in out["table"] if "rounds_ahead" in r]
     if not rows:
         return
-    from kvbridge.bench.serving import PER_ROUND
-    names = {"mean_ttft_ms": "TTFT mean ms", "p99_ttft_ms": "TTFT p99 ms", "itl_p50_ms": "ITL p50 ms",
-             "itl_p99_ms": "ITL p99 ms", "output_throughput": "out tok/s"}
+    from kvbridge.bench.serving import round_cells
     table = Table(title="round by round (kvbridge / NIXL; rounds ran in turns), and rounds kvbridge was at or ahead")
     for col in ("dataset", "figure", "per round: kvbridge / NIXL", "kvbridge spread", "NIXL spread", "at or ahead"):
         table.add_column(col)
@@ -299,13 +297,8 @@ def _rounds_table(out: dict[str, Any]) -> None:
         return "-" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
 
     for row in rows:
-        k, n = row["kvbridge"], row["nixl"]
-        for f in PER_ROUND:
-            pairs = " ".join(f"{fmt(a)}/{fmt(b)}" for a, b in zip(k["per_round"][f], n["per_round"][f]))
-            spread = [("-" if not x["spread"][f] else f"{fmt(x['spread'][f][0])}..{fmt(x['spread'][f][1])}")
-                      for x in (k, n)]
-            better, of = row["rounds_ahead"][f]
-            table.add_row(row["dataset"], names[f], pairs, *spread, f"{better} of {of}")
+        for cells in round_cells(row, fmt):
+            table.add_row(row["dataset"], *cells)
     console.print(table)
 
 
