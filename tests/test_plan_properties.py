@@ -74,13 +74,13 @@ def layouts(draw, spec: ModelSpec, num_tokens: int) -> EngineLayout:
     tp = draw(st.sampled_from(legal_tps(attn[0] if attn else None)))
     kernel = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
     block = kernel * draw(st.sampled_from([1, 1, 2, 3, 4]))
-    placement = draw(st.sampled_from(["kv_first", "blocks_first", "cross_layer"]))
+    placement = draw(st.sampled_from(["kv_first", "blocks_first", "cross_layer", "per_head", "per_head cross_layer"]))
     need = -(-num_tokens // block)
     return EngineLayout(
         tp_size=tp, block_size=block, num_blocks=need + draw(st.integers(1, 4)), kernel_block_size=kernel,
-        kv_order=draw(st.sampled_from(["NHD", "HND"])),
-        kv_placement="kv_first" if placement == "kv_first" else "blocks_first",
-        layer_placement="cross_layer" if placement == "cross_layer" else "per_layer")
+        kv_order="HND" if placement.startswith("per_head") else draw(st.sampled_from(["NHD", "HND"])),
+        kv_placement=placement.split()[0] if placement != "cross_layer" else "blocks_first",
+        layer_placement="cross_layer" if placement.endswith("cross_layer") else "per_layer")
 
 
 @st.composite

@@ -66,8 +66,9 @@ def cases(draw):
     block = draw(st.sampled_from([b for b in (1, 2, 4, 8, 16) if pool_block % b == 0]))
     pp = draw(st.integers(1, min(3, layers)))
     device = EngineLayout(tp_size=draw(st.sampled_from(tps)), pp_size=pp, block_size=block, num_blocks=32,
-                          kv_order=draw(st.sampled_from(["NHD", "HND"])),
-                          kv_placement=draw(st.sampled_from(["kv_first", "blocks_first"])))
+                          **dict(zip(("kv_order", "kv_placement"), draw(st.sampled_from(
+                              [("NHD", "kv_first"), ("NHD", "blocks_first"), ("HND", "kv_first"),
+                               ("HND", "blocks_first"), ("HND", "per_head")])))))
     return spec, device, PoolConfig(model_id="m", block_tokens=pool_block, staging_blocks=2, insecure=True)
 
 

@@ -2,7 +2,10 @@
 
 An `EngineLayout` is what every rank of one engine shares: its parallel shape (TP x PP x PCP,
 with DCP inside TP), block size (one per KV-cache group if they differ), kernel blocks per
-logical block, order inside a block (NHD token-major, HND head-major), K/V placement, whether
+logical block, order inside a block (NHD token-major, HND head-major), K/V placement (K/V-first:
+every block's K, then every block's V; blocks-first: each block's K then its V; per-head: each
+head's K then its V inside a block, where a layer's components have the same heads, else
+blocks-first: what makes a pool object one run of bytes), whether
 regions are per layer or one cross-layer region, and the KV dtype with its scales. For one rank
 it resolves to an `Addressing` table: for every (layer, component) a region and the byte strides
 of block, token and head. Everything downstream (planner, executors, the transformers bridge,
@@ -46,7 +49,7 @@ from kvbridge.core.shard import check_dcp, check_shardable, cp_block_span, cp_sl
 from kvbridge.core.spec import ModelSpec, normalize_dtype
 
 KVOrder = Literal["NHD", "HND"]
-KVPlacement = Literal["kv_first", "blocks_first"]
+KVPlacement = Literal["kv_first", "blocks_first", "per_head"]
 LayerPlacement = Literal["per_layer", "cross_layer"]
 
 class RankCoords(NamedTuple):
@@ -122,12 +125,14 @@ class EngineLayout(msgspec.Struct, frozen=True):
                 raise IncompatibleEngines(f"kernel block size {kbs} must divide the logical block size {size}")
         if self.kv_order not in ("NHD", "HND"):
             raise IncompatibleEngines(f"kv_order must be NHD or HND, got {self.kv_order!r}")
-        if self.kv_placement not in ("kv_first", "blocks_first"):
-            raise IncompatibleEngines(f"kv_placement must be kv_first or blocks_first, got {self.kv_placement!r}")
+        if self.kv_placement not in ("kv_first", "blocks_first", "per_head"):
+            raise IncompatibleEngines(f"kv_placement must be kv_first, blocks_first or per_head, got {self.kv_placement!r}")
+        if self.kv_placement == "per_head" and self.kv_order != "HND":
+            raise IncompatibleEngines("per_head keeps each head's tokens back to back: it needs kv_order HND")
         if self.layer_placement not in ("per_layer", "cross_layer"):
             raise IncompatibleEngines(f"layer_placement must be per_layer or cross_layer, got {self.layer_placement!r}")
-        if self.layer_placement == "cross_layer" and self.kv_placement != "blocks_first":
-            raise IncompatibleEngines("a cross_layer region keeps K and V inside each block: use blocks_first")
+        if self.layer_placement == "cross_layer" and self.kv_placement == "kv_first":
+            raise IncompatibleEngines("a cross_layer region keeps K and V inside each block: use blocks_first or per_head")
 
     # -- ranks ----------------------------------------------------------------------------------
     @property
@@ -416,13 +421,18 @@ def _addressing(spec: ModelSpec, layout: EngineLayout, rank: int) -> Addressing:
             continue
         comp_block = [(h1 - h0) * kbs * row for (h0, h1), row in zip(ranges, rows)]
         layer_block = sum(comp_block)
+        per_head = layout.kv_placement == "per_head" and len(set(ranges)) == 1
         for ci, ((h0, h1), row) in enumerate(zip(ranges, rows)):
             nheads = h1 - h0
-            if layout.kv_placement == "kv_first":
+            if per_head:  # a head's components back to back, each its kernel block's tokens in order
+                base, bstride = kbs * sum(rows[:ci]), layer_block
+            elif layout.kv_placement == "kv_first":
                 base, bstride = nkb * sum(comp_block[:ci]), comp_block[ci]
             else:
                 base, bstride = sum(comp_block[:ci]), layer_block
-            if layout.kv_order == "NHD":
+            if per_head:
+                tstride, hstride = row, kbs * sum(rows)
+            elif layout.kv_order == "NHD":
                 tstride, hstride = nheads * row, row
             else:
                 tstride, hstride = row, kbs * row
