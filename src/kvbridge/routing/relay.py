@@ -1,0 +1,219 @@
+"""The fleet's KV event relay: every instance's events, re-chunked, on an endpoint of its own.
+
+Each instance publishes its KV events (vLLM's `--kv-events-config`, a ZMQ PUB); the relay
+subscribes to each, turns its batches into canonical blocks (`rechunk.Rechunker`, one per
+instance) and publishes them, in vLLM's wire format, on one PUB endpoint per instance, which the
+router reads as that worker's event source (`vllm-router --pd-kv-events URL=ENDPOINT`).
+
+It runs as one thread of the launcher (`Fleet`), so it lives and dies with the fleet. Bounds:
+ZMQ drops a frame over `events.MAX_PAYLOAD` before it is read (`MAXMSGSIZE`), at most `HWM`
+batches wait per socket, a batch is decoded with bounds (`events.decode_batch`), a bad one is
+counted and dropped, and each instance's rechunker remembers at most `max_blocks` blocks.
+
+Restarts and losses: vLLM numbers its batches from 0 in each process. A number that goes back
+means the instance restarted (its cache is empty); a gap means batches were lost (the relay no
+longer knows what the instance holds). Either way the relay forgets the instance and publishes
+`AllBlocksCleared` for it, so the router never credits it with blocks it may not hold: it is
+relearned as the instance stores again. The launcher also calls `forget` when it restarts one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvbridge.routing.events import MAX_PAYLOAD, AllBlocksCleared, BadBatch, KVEventBatch, decode_batch, encode_batch
+from kvbridge.routing.rechunk import DEFAULT_MAX_BLOCKS, Rechunker
+
+logger = logging.getLogger(__name__)
+HWM = 10_000
+"""Batches that may wait on one socket (vLLM's publisher keeps 100,000)."""
+
+
+class RelaySource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One instance: where it publishes (`tcp://HOST:PORT`) and where the relay publishes for it."""
+
+    name: str
+    subscribe: str
+    publish: str
+    topic: str = ""
+
+
+@dataclass
+class SourceStats:
+    batches: int = 0
+    published: int = 0
+    bad: int = 0
+    restarts: int = 0
+    gaps: int = 0
+    last_seq: int = -1
+    blocks: int = 0
+    last_bad: str = ""
+    forgotten: int = 0
+
+
+@dataclass
+class _Source:
+    spec: RelaySource
+    sub: zmq.Socket
+    pub: zmq.Socket
+    monitor: zmq.Socket
+    rechunker: Rechunker
+    stats: SourceStats = field(default_factory=SourceStats)
+    out_seq: int = 0
+    forget: bool = False
+
+
+class EventRelay:
+    """Relays every source's events in `block_tokens`-token blocks (see the module)."""
+
+    def __init__(self, sources: Sequence[RelaySource], block_tokens: int, max_blocks: int = DEFAULT_MAX_BLOCKS):
+        if not sources:
+            raise ValueError("a KV event relay needs at least one source")
+        self.block_tokens = block_tokens
+        self._ctx = zmq.Context()
+        self._sources: list[_Source] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        try:
+            for s in sources:
+                sub = self._ctx.socket(zmq.SUB)
+                sub.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD + 4096)
+                sub.setsockopt(zmq.RCVHWM, HWM)
+                sub.setsockopt(zmq.LINGER, 0)
+                sub.setsockopt(zmq.SUBSCRIBE, s.topic.encode())
+                monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                sub.connect(s.subscribe)
+                pub = self._ctx.socket(zmq.PUB)
+                pub.setsockopt(zmq.SNDHWM, HWM)
+                pub.setsockopt(zmq.LINGER, 0)
+                pub.bind(s.publish)
+                self._sources.append(_Source(s, sub, pub, monitor, Rechunker(block_tokens, max_blocks)))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- life -------------------------------------------------------------------------------------------
+    def start(self) -> EventRelay:
+        self._thread = threading.Thread(target=self._run, name="kvbridge-kv-relay", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        for s in self._sources:
+            s.sub.disable_monitor()
+            s.monitor.close(linger=0)
+            s.sub.close(linger=0)
+            s.pub.close(linger=0)
+        self._ctx.term()
+
+    def forget(self, name: str) -> None:
+        """The instance `name` restarted (its cache is empty): cleared at the router, relearned."""
+        with self._lock:
+            for s in self._sources:
+                if s.spec.name == name:
+                    s.forget = True
+
+    def stats(self) -> dict[str, SourceStats]:
+        with self._lock:
+            for s in self._sources:
+                s.stats.blocks, s.stats.forgotten = len(s.rechunker), s.rechunker.forgotten
+            return {s.spec.name: SourceStats(**vars(s.stats)) for s in self._sources}
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        by_socket, by_monitor = {}, {}
+        for s in self._sources:
+            poller.register(s.sub, zmq.POLLIN)
+            poller.register(s.monitor, zmq.POLLIN)
+            by_socket[s.sub], by_monitor[s.monitor] = s, s
+        while not self._stop.is_set():
+            for s in self._sources:
+                if s.forget:
+                    with self._lock:
+                        self._clear(s, "restarted")
+            try:
+                ready = dict(poller.poll(200))
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+            for sock in ready:
+                if sock in by_monitor:
+                    self._reconnect(by_monitor[sock])
+                    continue
+                s = by_socket[sock]
+                for _ in range(64):  # a busy instance cannot starve the others
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._relay(s, frames)
+                    except Exception as exc:  # never let one instance's input stop the relay
+                        s.stats.bad += 1
+                        s.stats.last_bad = f"{type(exc).__name__}: {str(exc)[:160]}"
+
+    def _relay(self, s: _Source, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            raise BadBatch(f"expected [topic, seq, payload], got {len(frames)} frames")
+        seq = int.from_bytes(frames[1], "big")
+        batch = decode_batch(frames[2])
+        with self._lock:
+            last = s.stats.last_seq
+            if last >= 0 and seq <= last:
+                s.stats.restarts += 1
+                self._clear(s, f"sequence went back from {last} to {seq}: restarted")
+            elif last >= 0 and seq > last + 1:
+                s.stats.gaps += 1
+                self._clear(s, f"batches {last + 1}..{seq - 1} lost")
+            s.stats.last_seq = seq
+            s.stats.batches += 1
+            events = s.rechunker.apply(batch.events)
+        if events:
+            self._publish(s, KVEventBatch(ts=batch.ts, events=events, data_parallel_rank=batch.data_parallel_rank))
+
+    def _reconnect(self, s: _Source) -> None:
+        """The connection to the instance dropped. ZMQ reconnects by itself after the peer went away,
+        but not after it refused a frame (over `MAXMSGSIZE`): connect again either way, and forget
+        the instance (batches may have been lost meanwhile)."""
+        try:
+            while s.monitor.poll(0):
+                recv_monitor_message(s.monitor)
+            s.sub.disconnect(s.spec.subscribe)
+        except zmq.ZMQError:
+            pass
+        s.sub.connect(s.spec.subscribe)
+        with self._lock:
+            s.stats.last_seq = -1
+            self._clear(s, "disconnected")
+
+    def _clear(self, s: _Source, why: str) -> None:
+        logger.info("KV event relay: %s %s; cleared at the router", s.spec.name, why)
+        s.rechunker.clear()
+        s.forget = False
+        self._publish(s, KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
+
+    def _publish(self, s: _Source, batch: KVEventBatch) -> None:
+        try:
+            s.pub.send_multipart([s.spec.topic.encode(), s.out_seq.to_bytes(8, "big"), encode_batch(batch)],
+                                 zmq.NOBLOCK)
+        except zmq.Again:  # nobody reads fast enough: the router sees a gap (its own reconnect path)
+            pass
+        s.out_seq += 1
+        s.stats.published += 1
+
+
+__all__ = ["HWM", "EventRelay", "RelaySource", "SourceStats"]
