@@ -25,11 +25,10 @@ def _port() -> int:
 @pytest.fixture
 def wired():
     ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    up = _port()
-    pub.bind(f"tcp://127.0.0.1:{up}")
-    out = f"tcp://127.0.0.1:{_port()}"
+    up, out = _port(), f"tcp://127.0.0.1:{_port()}"
     relay = EventRelay([RelaySource("prefill-0", f"tcp://127.0.0.1:{up}", out)], block_tokens=16).start()
+    pub = ctx.socket(zmq.PUB)  # as vLLM's publisher does for an endpoint naming a host: it connects
+    pub.connect(f"tcp://127.0.0.1:{up}")
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(out)

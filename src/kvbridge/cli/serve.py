@@ -101,8 +101,10 @@ def serve(
                                       "(max_position_embeddings)."),
     dtype: str = typer.Option("float32", help="vLLM --dtype of every instance."),
     kv_cache_gib: int = typer.Option(1, min=1, max=4096, help="VLLM_CPU_KVCACHE_SPACE of each instance (CPU)."),
-    router_policy: str = typer.Option("round_robin", help="round_robin, random, power_of_two, consistent_hash or "
-                                      "cache_aware."),
+    router_policy: str = typer.Option("round_robin", help="round_robin, random, power_of_two, consistent_hash, "
+                                      "cache_aware (the router's text tree) or kv_aware (prefill instances chosen "
+                                      "by the KV their prefix caches hold, relayed in one block size whatever "
+                                      "each instance's; docs/serving.md)."),
     startup_timeout: float = typer.Option(1800.0, min=10.0, max=86400.0, help="Seconds to wait for health."),
     vllm_python: Optional[Path] = typer.Option(None, help="Python of the vLLM environment [default: .venv-vllm]."),
     stats_path: Optional[Path] = typer.Option(None, help="Append one JSON line per KV transfer (every rank of every "

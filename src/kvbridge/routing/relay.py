@@ -1,7 +1,8 @@
 """The fleet's KV event relay: every instance's events, re-chunked, on an endpoint of its own.
 
-Each instance publishes its KV events (vLLM's `--kv-events-config`, a ZMQ PUB); the relay
-subscribes to each, turns its batches into canonical blocks (`rechunk.Rechunker`, one per
+Each instance publishes its KV events (vLLM's `--kv-events-config`, a ZMQ PUB that *connects*
+when its endpoint names a host, as the fleet's do); the relay binds one SUB per instance on an
+address of the fleet's (loopback for a fleet of one host: nothing else reads a tenant's tokens), turns its batches into canonical blocks (`rechunk.Rechunker`, one per
 instance) and publishes them, in vLLM's wire format, on one PUB endpoint per instance, which the
 router reads as that worker's event source (`vllm-router --pd-kv-events URL=ENDPOINT`).
 
@@ -38,7 +39,8 @@ HWM = 10_000
 
 
 class RelaySource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One instance: where it publishes (`tcp://HOST:PORT`) and where the relay publishes for it."""
+    """One instance: the address the relay binds for its publisher to connect to (`tcp://HOST:PORT`),
+    and the one it publishes the instance's canonical events on for the router."""
 
     name: str
     subscribe: str
@@ -83,23 +85,37 @@ class EventRelay:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._added: list[_Source] = []  # sources added while running, for the loop to poll
+        self._max_blocks = max_blocks
         try:
             for s in sources:
-                sub = self._ctx.socket(zmq.SUB)
-                sub.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD + 4096)
-                sub.setsockopt(zmq.RCVHWM, HWM)
-                sub.setsockopt(zmq.LINGER, 0)
-                sub.setsockopt(zmq.SUBSCRIBE, s.topic.encode())
-                monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                sub.connect(s.subscribe)
-                pub = self._ctx.socket(zmq.PUB)
-                pub.setsockopt(zmq.SNDHWM, HWM)
-                pub.setsockopt(zmq.LINGER, 0)
-                pub.bind(s.publish)
-                self._sources.append(_Source(s, sub, pub, monitor, Rechunker(block_tokens, max_blocks)))
+                self._sources.append(self._open(s, block_tokens, max_blocks))
         except BaseException:
             self.close()
             raise
+
+    def _open(self, s: RelaySource, block_tokens: int, max_blocks: int) -> _Source:
+        sub = self._ctx.socket(zmq.SUB)
+        pub = self._ctx.socket(zmq.PUB)
+        try:
+            sub.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD + 4096)
+            sub.setsockopt(zmq.RCVHWM, HWM)
+            sub.setsockopt(zmq.SUBSCRIBE, s.topic.encode())
+            monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            sub.bind(s.subscribe)
+            pub.setsockopt(zmq.SNDHWM, HWM)
+            pub.bind(s.publish)
+        except BaseException:
+            sub.close(linger=0)
+            pub.close(linger=0)
+            raise
+        return _Source(s, sub, pub, monitor, Rechunker(block_tokens, max_blocks))
+
+    def add(self, source: RelaySource) -> None:
+        """One more instance (a fleet that grows): bound now, polled from the loop's next turn."""
+        opened = self._open(source, self.block_tokens, self._max_blocks)
+        with self._lock:
+            self._added.append(opened)
 
     # -- life -------------------------------------------------------------------------------------------
     def start(self) -> EventRelay:
@@ -111,7 +127,7 @@ class EventRelay:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        for s in self._sources:
+        for s in self._sources + self._added:
             s.sub.disable_monitor()
             s.monitor.close(linger=0)
             s.sub.close(linger=0)
@@ -140,6 +156,13 @@ class EventRelay:
             poller.register(s.monitor, zmq.POLLIN)
             by_socket[s.sub], by_monitor[s.monitor] = s, s
         while not self._stop.is_set():
+            with self._lock:
+                added, self._added = self._added, []
+            for s in added:
+                self._sources.append(s)
+                poller.register(s.sub, zmq.POLLIN)
+                poller.register(s.monitor, zmq.POLLIN)
+                by_socket[s.sub], by_monitor[s.monitor] = s, s
             for s in self._sources:
                 if s.forget:
                     with self._lock:
@@ -186,16 +209,11 @@ class EventRelay:
             self._publish(s, KVEventBatch(ts=batch.ts, events=events, data_parallel_rank=batch.data_parallel_rank))
 
     def _reconnect(self, s: _Source) -> None:
-        """The connection to the instance dropped. ZMQ reconnects by itself after the peer went away,
-        but not after it refused a frame (over `MAXMSGSIZE`): connect again either way, and forget
-        the instance (batches may have been lost meanwhile)."""
-        try:
-            while s.monitor.poll(0):
-                recv_monitor_message(s.monitor)
-            s.sub.disconnect(s.spec.subscribe)
-        except zmq.ZMQError:
-            pass
-        s.sub.connect(s.spec.subscribe)
+        """The instance's connection dropped (it exited, or sent a frame over `MAXMSGSIZE`, which ZMQ
+        refuses by closing the connection): its publisher connects again by itself; batches may have
+        been lost meanwhile, so the instance is forgotten."""
+        while s.monitor.poll(0):
+            recv_monitor_message(s.monitor)
         with self._lock:
             s.stats.last_seq = -1
             self._clear(s, "disconnected")

@@ -44,6 +44,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm.fleet_config import (FleetConfig, FleetError, InstanceShape, check_environment,
                                                      check_shapes)
 from kvbridge.integrations.vllm.fleet_file import place_here
+from kvbridge.integrations.vllm.fleet_routing import DECODE_POLICY, KvRouting
 from kvbridge.integrations.vllm.fleet_processes import (Member, _group_alive, _pids_in_groups, find_tool, healthy,
                                                         kill_seen, port_free, process_start, retire_session,
                                                         SegmentLedger, stop_session, vllm_python, vllm_serve_member)
@@ -128,6 +129,7 @@ class Fleet:
             self.pool_address = self.master.address
         elif config.pool:
             self.pool_address = config.pool
+        self.routing = KvRouting(self.port_locks) if config.router_policy == "kv_aware" else None
         self.members: list[Member] = []
         if self.here is not None:
             self._place_from_file(config)
@@ -166,11 +168,13 @@ class Fleet:
     def _router(self) -> Member:
         c = self.config
         argv = [self._router_bin, "--host", c.host, "--port", str(c.port), "--vllm-pd-disaggregation",
-                "--policy", c.router_policy, "--prometheus-host", "127.0.0.1", "--prometheus-port",
-                str(self._prometheus), "--request-timeout-secs", str(c.request_timeout_s),
-                "--worker-startup-timeout-secs", "1800", *health_flags()]
+                "--policy", c.router_policy if self.routing is None else DECODE_POLICY, "--prometheus-host",
+                "127.0.0.1", "--prometheus-port", str(self._prometheus), "--request-timeout-secs",
+                str(c.request_timeout_s), "--worker-startup-timeout-secs", "1800", *health_flags()]
         for role, url in self.routes():
             argv += [f"--{role}", url]
+        if self.routing is not None:
+            argv += self.routing.router_args(self.routes(), {m.url: m.name for m in self.members})
         return Member("router", argv, dict(os.environ), self.log_dir / "router.log", c.port, argv_host=c.host)
 
     def _instance(self, vllm: str, name: str, role: str, shape: InstanceShape, http_port: int,
@@ -183,6 +187,8 @@ class Fleet:
             member = vllm_serve_member(c, vllm, name, shape, http_port, self.log_dir, kv)
             member.env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=c.side_channel_host, VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port))
             member.engine_id, member.side_port, member.role = engine_id, side_port, role
+            if self.routing is not None and role == "prefill":
+                self.routing.instance_args(member)
             return member
         extra = {"transport": shape.transport, "mode": shape.mode, "side_channel_host": c.side_channel_host,
                  "side_channel_port": side_port, "secret_file": str(self.secret_file)}
@@ -202,6 +208,8 @@ class Fleet:
                   "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"connectors": children}}
         member = vllm_serve_member(c, vllm, name, shape, http_port, self.log_dir, kv)
         member.engine_id, member.side_port, member.role = engine_id, side_port, role
+        if self.routing is not None and role == "prefill":
+            self.routing.instance_args(member)
         return member
 
     @property
@@ -278,8 +286,12 @@ class Fleet:
         if self.master is not None:
             self.master.launch()
             self._led(self.master.proc, "master")
-        for m in self.everyone():
+        if self.routing is not None:
+            self.routing.start()
+        for m in self.members:
             self.start_member(m)
+        if self.router is not None:
+            self.start_member(self.router)
 
     def wait_ready(self, timeout: float, on_progress: Callable[[list[tuple[str, str]]], None] | None = None) -> None:
         """Until every instance and the router answer /health; a member that exits raises."""
@@ -334,6 +346,8 @@ class Fleet:
         if old.proc is not None:
             self.stop_member(old)
         self._incarnation += 1
+        if self.routing is not None:
+            self.routing.forget(name)
         new = self._instance(self._vllm, name, old.role, old.shape, old.http_port, old.side_port)
         self.members[self.members.index(old)] = new
         self.start_member(new)
@@ -425,6 +439,8 @@ class Fleet:
                     pass
         for m in self.members:
             self.stop_member(m)
+        if self.routing is not None:
+            self.routing.close()
         if self.master is not None:
             self.master.stop()
         for leader in self.sessions:  # every incarnation's session: what `retire` or the stops left

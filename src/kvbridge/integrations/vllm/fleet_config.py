@@ -18,7 +18,7 @@ MAX_INSTANCES = 16  # per role: each instance is at least three processes
 MAX_TP, MAX_PP = 256, 16  # TP as every kvbridge command bounds it (cli.app.BOUNDS, connector/peer_bounds.py)
 MAX_BLOCK = 4096
 TRANSPORTS = ("shm", "nixl", "mooncake")
-ROUTER_POLICIES = ("round_robin", "random", "power_of_two", "consistent_hash", "cache_aware")
+ROUTER_POLICIES = ("round_robin", "random", "power_of_two", "consistent_hash", "cache_aware", "kv_aware")
 
 
 class FleetError(KVBridgeError, RuntimeError):
@@ -195,6 +195,9 @@ def check_shapes(config: FleetConfig) -> list[str]:
                           "on every host")
     if config.router_policy not in ROUTER_POLICIES:
         raise ConfigError(f"--router-policy must be one of {', '.join(ROUTER_POLICIES)}, got {config.router_policy!r}")
+    if config.router_policy == "kv_aware" and config.fleet_file is not None:
+        raise ConfigError("--router-policy kv_aware runs on a fleet of one host for now (its event relay reads every "
+                          "prefill instance on this host); across hosts use cache_aware")
     if not 1 <= config.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {config.port}")
     router_here = config.fleet_file is None or config.fleet_file.router_host == config.on
