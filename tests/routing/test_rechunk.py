@@ -223,3 +223,17 @@ def test_all_blocks_cleared_clears():
     assert index.blocks
     index.apply(relay.apply([AllBlocksCleared()]))
     assert not index.blocks and len(relay) == 0
+
+
+def test_expire_withdraws_what_was_not_stored_again_within_the_ttl():
+    now = [0.0]
+    inst, relay, index = Instance(8), Rechunker(4, clock=lambda: now[0]), Index()
+    index.apply(relay.apply(inst.store(list(range(16)))))
+    now[0] = 5.0
+    index.apply(relay.apply(inst.store([9] * 16)))
+    now[0] = 12.0
+    index.apply(relay.expire(10.0))  # the first prompt's blocks are 12 s old, the second's 7 s
+    assert index.blocks == names([9] * 16, 4)
+    now[0] = 30.0
+    index.apply(relay.expire(10.0))
+    assert index.blocks == {} and len(relay) == 0

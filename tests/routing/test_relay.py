@@ -102,3 +102,50 @@ def test_hostile_input_is_dropped_and_counted(wired):
     until(lambda g: len(_stored(g)) == 2)
     s = relay.stats()["prefill-0"]
     assert s.bad == 2 and "BlockStored of 1 blocks of 16 tokens carries 3 token ids" in s.last_bad
+
+
+def test_the_pools_blocks_are_announced_on_every_instances_stream_and_expire():
+    from kvbridge.routing.events import POOL_OWNER, BlockRemoved
+
+    ctx = zmq.Context()
+    ups = [_port(), _port()]
+    outs = [f"tcp://127.0.0.1:{_port()}" for _ in ups]
+    relay = EventRelay([RelaySource(f"prefill-{i}", f"tcp://127.0.0.1:{u}", o) for i, (u, o) in
+                        enumerate(zip(ups, outs))], block_tokens=16, pool_ttl_s=3.0).start()
+    pubs, subs = [], []
+    for u, o in zip(ups, outs):
+        pub = ctx.socket(zmq.PUB)
+        pub.connect(f"tcp://127.0.0.1:{u}")
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(o)
+        pubs.append(pub)
+        subs.append(sub)
+    time.sleep(0.5)
+    try:
+        pool = Instance(64)  # what instance 0's pool connector stored, as it announces it
+        stored = pool.store(list(range(128)))
+        for e in stored:
+            e.ownership, e.medium = POOL_OWNER, "CPU"
+        pubs[0].send_multipart([b"", (0).to_bytes(8, "big"), encode_batch(KVEventBatch(ts=1.0, events=stored))])
+        want = names(list(range(128)), 16)
+        for sub in subs:  # on both streams, as host memory
+            got = []
+            end = time.monotonic() + 20
+            while len(_stored(got)) < len(want) and time.monotonic() < end:
+                if sub.poll(100):
+                    got += decode_batch(sub.recv_multipart()[2]).events
+            assert _stored(got) == want
+            assert all(e.medium == "CPU" and e.ownership is None for e in got if isinstance(e, BlockStored))
+        for sub in subs:  # nobody stores them again: withdrawn after the TTL
+            got = []
+            end = time.monotonic() + 20
+            while not got and time.monotonic() < end:
+                if sub.poll(100):
+                    got += decode_batch(sub.recv_multipart()[2]).events
+            assert isinstance(got[0], BlockRemoved) and set(got[0].block_hashes) == set(want)
+    finally:
+        relay.close()
+        for x in pubs + subs:
+            x.close(linger=0)
+        ctx.term()

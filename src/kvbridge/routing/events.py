@@ -23,6 +23,9 @@ MAX_TOKENS = 1 << 20
 MAX_HASHES = 1 << 16
 
 BlockHash = bytes | int
+POOL_OWNER = "kvbridge-pool"
+"""`ownership` of the events a pool connector emits for what it stored in the shared pool: the
+relay announces them on every instance's stream, as the tier the pool is for that instance."""
 
 
 class _Event(msgspec.Struct, omit_defaults=True, tag=True):
@@ -109,5 +112,5 @@ def hash_key(h: BlockHash) -> bytes:
     return h if isinstance(h, bytes) else b"i" + int(h).to_bytes(16, "big", signed=True)
 
 
-__all__ = ["MAX_PAYLOAD", "AllBlocksCleared", "BadBatch", "BlockRemoved", "BlockStored", "Event", "KVEventBatch",
+__all__ = ["MAX_PAYLOAD", "POOL_OWNER", "AllBlocksCleared", "BadBatch", "BlockRemoved", "BlockStored", "Event", "KVEventBatch",
            "decode_batch", "encode_batch", "hash_key"]

@@ -25,6 +25,7 @@ first, its canonical blocks withdrawn), and every event was bounded by `events.d
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class _Node:
     last_canon: bytes | None  # name of the last whole canonical block ending at or before `end`
     tail: list[tuple[bytes, list[int]]]  # (instance block, its tokens) after that boundary, < C tokens
     contributes: list[list] = field(default_factory=list)  # [name, alive] of each canonical block it is in
+    stamp: float = 0.0  # when it was last stored or extended (`expire`)
 
 
 def _split_extra(extra: tuple[Any, ...] | None, lora: str | None) -> tuple[str | None, tuple]:
@@ -80,10 +82,10 @@ class Rechunker:
     """Turns one instance's events into canonical events (see the module)."""
 
     def __init__(self, block_tokens: int, max_blocks: int = DEFAULT_MAX_BLOCKS,
-                 hasher: CanonicalHash = canonical_hash):
+                 hasher: CanonicalHash = canonical_hash, clock: Callable[[], float] = time.monotonic):
         if block_tokens < 1 or max_blocks < 1:
             raise ValueError(f"canonical block size and max blocks must be >= 1, got {block_tokens}, {max_blocks}")
-        self.block_tokens, self.max_blocks, self.hasher = block_tokens, max_blocks, hasher
+        self.block_tokens, self.max_blocks, self.hasher, self.clock = block_tokens, max_blocks, hasher, clock
         # (medium, group) -> instance block key -> node, oldest first
         self._tables: dict[tuple, OrderedDict[bytes, _Node]] = {}
         # announced canonical blocks per (medium, group), with how many chains hold each (two chains
@@ -119,8 +121,10 @@ class Rechunker:
         live = self._live.setdefault(where, Counter())
         B, C = e.block_size, self.block_tokens
         parent = None if e.parent_block_hash is None else table.get(hash_key(e.parent_block_hash))
+        now = self.clock()
         if parent is not None:
             table.move_to_end(hash_key(e.parent_block_hash))
+            parent.stamp = now
         hashes: list[bytes] = []
         tokens: list[int] = []
         extras: list[tuple | None] = []
@@ -137,8 +141,10 @@ class Rechunker:
                              list(parent.tail))
             if key in table:  # stored again without a removal between: keep what is known
                 parent = table[key]
+                parent.stamp = now
                 table.move_to_end(key)
                 continue
+            node.stamp = now
             node.tail.append((key, block))
             while node.anchored and sum(len(t) for _, t in node.tail) >= C:
                 prev = node.last_canon
@@ -218,6 +224,24 @@ class Rechunker:
                 gone += _withdraw(node, live)
         if gone:
             out.append(BlockRemoved(block_hashes=gone, medium=e.medium, group_idx=e.group_idx))
+
+    def expire(self, older_than_s: float) -> list[Event]:
+        """Forget blocks not stored (or stored again) for `older_than_s` seconds, withdrawing their
+        canonical blocks: for a source that never says what it lost (a pool whose store evicts
+        silently), an announcement lasts that long unless renewed."""
+        out: list[Event] = []
+        cutoff = self.clock() - older_than_s
+        for where, table in self._tables.items():
+            gone: list[bytes] = []
+            while table:
+                key, node = next(iter(table.items()))
+                if node.stamp >= cutoff:
+                    break
+                del table[key]
+                gone += _withdraw(node, self._live[where])
+            if gone:
+                out.append(BlockRemoved(block_hashes=gone, medium=where[0], group_idx=where[1]))
+        return out
 
     def _forget_oldest(self, out: list[Event]) -> None:
         for where, table in self._tables.items():

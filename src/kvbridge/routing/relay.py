@@ -11,6 +11,13 @@ ZMQ drops a frame over `events.MAX_PAYLOAD` before it is read (`MAXMSGSIZE`), at
 batches wait per socket, a batch is decoded with bounds (`events.decode_batch`), a bad one is
 counted and dropped, and each instance's rechunker remembers at most `max_blocks` blocks.
 
+The shared pool: a pool connector's events (ownership `events.POOL_OWNER`, emitted when it queues
+a store) describe blocks every instance can load, so the relay keeps them in one rechunker of its
+own and announces them on every instance's stream: as host memory (medium CPU, the router's host
+credit) when the pool has a shared-memory tier on this host, else as an external tier (the
+router's external credit). Nobody reports what a pool's store evicts, so an announcement lasts
+`pool_ttl_s` unless the block is stored again; a block gone meanwhile costs one recompute.
+
 Restarts and losses: vLLM numbers its batches from 0 in each process. A number that goes back
 means the instance restarted (its cache is empty); a gap means batches were lost (the relay no
 longer knows what the instance holds). Either way the relay forgets the instance and publishes
@@ -30,7 +37,8 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvbridge.routing.events import MAX_PAYLOAD, AllBlocksCleared, BadBatch, KVEventBatch, decode_batch, encode_batch
+from kvbridge.routing.events import (MAX_PAYLOAD, POOL_OWNER, AllBlocksCleared, BadBatch, BlockRemoved, BlockStored,
+                                     Event, KVEventBatch, decode_batch, encode_batch)
 from kvbridge.routing.rechunk import DEFAULT_MAX_BLOCKS, Rechunker
 
 logger = logging.getLogger(__name__)
@@ -76,10 +84,16 @@ class _Source:
 class EventRelay:
     """Relays every source's events in `block_tokens`-token blocks (see the module)."""
 
-    def __init__(self, sources: Sequence[RelaySource], block_tokens: int, max_blocks: int = DEFAULT_MAX_BLOCKS):
+    def __init__(self, sources: Sequence[RelaySource], block_tokens: int, max_blocks: int = DEFAULT_MAX_BLOCKS,
+                 pool_tier: str = "host", pool_ttl_s: float = 600.0):
         if not sources:
             raise ValueError("a KV event relay needs at least one source")
-        self.block_tokens = block_tokens
+        if pool_tier not in ("host", "external"):
+            raise ValueError(f"pool_tier must be host or external, got {pool_tier!r}")
+        self.block_tokens, self.pool_tier, self.pool_ttl_s = block_tokens, pool_tier, pool_ttl_s
+        self._pool = Rechunker(block_tokens, max_blocks)
+        self._pool_live: dict[bytes, BlockStored] = {}  # announced pool blocks, to replay after a clear
+        self._expired_at = 0.0
         self._ctx = zmq.Context()
         self._sources: list[_Source] = []
         self._stop = threading.Event()
@@ -167,6 +181,10 @@ class EventRelay:
                 if s.forget:
                     with self._lock:
                         self._clear(s, "restarted")
+            if time.monotonic() - self._expired_at > 1.0:
+                self._expired_at = time.monotonic()
+                with self._lock:
+                    self._fan_out(self._pool.expire(self.pool_ttl_s))
             try:
                 ready = dict(poller.poll(200))
             except zmq.ZMQError:
@@ -204,7 +222,11 @@ class EventRelay:
                 self._clear(s, f"batches {last + 1}..{seq - 1} lost")
             s.stats.last_seq = seq
             s.stats.batches += 1
-            events = s.rechunker.apply(batch.events)
+            pooled = [e for e in batch.events if isinstance(e, (BlockStored, BlockRemoved)) and e.ownership == POOL_OWNER]
+            events = s.rechunker.apply([e for e in batch.events if not (
+                isinstance(e, (BlockStored, BlockRemoved)) and e.ownership == POOL_OWNER)])
+            if pooled:
+                self._fan_out(self._pool.apply(pooled))
         if events:
             self._publish(s, KVEventBatch(ts=batch.ts, events=events, data_parallel_rank=batch.data_parallel_rank))
 
@@ -219,10 +241,36 @@ class EventRelay:
             self._clear(s, "disconnected")
 
     def _clear(self, s: _Source, why: str) -> None:
+        """Forget the instance at the router; the pool's blocks, which a clear also drops there, are
+        announced to it again."""
         logger.info("KV event relay: %s %s; cleared at the router", s.spec.name, why)
         s.rechunker.clear()
         s.forget = False
-        self._publish(s, KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
+        self._publish(s, KVEventBatch(ts=time.time(), events=[AllBlocksCleared(), *self._pool_live.values()]))
+
+    def _fan_out(self, events: list[Event]) -> None:
+        """The pool's canonical events, as the tier the pool is, on every instance's stream."""
+        if not events:
+            return
+        owner = None if self.pool_tier == "host" else POOL_OWNER
+        marked: list[Event] = []
+        for e in events:
+            if isinstance(e, BlockStored):
+                e.ownership, e.medium = owner, "CPU"
+                k = e.block_size
+                parent = e.parent_block_hash
+                for i, h in enumerate(e.block_hashes):  # one per block: a clear replays what is still live
+                    self._pool_live[h] = BlockStored([h], parent, e.token_ids[i * k:(i + 1) * k], k, None, "CPU",
+                                                     e.lora_name, None if e.extra_keys is None else [e.extra_keys[i]],
+                                                     ownership=owner)
+                    parent = h
+            elif isinstance(e, BlockRemoved):
+                e.ownership, e.medium = owner, "CPU"
+                for h in e.block_hashes:
+                    self._pool_live.pop(h, None)
+            marked.append(e)
+        for s in self._sources:
+            self._publish(s, KVEventBatch(ts=time.time(), events=marked))
 
     def _publish(self, s: _Source, batch: KVEventBatch) -> None:
         try:

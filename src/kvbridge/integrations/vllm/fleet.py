@@ -129,7 +129,8 @@ class Fleet:
             self.pool_address = self.master.address
         elif config.pool:
             self.pool_address = config.pool
-        self.routing = KvRouting(self.port_locks) if config.router_policy == "kv_aware" else None
+        self.routing = (KvRouting(self.port_locks, pool_tier="host" if config.pool_host_mib else "external")
+                        if config.router_policy == "kv_aware" else None)
         self.members: list[Member] = []
         if self.here is not None:
             self._place_from_file(config)
@@ -202,7 +203,7 @@ class Fleet:
                     "kv_role": "kv_both", "kv_connector_extra_config": {
                         "master": self.pool_address, "secret_file": str(self.pool_secret_file),
                         "block_tokens": c.pool_block_tokens, "model_id": str(Path(c.model).resolve()),
-                        "host_mib": c.pool_host_mib}}
+                        "host_mib": c.pool_host_mib, "kv_events": self.routing is not None and role == "prefill"}}
             children = [{k: v for k, v in kv.items() if k != "engine_id"}, pool]
             kv = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": engine_id,
                   "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"connectors": children}}

@@ -7,6 +7,9 @@ events carry prompts' token ids, so nothing listens for them beyond this host), 
 loopback port of its own, and the router scores prefill instances by those events
 (`--prefill-policy kv_aware --pd-kv-events URL=ENDPOINT`, whose block size vllm-router fixes at
 16 tokens), whatever each instance's block size. Decode instances keep the fleet's other policy.
+With a shared pool, each prefill instance's pool connector announces what it stores
+(`PoolSettings.kv_events`), and the relay offers it on every prefill instance's stream: as host
+memory with a host tier (`--pool-host-mib`), else as an external tier.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ DECODE_POLICY = "round_robin"
 class KvRouting:
     """Ports, flags and the relay of one fleet's KV-aware routing (`Fleet` calls each hook)."""
 
-    def __init__(self, port_locks: Any, events_host: str = "127.0.0.1"):
-        self.port_locks, self.events_host = port_locks, events_host
+    def __init__(self, port_locks: Any, events_host: str = "127.0.0.1", pool_tier: str = "host"):
+        self.port_locks, self.events_host, self.pool_tier = port_locks, events_host, pool_tier
         self.events: dict[str, int] = {}  # instance -> port its publisher binds
         self.relayed: dict[str, int] = {}  # instance -> loopback port the relay publishes it on
         self.relay: EventRelay | None = None
@@ -58,7 +61,8 @@ class KvRouting:
     def start(self) -> None:
         """The relay, bound before the instances start (their publishers connect to it)."""
         if self.relay is None and self.events:
-            self.relay = EventRelay([self._source(name) for name in self.events], CANONICAL_BLOCK).start()
+            self.relay = EventRelay([self._source(name) for name in self.events], CANONICAL_BLOCK,
+                                    pool_tier=self.pool_tier).start()
 
     def _source(self, name: str) -> RelaySource:
         return RelaySource(name, f"tcp://{self.events_host}:{self.events[name]}",

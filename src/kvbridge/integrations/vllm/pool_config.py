@@ -90,6 +90,12 @@ class PoolSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host_dir: str = ""
     """Where the host tier's arenas are (default: this user's private `/dev/shm/kvbridge-UID/pool`)."""
 
+    kv_events: bool = False
+    """Announce what this instance queues into the pool as vLLM KV events (ownership `kvbridge-pool`,
+    on the instance's `--kv-events-config` publisher), for a KV-aware router's relay
+    (`kvbridge.routing.relay`), which offers them on every instance's stream as the pool's tier.
+    `kvbridge serve --router-policy kv_aware` sets it."""
+
     def __post_init__(self) -> None:
         if not (self.secret_file or self.insecure):
             raise ConfigError("KVBridgePoolConnector needs a secret: set kv_connector_extra_config secret_file (a 0600 "

@@ -57,6 +57,7 @@ divide `block_tokens`. A sliding group's blocks are stored while its window stil
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -148,6 +149,10 @@ class KVBridgePoolConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.finished(request, block_ids), None
+
+    def take_events(self) -> Iterable[Any]:
+        """What this instance queued into the pool, as KV events (`PoolSettings.kv_events`)."""
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     # -- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):

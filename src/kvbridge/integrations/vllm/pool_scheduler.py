@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
@@ -38,6 +39,7 @@ from kvbridge.pool.breaker import Breaker
 from kvbridge.pool.lookups import BatchedLookups
 from kvbridge.pool.store import PoolUnavailable, StoreClient, prepare_process
 from kvbridge.pool.tier import PoolIndex
+from kvbridge.routing.events import POOL_OWNER
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -48,6 +50,8 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.{__name__}")
 INLINE_WAIT_S = 0.02
+MAX_EVENTS = 4096
+"""Store announcements kept between two engine steps (`PoolSettings.kv_events`); oldest dropped."""
 """How long one scheduler step's lookups wait inline, all of them together, before answering "not
 yet": a healthy store answers in less (`BatchedLookups`)."""
 ANSWER_KEPT_S = 10.0
@@ -103,6 +107,7 @@ class PoolScheduler:
         self._offers: dict[str, list[tuple[int, int, int]]] = {}
         self._running_stores = True  # off for good if the blocks handed out cannot be told
         self._meta = PoolMetadata()
+        self._events: deque = deque(maxlen=MAX_EVENTS)  # KV events of stores queued (`settings.kv_events`)
 
     # -- on the pool thread -------------------------------------------------------------------------
     def _ensure_index(self, connect: bool = True) -> PoolIndex:
@@ -365,6 +370,8 @@ class PoolScheduler:
         rid = request.request_id
         self._meta.stores.append(PoolJob(rid, to_store, gpu.block_ids.tolist(), gpu.group_sizes, gpu.block_indices,
                                          running, tenant_of(request)))
+        if self.conn.settings.kv_events:
+            self._announce(request, keys[0][:n], n)
         self._store_queued.add(rid)
         if running:
             self.tally.add(running_blocks_queued=len(to_store))
@@ -465,6 +472,27 @@ class PoolScheduler:
                 if w else t for t, w in zip(self._token_tables(tables), self.windows)]
         self._queue_store(request, view, start, n, running=True)
         self._stored_upto[rid] = n
+
+    def _announce(self, request: Request, keys: list[bytes], n: int) -> None:
+        """One vLLM `BlockStored` for the request's first `n` pool blocks (the whole chain from its
+        first block: a relay anchors a chain only there), as vLLM writes its own: token ids, the
+        LoRA name on every block and the salt on the first (`to_event_extra_keys`)."""
+        from vllm.distributed.kv_events import BlockStored
+
+        lora = getattr(getattr(request, "lora_request", None), "lora_name", None)
+        salt = getattr(request, "cache_salt", None)
+        extras = [tuple(x for x in (lora, salt if i == 0 else None) if x) or None for i in range(n)]
+        self._events.append(BlockStored(
+            block_hashes=[bytes(k) for k in keys], parent_block_hash=None,
+            token_ids=[int(t) for t in list(request.all_token_ids)[: n * self.bt]], block_size=self.bt,
+            lora_id=None, medium="CPU", lora_name=lora, extra_keys=extras if any(extras) else None,
+            ownership=POOL_OWNER))
+
+    def take_events(self) -> list:
+        """The KV events of stores queued since the last call (vLLM publishes them with its own)."""
+        out = list(self._events)
+        self._events.clear()
+        return out
 
     def take_meta(self) -> PoolMetadata:
         meta, self._meta = self._meta, PoolMetadata()
