@@ -21,7 +21,7 @@ PACKAGE = SRC / "kvbridge"
 LAYERS = {  # first dotted part under kvbridge -> layer rank (lower may not import higher)
     "errors": 0, "_lazy": 0, "_version": 0, "core": 0,
     "models": 1,
-    "transport": 2, "connector": 2, "offload": 2, "pool": 2,
+    "transport": 2, "connector": 2, "offload": 2, "pool": 2, "routing": 2,
     "integrations": 3,
     "proofs": 4, "bench": 4, "testing": 4,
     "cli": 5, "__init__": 5,

@@ -18,7 +18,7 @@ from kvbridge.errors import ConfigError
 # The options each bench runner reads; one given on the command line to a runner that ignores it
 # exits 2 naming the runner that takes it (as `demo` does).
 _SHAPE = {"prefill_tp", "decode_tp", "prefill_block_size", "decode_block_size", "prefill_layout", "decode_layout"}
-_COMMON = {"as_json", "transport", "offload", "engine", "staged", "serve", "pool"}
+_COMMON = {"as_json", "transport", "offload", "engine", "staged", "serve", "pool", "routing"}
 BENCH_RUNNERS: dict[str, set[str]] = {
     "local": _COMMON | _SHAPE | {"model", "tokens", "repeats", "link_gbps"},
     "staged": _COMMON | _SHAPE | {"model", "tokens", "repeats"},
@@ -27,9 +27,11 @@ BENCH_RUNNERS: dict[str, set[str]] = {
     "vllm": _COMMON | {"prefill_tp", "decode_tp"},
     "serve": _COMMON | {"prefill_tp", "decode_tp", "prefill_block_size", "decode_block_size", "repeats"},
     "pool": _COMMON | {"tokens", "repeats"},
+    "routing": _COMMON | {"repeats"},
 }
 BENCH_FLAGS = {"local": "the local executor (default)", "staged": "--staged", "offload": "--offload",
-               "transport": "--transport shm|nixl|mooncake", "vllm": "--engine vllm", "serve": "--serve", "pool": "--pool"}
+               "transport": "--transport shm|nixl|mooncake", "vllm": "--engine vllm", "serve": "--serve", "pool": "--pool",
+               "routing": "--routing"}
 
 
 def torch_cuda_available() -> bool:
@@ -95,9 +97,31 @@ def bench(
                               "blocks), then through a Mooncake Store (a master started here), sealing and checking "
                               "included, each beside a contiguous copy of the same bytes (serving figures: `make "
                               "pool-bench`)."),
+    routing: bool = typer.Option(False, help="Routing policies (kv_aware, cache_aware, round_robin) side by side: "
+                                 "a fleet of prefill blocks 64 and 32 per policy, in turn, given shared prefixes and "
+                                 "a multi-turn chat by `vllm bench serve`; prefix hit rate, TTFT, failures, answers "
+                                 "against a plain instance (--repeats: rounds, default 2; needs `make vllm-env`)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Our copies vs a plain contiguous copy of the same bytes, side by side in one run."""
+    if routing:
+        _refuse_ignored(ctx, "routing")
+        if serve or pool or offload or staged or transport != Transport.local or engine == Engine.vllm:
+            raise ConfigError("--routing runs its own fleets: drop --serve, --pool, --transport, --offload, --staged "
+                              "and --engine")
+        rounds = repeats if ctx.get_parameter_source("repeats").name == "COMMANDLINE" else 2
+        if not 1 <= rounds <= 20:
+            raise ConfigError(f"--repeats for --routing (rounds of each workload per policy) must be in 1..20, "
+                              f"got {rounds}")
+        from kvbridge.bench import exit_on_sigterm
+        from kvbridge.bench.routing import bench_routing
+
+        exit_on_sigterm()  # a killed run still stops the fleets it started
+        with console.status("one fleet per routing policy, in turn, then vllm bench serve", spinner="dots") \
+                if not as_json else _nothing():
+            out = bench_routing(rounds=rounds)
+        print_json(out) if as_json else routing_table(out)
+        return
     if pool:
         _refuse_ignored(ctx, "pool")
         if serve or offload or staged or transport != Transport.local or engine == Engine.vllm:
@@ -300,6 +324,24 @@ def _rounds_table(out: dict[str, Any]) -> None:
         for cells in round_cells(row, fmt):
             table.add_row(row["dataset"], *cells)
     console.print(table)
+
+
+def routing_table(out: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"routing policies: prefill {' + '.join(out['prefill'])}, decode {' + '.join(out['decode'])}, "
+                    f"{out['prompts']} prompts, {out['concurrency']} at once, {out['rounds']} rounds")
+    for c in ("workload", "policy", "prefix hits", "TTFT p50 ms", "TTFT p99 ms", "out tok/s", "failed",
+              "answers = plain"):
+        t.add_column(c)
+    for r in out["rows"]:
+        if "error" in r:
+            t.add_row(r["workload"], r["policy"], f"error: {r['error'][-120:]}")
+            continue
+        t.add_row(r["workload"], r["policy"], f"{r.get('hit_rate', 0) or 0:.1%}", f"{r['median_ttft_ms']:.0f}",
+                  f"{r['p99_ttft_ms']:.0f}", f"{r['output_throughput']:.1f}", str(r["failed"]),
+                  f"{r['answers_equal']}/{r['answers']}")
+    console.print(t)
 
 
 def serve_table(out: dict[str, Any]) -> None:

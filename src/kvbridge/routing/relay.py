@@ -227,6 +227,8 @@ class EventRelay:
                 isinstance(e, (BlockStored, BlockRemoved)) and e.ownership == POOL_OWNER)])
             if pooled:
                 self._fan_out(self._pool.apply(pooled))
+            if any(isinstance(e, AllBlocksCleared) for e in events):  # the router drops the pool's too
+                events += list(self._pool_live.values())
         if events:
             self._publish(s, KVEventBatch(ts=batch.ts, events=events, data_parallel_rank=batch.data_parallel_rank))
 
