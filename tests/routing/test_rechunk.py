@@ -237,3 +237,16 @@ def test_expire_withdraws_what_was_not_stored_again_within_the_ttl():
     now[0] = 30.0
     index.apply(relay.expire(10.0))
     assert index.blocks == {} and len(relay) == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(prompts, st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 3, 4, 8]), st.data())
+def test_a_snapshot_tells_a_late_subscriber_exactly_what_is_announced(ps, B, C, data):
+    inst, relay, index = Instance(B), Rechunker(C), Index()
+    for p in ps:
+        index.apply(relay.apply(inst.store(p)))
+        if inst.cached and data.draw(st.booleans()):
+            index.apply(relay.apply(inst.remove([data.draw(st.sampled_from(inst.leaves()))])))
+    late = Index()
+    late.apply(relay.snapshot())
+    assert late.blocks == index.blocks

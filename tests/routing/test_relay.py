@@ -149,3 +149,21 @@ def test_the_pools_blocks_are_announced_on_every_instances_stream_and_expire():
         for x in pubs + subs:
             x.close(linger=0)
         ctx.term()
+
+
+def test_a_subscriber_that_joins_late_is_told_everything_announced(wired):
+    relay, send, until = wired
+    inst = Instance(32)
+    send(inst.store(list(range(96))))
+    until(lambda g: len(_stored(g)) == 6)
+    ctx = zmq.Context.instance()
+    late = ctx.socket(zmq.SUB)  # a router restarted after the instance stored
+    late.setsockopt(zmq.SUBSCRIBE, b"")
+    late.connect(relay._sources[0].spec.publish)
+    got, end = [], time.monotonic() + 20
+    while len(_stored(got)) < 6 and time.monotonic() < end:
+        if late.poll(100):
+            got += decode_batch(late.recv_multipart()[2]).events
+    late.close(linger=0)
+    assert isinstance(got[0], AllBlocksCleared) and _stored(got) == names(list(range(96)), 16)
+    assert relay.stats()["prefill-0"].snapshots >= 2

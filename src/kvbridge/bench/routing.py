@@ -71,10 +71,13 @@ def _bench(vllm: str, base: str, model: Path, workload: list[str], concurrency: 
 
 
 def _workloads(work: Path, prompts: int, seed: int) -> dict[str, list[str]]:
-    chat = chat_file(work / f"chat-{seed}.jsonl", conversations=max(2, prompts // 4), turns=4, seed=seed)
+    # an odd number of conversations: round robin over two prefill instances would otherwise keep
+    # every conversation on one instance, by the order alone
+    conversations = max(3, prompts // 4) | 1
+    chat = chat_file(work / f"chat-{seed}.jsonl", conversations=conversations, turns=4, seed=seed)
     return {"shared prefixes": prefix_workload(prompts, 4, seed),
             "multi-turn chat": ["--dataset-name", "timed_trace", "--dataset-path", str(chat),
-                                "--num-prompts", str(max(2, prompts // 4) * 4)]}
+                                "--num-prompts", str(conversations * 4)]}
 
 
 def bench_routing(model: Path | None = None, policies: tuple[str, ...] = POLICIES, prompts: int = 48,
@@ -124,6 +127,8 @@ def bench_routing(model: Path | None = None, policies: tuple[str, ...] = POLICIE
             fleet.wait_ready(1800)
             _bench(vllm, fleet.endpoint, Path(model), prefix_workload(concurrency * 2, 2, 7), concurrency, log_dir,
                    "warmup.json")  # unmeasured: a fresh instance's first steps compile
+            if policy == "kv_aware":  # the router scores an instance once it verified its identity
+                _verified(fleet, len(prefill_urls), vllm, Path(model), log_dir)
             for s in seeds:
                 for w, args in loads[s].items():
                     h0, q0 = _hits(prefill_urls)
@@ -157,6 +162,14 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
                answers_equal=sum(r["answers_equal"] or 0 for r in runs), answers=sum(r["answers"] for r in runs),
                per_round={k: [r.get(k) for r in runs] for k in (*FIGURES, "hit_rate")})
     return out
+
+
+def _verified(fleet: Any, count: int, vllm: str, model: Path, log_dir: Path, timeout: float = 300.0) -> None:
+    metrics = f"http://127.0.0.1:{fleet._prometheus}"
+    end = time.monotonic() + timeout
+    while metric_total(metrics, "vllm_router_pd_identity_verified") < count and time.monotonic() < end:
+        _bench(vllm, fleet.endpoint, model, prefix_workload(2, 1, 5), 1, log_dir, "identity.json")
+        time.sleep(2)
 
 
 def _wait(member: Any, timeout: float = 1800.0) -> None:

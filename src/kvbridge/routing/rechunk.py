@@ -92,6 +92,9 @@ class Rechunker:
         # may share a canonical block: a prompt's first C tokens under two instance block sizes of
         # one... or two prompts alike for C tokens and apart within the instance's first block)
         self._live: dict[tuple, Counter[bytes]] = {}
+        # each announced canonical block as announced (parent first: a parent completes before its
+        # children), to tell a subscriber that joins late what the instance holds (`snapshot`)
+        self._canon: dict[tuple, dict[bytes, BlockStored]] = {}
         self.forgotten = 0
 
     def __len__(self) -> int:
@@ -113,12 +116,14 @@ class Rechunker:
     def clear(self) -> None:
         self._tables.clear()
         self._live.clear()
+        self._canon.clear()
 
     # -- stores ------------------------------------------------------------------------------------------
     def _stored(self, e: BlockStored, out: list[Event]) -> None:
         where = (e.medium, e.group_idx)
         table = self._tables.setdefault(where, OrderedDict())
         live = self._live.setdefault(where, Counter())
+        canon = self._canon.setdefault(where, {})
         B, C = e.block_size, self.block_tokens
         parent = None if e.parent_block_hash is None else table.get(hash_key(e.parent_block_hash))
         now = self.clock()
@@ -152,6 +157,10 @@ class Rechunker:
                 if made is None:
                     break
                 name, chunk, ident = made
+                if live[name] == 1:
+                    canon[name] = BlockStored(block_hashes=[name], parent_block_hash=prev, token_ids=chunk,
+                                              block_size=C, lora_id=None, medium=e.medium, lora_name=e.lora_name,
+                                              extra_keys=None if ident is None else [ident], group_idx=e.group_idx)
                 if live[name] > 1:  # already announced through another chain
                     if hashes:  # what is announced so far is one chain: close it
                         out.append(self._event(e, hashes, tokens, extras, first_parent))
@@ -221,9 +230,14 @@ class Rechunker:
         for h in e.block_hashes:
             node = table.pop(hash_key(h), None)
             if node is not None:
-                gone += _withdraw(node, live)
+                gone += _withdraw(node, live, self._canon[where])
         if gone:
             out.append(BlockRemoved(block_hashes=gone, medium=e.medium, group_idx=e.group_idx))
+
+    def snapshot(self) -> list[Event]:
+        """Every canonical block announced and not withdrawn, one event each, parents first: what a
+        subscriber that joined late (a restarted router) needs to know the instance."""
+        return [e for canon in self._canon.values() for e in canon.values()]
 
     def expire(self, older_than_s: float) -> list[Event]:
         """Forget blocks not stored (or stored again) for `older_than_s` seconds, withdrawing their
@@ -238,7 +252,7 @@ class Rechunker:
                 if node.stamp >= cutoff:
                     break
                 del table[key]
-                gone += _withdraw(node, self._live[where])
+                gone += _withdraw(node, self._live[where], self._canon[where])
             if gone:
                 out.append(BlockRemoved(block_hashes=gone, medium=where[0], group_idx=where[1]))
         return out
@@ -248,13 +262,13 @@ class Rechunker:
             if table:
                 _, node = table.popitem(last=False)
                 self.forgotten += 1
-                gone = _withdraw(node, self._live[where])
+                gone = _withdraw(node, self._live[where], self._canon[where])
                 if gone:
                     out.append(BlockRemoved(block_hashes=gone, medium=where[0], group_idx=where[1]))
                 return
 
 
-def _withdraw(node: _Node, live: Counter[bytes]) -> list[bytes]:
+def _withdraw(node: _Node, live: Counter[bytes], canon: dict[bytes, BlockStored]) -> list[bytes]:
     """Canonical blocks no chain holds once `node` is gone (each completion it is part of ends)."""
     gone = []
     for made in node.contributes:
@@ -263,6 +277,7 @@ def _withdraw(node: _Node, live: Counter[bytes]) -> list[bytes]:
             live[made[0]] -= 1
             if not live[made[0]]:
                 del live[made[0]]
+                canon.pop(made[0], None)
                 gone.append(made[0])
     return gone
 

@@ -18,6 +18,12 @@ credit) when the pool has a shared-memory tier on this host, else as an external
 router's external credit). Nobody reports what a pool's store evicts, so an announcement lasts
 `pool_ttl_s` unless the block is stored again; a block gone meanwhile costs one recompute.
 
+A subscriber that joins late (the router started after the instances, or restarted by the
+supervisor; a router whose connection dropped) would learn only what is stored after it joined:
+each instance's stream is an XPUB, and on every subscription the relay sends that stream
+`AllBlocksCleared` and then every canonical block it announces (`Rechunker.snapshot`) and the
+pool's.
+
 Restarts and losses: vLLM numbers its batches from 0 in each process. A number that goes back
 means the instance restarted (its cache is empty); a gap means batches were lost (the relay no
 longer knows what the instance holds). Either way the relay forgets the instance and publishes
@@ -67,6 +73,7 @@ class SourceStats:
     blocks: int = 0
     last_bad: str = ""
     forgotten: int = 0
+    snapshots: int = 0
 
 
 @dataclass
@@ -110,7 +117,7 @@ class EventRelay:
 
     def _open(self, s: RelaySource, block_tokens: int, max_blocks: int) -> _Source:
         sub = self._ctx.socket(zmq.SUB)
-        pub = self._ctx.socket(zmq.PUB)
+        pub = self._ctx.socket(zmq.XPUB)
         try:
             sub.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD + 4096)
             sub.setsockopt(zmq.RCVHWM, HWM)
@@ -118,6 +125,7 @@ class EventRelay:
             monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sub.bind(s.subscribe)
             pub.setsockopt(zmq.SNDHWM, HWM)
+            pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, a re-subscription too, is told
             pub.bind(s.publish)
         except BaseException:
             sub.close(linger=0)
@@ -164,11 +172,12 @@ class EventRelay:
     # -- the loop ---------------------------------------------------------------------------------------
     def _run(self) -> None:
         poller = zmq.Poller()
-        by_socket, by_monitor = {}, {}
+        by_socket, by_monitor, by_pub = {}, {}, {}
         for s in self._sources:
             poller.register(s.sub, zmq.POLLIN)
             poller.register(s.monitor, zmq.POLLIN)
-            by_socket[s.sub], by_monitor[s.monitor] = s, s
+            poller.register(s.pub, zmq.POLLIN)
+            by_socket[s.sub], by_monitor[s.monitor], by_pub[s.pub] = s, s, s
         while not self._stop.is_set():
             with self._lock:
                 added, self._added = self._added, []
@@ -176,7 +185,8 @@ class EventRelay:
                 self._sources.append(s)
                 poller.register(s.sub, zmq.POLLIN)
                 poller.register(s.monitor, zmq.POLLIN)
-                by_socket[s.sub], by_monitor[s.monitor] = s, s
+                poller.register(s.pub, zmq.POLLIN)
+                by_socket[s.sub], by_monitor[s.monitor], by_pub[s.pub] = s, s, s
             for s in self._sources:
                 if s.forget:
                     with self._lock:
@@ -194,6 +204,9 @@ class EventRelay:
             for sock in ready:
                 if sock in by_monitor:
                     self._reconnect(by_monitor[sock])
+                    continue
+                if sock in by_pub:
+                    self._joined(by_pub[sock])
                     continue
                 s = by_socket[sock]
                 for _ in range(64):  # a busy instance cannot starve the others
@@ -231,6 +244,21 @@ class EventRelay:
                 events += list(self._pool_live.values())
         if events:
             self._publish(s, KVEventBatch(ts=batch.ts, events=events, data_parallel_rank=batch.data_parallel_rank))
+
+    def _joined(self, s: _Source) -> None:
+        """A subscriber (un)subscribed on the instance's stream: on a subscription, tell it all."""
+        subscribed = False
+        while True:
+            try:
+                frame = s.pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            subscribed |= frame[:1] == b"\x01"
+        if subscribed:
+            with self._lock:
+                s.stats.snapshots += 1
+                self._publish(s, KVEventBatch(ts=time.time(), events=[AllBlocksCleared(), *s.rechunker.snapshot(),
+                                                                      *self._pool_live.values()]))
 
     def _reconnect(self, s: _Source) -> None:
         """The instance's connection dropped (it exited, or sent a frame over `MAXMSGSIZE`, which ZMQ
