@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 JSON = ROOT / "docs" / "serve-check.json"
 SCALE_JSON = ROOT / "docs" / "fleet-scale.json"
 TRANSFER_JSON = ROOT / "docs" / "pool-transfer.json"
+ROUTING_JSON = ROOT / "docs" / "routing.json"
 DOCS = (ROOT / "docs" / "serving.md", ROOT / "docs" / "reliability.md", ROOT / "docs" / "pool.md")
 BLOCK = doc_blocks.block_pattern("serve-check")
 FAULT_COLS = ("phase", "requests", "completed", "equal", "wrong", "errors", "kv_loads", "recomputed", "seconds")
@@ -321,10 +322,31 @@ def pool_transfer(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def routing(report: dict[str, Any]) -> list[str]:
+    """Routing policies side by side (docs/routing.json: `kvbridge bench --routing --json`)."""
+    t = report["routing"]
+    out = [f"Measured {t['date']} on a {t['cores']}-core host, one run of `kvbridge bench --routing` "
+           f"(docs/routing.json): prefill {' and '.join(t['prefill'])}, decode {' '.join(t['decode'])}; each policy "
+           f"its own fleet, in turn, the same prompts: {t['prompts']} shared-prefix prompts and a multi-turn chat per "
+           f"round, {t['concurrency']} at once, {t['rounds']} rounds (medians over rounds). Prefix hits: the prefill "
+           "instances' prefix-cache hits over queried tokens. Answers: equal to a plain instance's, same prompts, "
+           "greedy.", "",
+           "| workload | policy | prefix hits | TTFT p50 ms | TTFT p99 ms | output tok/s | failed | answers = plain |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in t["rows"]:
+        if "error" in r:
+            out.append(f"| {r['workload']} | {r['policy']} | error | | | | | |")
+            continue
+        out.append(f"| {r['workload']} | {r['policy']} | {100 * (r.get('hit_rate') or 0):.1f}% | "
+                   f"{_num(r['median_ttft_ms'])} | {_num(r['p99_ttft_ms'])} | {_num(r['output_throughput'])} | "
+                   f"{r['failed']} | {r['answers_equal']}/{r['answers']} |")
+    return out
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "faults_table": faults_table, "faults_summary": faults_summary, "rotation": rotation, "bench": bench_tables,
     "supervision": supervision, "scale": scale, "scale_storm": scale_storm, "scale_pool": scale_pool, "pool": pool,
-    "pool_transfer": pool_transfer}
+    "pool_transfer": pool_transfer, "routing": routing}
 
 
 def load_report(path: Path = JSON) -> dict[str, Any]:
@@ -332,6 +354,7 @@ def load_report(path: Path = JSON) -> dict[str, Any]:
     report = json.loads(path.read_text())
     report["fleet_scale"] = json.loads(SCALE_JSON.read_text())
     report["pool_transfer"] = json.loads(TRANSFER_JSON.read_text())
+    report["routing"] = json.loads(ROUTING_JSON.read_text()) if ROUTING_JSON.exists() else None
     return report
 
 
@@ -346,8 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if a doc's generated block differs")
     args = ap.parse_args(argv)
     report = load_report(args.json)
-    sources = {args.json.name: {k: v for k, v in report.items() if k not in ("fleet_scale", "pool_transfer")},
-               SCALE_JSON.name: report["fleet_scale"], TRANSFER_JSON.name: report["pool_transfer"]}
+    sources = {args.json.name: {k: v for k, v in report.items() if k not in ("fleet_scale", "pool_transfer",
+                                                                              "routing")},
+               SCALE_JSON.name: report["fleet_scale"], TRANSFER_JSON.name: report["pool_transfer"],
+               ROUTING_JSON.name: report["routing"]}
     return doc_blocks.refresh(DOCS, BLOCK, RENDER, report, sources, args.check, "scripts/serve_tables.py")
 
 

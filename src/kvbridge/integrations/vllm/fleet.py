@@ -45,9 +45,10 @@ from kvbridge.integrations.vllm.fleet_config import (FleetConfig, FleetError, In
                                                      check_shapes)
 from kvbridge.integrations.vllm.fleet_file import place_here
 from kvbridge.integrations.vllm.fleet_routing import DECODE_POLICY, KvRouting
-from kvbridge.integrations.vllm.fleet_processes import (Member, _group_alive, _pids_in_groups, find_tool, healthy,
-                                                        kill_seen, port_free, process_start, retire_session,
-                                                        SegmentLedger, stop_session, vllm_python, vllm_serve_member)
+from kvbridge.integrations.vllm.fleet_processes import (HEALTH_FAILURES, HEALTH_INTERVAL_S, Member, SegmentLedger,
+                                                        _group_alive, _pids_in_groups, find_tool, health_flags,
+                                                        healthy, kill_seen, port_free, process_start, retire_session,
+                                                        stop_session, vllm_python, vllm_serve_member)
 from kvbridge.integrations.vllm.fleet_record import MARK, FleetRecord, Leader
 from kvbridge.transport.launcher_watch import LauncherWatch
 from kvbridge.transport.ports import PortReservations
@@ -484,19 +485,5 @@ class Fleet:
         return f"curl -s {self.endpoint}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
-# The router's health checks (issue 28 point 2). A SIGKILLed instance's port refuses at once, so a
-# check every second takes it out of rotation after HEALTH_FAILURES checks (5 s); a starved one
-# answers late, and vllm-router checks every worker of a round together and starts the next round
-# only when the slowest check ends, so a member stopped for S seconds fails about S / 30 + 1
-# checks: 3 for a minute, kept. (vLLM's router defaults: every 60 s, 5 s timeout, 3 failures:
-# a dead instance stayed in rotation for minutes and a starved one was taken out.)
-HEALTH_INTERVAL_S, HEALTH_TIMEOUT_S, HEALTH_FAILURES = 1, 30, 5
-
-
-def health_flags() -> list[str]:
-    return ["--health-check-interval-secs", str(HEALTH_INTERVAL_S), "--health-check-timeout-secs",
-            str(HEALTH_TIMEOUT_S), "--health-failure-threshold", str(HEALTH_FAILURES)]
-
-
-__all__ = ["Fleet", "FleetConfig", "FleetError", "InstanceShape", "Member", "check_shapes", "healthy", "port_free",
+__all__ = ["HEALTH_FAILURES", "HEALTH_INTERVAL_S", "Fleet", "FleetConfig", "FleetError", "InstanceShape", "Member", "check_shapes", "healthy", "port_free",
            "vllm_serve_member"]

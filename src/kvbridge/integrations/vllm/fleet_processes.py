@@ -463,6 +463,20 @@ def remove_unused_segments(names: set[str]) -> int:
     return removed
 
 
-__all__ = ["Member", "PortsExhausted", "exit_status", "find_tool", "free_ports", "healthy", "kill_seen", "port_free",
+# The router's health checks (issue 28 point 2). A SIGKILLed instance's port refuses at once, so a
+# check every second takes it out of rotation after HEALTH_FAILURES checks (5 s); a starved one
+# answers late, and vllm-router checks every worker of a round together and starts the next round
+# only when the slowest check ends, so a member stopped for S seconds fails about S / 30 + 1
+# checks: 3 for a minute, kept. (vLLM's router defaults: every 60 s, 5 s timeout, 3 failures:
+# a dead instance stayed in rotation for minutes and a starved one was taken out.)
+HEALTH_INTERVAL_S, HEALTH_TIMEOUT_S, HEALTH_FAILURES = 1, 30, 5
+
+
+def health_flags() -> list[str]:
+    return ["--health-check-interval-secs", str(HEALTH_INTERVAL_S), "--health-check-timeout-secs",
+            str(HEALTH_TIMEOUT_S), "--health-failure-threshold", str(HEALTH_FAILURES)]
+
+
+__all__ = ["HEALTH_FAILURES", "HEALTH_INTERVAL_S", "HEALTH_TIMEOUT_S", "Member", "PortsExhausted", "health_flags", "exit_status", "find_tool", "free_ports", "healthy", "kill_seen", "port_free",
            "process_start", "remove_unused_segments", "retire_session", "SegmentLedger", "segments_named_by",
            "session_pids", "session_segments", "signal_process", "stop_session", "vllm_python", "vllm_serve_member"]
