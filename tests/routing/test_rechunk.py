@@ -250,3 +250,37 @@ def test_a_snapshot_tells_a_late_subscriber_exactly_what_is_announced(ps, B, C, 
     late = Index()
     late.apply(relay.snapshot())
     assert late.blocks == index.blocks
+
+
+def test_a_chain_whose_start_was_unseen_keeps_no_tail_and_is_anchored_once_stored_whole():
+    inst, index = Instance(8), Index()
+    early = inst.store(list(range(8)))  # the relay never sees the first block
+    relay = Rechunker(16)
+    for k in range(2, 200):  # a long unanchored chain: constant memory per block
+        index.apply(relay.apply(inst.store(list(range(8 * k)))))
+    assert all(not n.tail for t in relay._tables.values() for n in t.values())
+    assert index.blocks == {}
+    again = Instance(8)  # vLLM computing the chain anew from its first block stores every block again
+    index.apply(relay.apply(again.store(list(range(8 * 199)))))
+    assert index.blocks == expected(again, 16)
+
+
+def test_one_huge_block_is_cut_in_linear_time():
+    import time
+    inst, relay, index = Instance(1 << 16), Rechunker(16), Index()
+    t0 = time.perf_counter()
+    index.apply(relay.apply(inst.store(list(range(1 << 16)))))
+    assert len(index.blocks) == 4096 and time.perf_counter() - t0 < 30  # quadratic cutting took minutes
+
+
+def test_mediums_and_groups_beyond_the_bound_are_ignored():
+    from kvbridge.routing.rechunk import MAX_TABLES
+
+    relay = Rechunker(4)
+    for m in range(MAX_TABLES + 10):
+        relay.apply([BlockStored(block_hashes=[m], parent_block_hash=None, token_ids=[1] * 4, block_size=4, lora_id=None,
+                                 medium=f"m{m}", lora_name=None)])
+    assert len(relay._tables) == MAX_TABLES
+    for m in range(MAX_TABLES):  # a medium whose blocks all went takes no room
+        relay.apply([BlockRemoved(block_hashes=[m], medium=f"m{m}")])
+    assert not relay._tables and not relay._live and not relay._canon

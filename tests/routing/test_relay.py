@@ -167,3 +167,15 @@ def test_a_subscriber_that_joins_late_is_told_everything_announced(wired):
     late.close(linger=0)
     assert isinstance(got[0], AllBlocksCleared) and _stored(got) == names(list(range(96)), 16)
     assert relay.stats()["prefill-0"].snapshots >= 2
+
+
+def test_a_port_taken_by_another_process_is_an_error_not_a_hang():
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        with pytest.raises(zmq.ZMQError):
+            EventRelay([RelaySource("p", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{_port()}")], 16)
+    finally:
+        taken.close()

@@ -10,9 +10,10 @@ from a process of the fleet's network, authenticated or not.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
 MAX_PAYLOAD = 16 << 20
 """Bytes of one batch (vllm-router refuses larger)."""
@@ -22,7 +23,11 @@ MAX_TOKENS = 1 << 20
 """Token ids in one BlockStored (an instance stores at most a prompt's worth at once)."""
 MAX_HASHES = 1 << 16
 
-BlockHash = bytes | int
+MAX_BLOCK_SIZE = 1 << 16
+"""Tokens per block an event may carry (vLLM's are at most a few hundred; a pool's, thousands)."""
+Name = Annotated[str, Meta(max_length=256)]
+BlockHash = Annotated[bytes, Meta(max_length=64)] | Annotated[int, Meta(ge=0)]  # msgspec: at most 2^64 - 1
+TokenId = Annotated[int, Meta(ge=0, lt=1 << 32)]
 POOL_OWNER = "kvbridge-pool"
 """`ownership` of the events a pool connector emits for what it stored in the shared pool: the
 relay announces them on every instance's stream, as the tier the pool is for that instance."""
@@ -35,26 +40,26 @@ class _Event(msgspec.Struct, omit_defaults=True, tag=True):
 class BlockStored(_Event):
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
+    token_ids: list[TokenId]
+    block_size: Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)]
     lora_id: int | None  # vLLM requires these three (no defaults): always on the wire
-    medium: str | None
-    lora_name: str | None
+    medium: Name | None
+    lora_name: Name | None
     extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
+    group_idx: Annotated[int, Meta(ge=0, lt=1024)] | None = None
+    kv_cache_spec_kind: Name | None = None
     kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
+    locality: Name | None = None
+    ownership: Name | None = None
+    session_id: Name | None = None
 
 
 class BlockRemoved(_Event):
     block_hashes: list[BlockHash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
+    medium: Name | None
+    group_idx: Annotated[int, Meta(ge=0, lt=1024)] | None = None
+    locality: Name | None = None
+    ownership: Name | None = None
 
 
 class AllBlocksCleared(_Event):

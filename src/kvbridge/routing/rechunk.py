@@ -37,6 +37,10 @@ from kvbridge.routing.events import AllBlocksCleared, BlockRemoved, BlockStored,
 
 CanonicalHash = Callable[[bytes | None, Sequence[int], tuple[Any, ...]], bytes]
 DEFAULT_MAX_BLOCKS = 1 << 18
+MAX_MARKS = 32
+"""Extra keys of one block taken into its canonical name (vLLM's: a LoRA name, a salt, a few images)."""
+MAX_TABLES = 16
+"""(medium, KV-cache group) pairs one instance may use; events of others are ignored."""
 
 
 def canonical_hash(parent: bytes | None, tokens: Sequence[int], identity: tuple[Any, ...]) -> bytes:
@@ -57,7 +61,8 @@ class _Node:
     identity: tuple          # (lora name, cache salt) of the chain
     marks: tuple             # this block's multimodal / prompt-embeds keys
     last_canon: bytes | None  # name of the last whole canonical block ending at or before `end`
-    tail: list[tuple[bytes, list[int]]]  # (instance block, its tokens) after that boundary, < C tokens
+    tail: list[tuple[bytes, list[int], int]]  # (instance block, its tokens, first not yet cut) after that
+    # boundary: fewer than C tokens between blocks; empty on an unanchored chain (it announces nothing)
     contributes: list[list] = field(default_factory=list)  # [name, alive] of each canonical block it is in
     stamp: float = 0.0  # when it was last stored or extended (`expire`)
 
@@ -67,15 +72,21 @@ def _split_extra(extra: tuple[Any, ...] | None, lora: str | None) -> tuple[str |
     that is not the LoRA name is the salt; pairs are multimodal (identifier, offset); bytes are
     prompt-embeds digests."""
     salt, marks = None, []
-    for k in extra or ():
+    for k in (extra or ())[:MAX_MARKS]:
         if isinstance(k, str):
             if k != lora:
-                salt = k
+                salt = k if len(k) <= 64 else hashlib.blake2b(k.encode(), digest_size=32).hexdigest()
         elif isinstance(k, (list, tuple)) and k:
-            marks.append(("mm", str(k[0])))
+            marks.append(("mm", _short(k[0])))
         else:
-            marks.append(("x", repr(k)[:200]))
+            marks.append(("x", _short(k)))
     return salt, tuple(marks)
+
+
+def _short(value: Any) -> str:
+    """A bounded stand-in for a key of any size (an untrusted peer chooses it)."""
+    text = value if isinstance(value, str) else repr(value)[:4096]
+    return text if len(text) <= 64 else hashlib.blake2b(text.encode(errors="replace"), digest_size=32).hexdigest()
 
 
 class Rechunker:
@@ -121,6 +132,8 @@ class Rechunker:
     # -- stores ------------------------------------------------------------------------------------------
     def _stored(self, e: BlockStored, out: list[Event]) -> None:
         where = (e.medium, e.group_idx)
+        if where not in self._tables and len(self._tables) >= MAX_TABLES:
+            return
         table = self._tables.setdefault(where, OrderedDict())
         live = self._live.setdefault(where, Counter())
         canon = self._canon.setdefault(where, {})
@@ -143,15 +156,22 @@ class Rechunker:
                 node = _Node(B, root, (e.lora_name, salt), marks, None, [])
             else:
                 node = _Node(parent.end + B, parent.anchored, parent.identity, marks, parent.last_canon,
-                             list(parent.tail))
-            if key in table:  # stored again without a removal between: keep what is known
-                parent = table[key]
+                             list(parent.tail) if parent.anchored else [])
+            known = table.get(key)
+            if known is not None and (known.anchored or not node.anchored):  # stored again: keep what is known
+                parent = known
                 parent.stamp = now
                 table.move_to_end(key)
                 continue
+            if known is not None:  # known only from a chain whose start was unseen: now it is anchored
+                del table[key]
+                gone = _withdraw(known, live, canon)
+                if gone:
+                    out.append(BlockRemoved(block_hashes=gone, medium=e.medium, group_idx=e.group_idx))
             node.stamp = now
-            node.tail.append((key, block))
-            while node.anchored and sum(len(t) for _, t in node.tail) >= C:
+            if node.anchored:
+                node.tail.append((key, block, 0))
+            while node.anchored and sum(len(t) - at for _, t, at in node.tail) >= C:
                 prev = node.last_canon
                 made = self._complete(key, node, table, live)
                 if made is None:
@@ -193,13 +213,13 @@ class Rechunker:
         chunk: list[int] = []
         parts: list[bytes] = []
         rest = list(node.tail)
-        while len(chunk) < C:
-            part, toks = rest[0]
-            take = C - len(chunk)
-            chunk += toks[:take]
+        while len(chunk) < C:  # by offsets: a long block is cut in O(C) per canonical block
+            part, toks, at = rest[0]
+            take = min(C - len(chunk), len(toks) - at)
+            chunk += toks[at:at + take]
             parts.append(part)
-            if take < len(toks):
-                rest[0] = (part, toks[take:])
+            if at + take < len(toks):
+                rest[0] = (part, toks, at + take)
             else:
                 rest.pop(0)
         owners = []
@@ -216,6 +236,8 @@ class Rechunker:
         made = [name, True]
         for owner in owners:
             owner.contributes.append(made)
+            if len(owner.contributes) % 64 == 0:  # a long-lived parent: drop what was withdrawn since
+                owner.contributes = [m for m in owner.contributes if m[1]]
         live[name] += 1
         node.last_canon, node.tail = name, rest
         return name, chunk, tuple(x for x in (lora, salt) if x) or None
@@ -233,11 +255,33 @@ class Rechunker:
                 gone += _withdraw(node, live, self._canon[where])
         if gone:
             out.append(BlockRemoved(block_hashes=gone, medium=e.medium, group_idx=e.group_idx))
+        self._prune(where)
+
+    def _prune(self, where: tuple) -> None:
+        """A (medium, group) whose last block went takes no room."""
+        if not self._tables.get(where):
+            for d in (self._tables, self._live, self._canon):
+                d.pop(where, None)
 
     def snapshot(self) -> list[Event]:
-        """Every canonical block announced and not withdrawn, one event each, parents first: what a
-        subscriber that joined late (a restarted router) needs to know the instance."""
-        return [e for canon in self._canon.values() for e in canon.values()]
+        """Every canonical block announced and not withdrawn, one event each, parents before their
+        children (a parent withdrawn and announced again comes after its children in announcement
+        order): what a subscriber that joined late (a restarted router) needs to know the instance."""
+        out: list[Event] = []
+        for canon in self._canon.values():
+            depth: dict[bytes, int] = {}
+            for name in canon:
+                path, cur = [], name
+                while cur in canon and cur not in depth:  # up to a known depth or a parent not announced
+                    path.append(cur)
+                    parent = canon[cur].parent_block_hash
+                    cur = parent if isinstance(parent, bytes) else b""
+                d = depth.get(cur, -1)
+                for n in reversed(path):
+                    d += 1
+                    depth[n] = d
+            out += sorted(canon.values(), key=lambda ev: depth[ev.block_hashes[0]])
+        return out
 
     def expire(self, older_than_s: float) -> list[Event]:
         """Forget blocks not stored (or stored again) for `older_than_s` seconds, withdrawing their
@@ -255,17 +299,19 @@ class Rechunker:
                 gone += _withdraw(node, self._live[where], self._canon[where])
             if gone:
                 out.append(BlockRemoved(block_hashes=gone, medium=where[0], group_idx=where[1]))
+        for where in [w for w, t in self._tables.items() if not t]:
+            self._prune(where)
         return out
 
     def _forget_oldest(self, out: list[Event]) -> None:
-        for where, table in self._tables.items():
-            if table:
-                _, node = table.popitem(last=False)
-                self.forgotten += 1
-                gone = _withdraw(node, self._live[where], self._canon[where])
-                if gone:
-                    out.append(BlockRemoved(block_hashes=gone, medium=where[0], group_idx=where[1]))
-                return
+        """The block stored (or extended) longest ago, of whichever (medium, group) it is."""
+        where = min((w for w, t in self._tables.items() if t), key=lambda w: next(iter(self._tables[w].values())).stamp)
+        _, node = self._tables[where].popitem(last=False)
+        self.forgotten += 1
+        gone = _withdraw(node, self._live[where], self._canon[where])
+        if gone:
+            out.append(BlockRemoved(block_hashes=gone, medium=where[0], group_idx=where[1]))
+        self._prune(where)
 
 
 def _withdraw(node: _Node, live: Counter[bytes], canon: dict[bytes, BlockStored]) -> list[bytes]:

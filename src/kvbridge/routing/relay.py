@@ -33,6 +33,7 @@ relearned as the instance stores again. The launcher also calls `forget` when it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -50,6 +51,11 @@ from kvbridge.routing.rechunk import DEFAULT_MAX_BLOCKS, Rechunker
 logger = logging.getLogger(__name__)
 HWM = 10_000
 """Batches that may wait on one socket (vLLM's publisher keeps 100,000)."""
+SNAPSHOT_EVENTS = 2048
+"""Events per batch of a snapshot (each well under the router's 16 MiB)."""
+SNAPSHOT_EVERY_S = 1.0
+"""At most one snapshot a second per stream: a subscriber that comes and goes cannot make the relay
+resend everything in a loop."""
 
 
 class RelaySource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -86,6 +92,8 @@ class _Source:
     stats: SourceStats = field(default_factory=SourceStats)
     out_seq: int = 0
     forget: bool = False
+    snapshot_due: bool = False
+    snapshot_at: float = 0.0
 
 
 class EventRelay:
@@ -127,7 +135,10 @@ class EventRelay:
             pub.setsockopt(zmq.SNDHWM, HWM)
             pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, a re-subscription too, is told
             pub.bind(s.publish)
-        except BaseException:
+        except BaseException:  # the monitor too: an open socket makes the context's term() wait forever
+            with contextlib.suppress(zmq.ZMQError, UnboundLocalError):
+                sub.disable_monitor()
+                monitor.close(linger=0)
             sub.close(linger=0)
             pub.close(linger=0)
             raise
@@ -146,9 +157,14 @@ class EventRelay:
         return self
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=30)
+            if self._thread.is_alive():  # its sockets are its own while it runs: left to the process's end
+                logger.warning("KV event relay: its thread did not stop within 30 s")
+                return
         for s in self._sources + self._added:
             s.sub.disable_monitor()
             s.monitor.close(linger=0)
@@ -159,7 +175,7 @@ class EventRelay:
     def forget(self, name: str) -> None:
         """The instance `name` restarted (its cache is empty): cleared at the router, relearned."""
         with self._lock:
-            for s in self._sources:
+            for s in self._sources + self._added:
                 if s.spec.name == name:
                     s.forget = True
 
@@ -191,6 +207,9 @@ class EventRelay:
                 if s.forget:
                     with self._lock:
                         self._clear(s, "restarted")
+                if s.snapshot_due and time.monotonic() >= s.snapshot_at:
+                    with self._lock:
+                        self._snapshot(s)
             if time.monotonic() - self._expired_at > 1.0:
                 self._expired_at = time.monotonic()
                 with self._lock:
@@ -236,14 +255,20 @@ class EventRelay:
             s.stats.last_seq = seq
             s.stats.batches += 1
             pooled = [e for e in batch.events if isinstance(e, (BlockStored, BlockRemoved)) and e.ownership == POOL_OWNER]
-            events = s.rechunker.apply([e for e in batch.events if not (
-                isinstance(e, (BlockStored, BlockRemoved)) and e.ownership == POOL_OWNER)])
-            if pooled:
-                self._fan_out(self._pool.apply(pooled))
-            if any(isinstance(e, AllBlocksCleared) for e in events):  # the router drops the pool's too
-                events += list(self._pool_live.values())
+            try:
+                events = s.rechunker.apply([e for e in batch.events if not (
+                    isinstance(e, (BlockStored, BlockRemoved)) and e.ownership == POOL_OWNER)])
+                if pooled:
+                    self._fan_out(self._pool.apply(pooled))
+            except Exception:  # part of it applied, its output lost: the router would keep stale credit
+                self._clear(s, "sent a batch that could not be applied")
+                raise
+            cleared = any(isinstance(e, AllBlocksCleared) for e in events)
         if events:
-            self._publish(s, KVEventBatch(ts=batch.ts, events=events, data_parallel_rank=batch.data_parallel_rank))
+            self._publish_all(s, events)
+        if cleared:  # the router drops the pool's blocks too
+            with self._lock:
+                self._publish_all(s, list(self._pool_live.values()))
 
     def _joined(self, s: _Source) -> None:
         """A subscriber (un)subscribed on the instance's stream: on a subscription, tell it all."""
@@ -255,10 +280,18 @@ class EventRelay:
                 break
             subscribed |= frame[:1] == b"\x01"
         if subscribed:
-            with self._lock:
-                s.stats.snapshots += 1
-                self._publish(s, KVEventBatch(ts=time.time(), events=[AllBlocksCleared(), *s.rechunker.snapshot(),
-                                                                      *self._pool_live.values()]))
+            s.snapshot_due = True  # sent by the loop, at most once a second
+
+    def _snapshot(self, s: _Source) -> None:
+        """Tell the stream's subscribers all: a clear, then every block, in batches of bounded size."""
+        s.snapshot_due, s.snapshot_at = False, time.monotonic() + SNAPSHOT_EVERY_S
+        s.stats.snapshots += 1
+        self._publish(s, KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
+        self._publish_all(s, [*s.rechunker.snapshot(), *self._pool_live.values()])
+
+    def _publish_all(self, s: _Source, events: list[Event]) -> None:
+        for i in range(0, len(events), SNAPSHOT_EVENTS):
+            self._publish(s, KVEventBatch(ts=time.time(), events=events[i:i + SNAPSHOT_EVENTS]))
 
     def _reconnect(self, s: _Source) -> None:
         """The instance's connection dropped (it exited, or sent a frame over `MAXMSGSIZE`, which ZMQ
@@ -276,7 +309,8 @@ class EventRelay:
         logger.info("KV event relay: %s %s; cleared at the router", s.spec.name, why)
         s.rechunker.clear()
         s.forget = False
-        self._publish(s, KVEventBatch(ts=time.time(), events=[AllBlocksCleared(), *self._pool_live.values()]))
+        self._publish(s, KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
+        self._publish_all(s, list(self._pool_live.values()))
 
     def _fan_out(self, events: list[Event]) -> None:
         """The pool's canonical events, as the tier the pool is, on every instance's stream."""
@@ -300,7 +334,7 @@ class EventRelay:
                     self._pool_live.pop(h, None)
             marked.append(e)
         for s in self._sources:
-            self._publish(s, KVEventBatch(ts=time.time(), events=marked))
+            self._publish_all(s, marked)
 
     def _publish(self, s: _Source, batch: KVEventBatch) -> None:
         try:

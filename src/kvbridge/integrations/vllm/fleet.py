@@ -442,7 +442,8 @@ class Fleet:
         for m in self.members:
             self.stop_member(m)
         if self.routing is not None:
-            self.routing.close()
+            with contextlib.suppress(Exception):  # the rest of the stop must run whatever the relay says
+                self.routing.close()
         if self.master is not None:
             self.master.stop()
         for leader in self.sessions:  # every incarnation's session: what `retire` or the stops left

@@ -42,7 +42,11 @@ class KvRouting:
             self.events[member.name] = self.port_locks.run([self.events_host])
             self.relayed[member.name] = self.port_locks.run(["127.0.0.1"])
             if self.relay is not None:  # an instance joining a running fleet
-                self.relay.add(self._source(member.name))
+                try:
+                    self.relay.add(self._source(member.name))
+                except BaseException:
+                    del self.events[member.name], self.relayed[member.name]
+                    raise
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "",
                   "endpoint": f"tcp://{self.events_host}:{self.events[member.name]}"}
         # --enable-scale-out: the router takes a request's token ids from the instance's /render

@@ -52,6 +52,9 @@ logger = init_logger(f"vllm.{__name__}")
 INLINE_WAIT_S = 0.02
 MAX_EVENTS = 4096
 """Store announcements kept between two engine steps (`PoolSettings.kv_events`); oldest dropped."""
+MAX_ANNOUNCED_TOKENS = 1 << 16
+"""Longest prefix a store announces (the relay takes 2^20 tokens in one event; a longer prompt's
+stores go unannounced: a missed credit, never a false one)."""
 """How long one scheduler step's lookups wait inline, all of them together, before answering "not
 yet": a healthy store answers in less (`BatchedLookups`)."""
 ANSWER_KEPT_S = 10.0
@@ -479,6 +482,8 @@ class PoolScheduler:
         LoRA name on every block and the salt on the first (`to_event_extra_keys`)."""
         from vllm.distributed.kv_events import BlockStored
 
+        if n * self.bt > MAX_ANNOUNCED_TOKENS:  # each store sends the chain from its start: bounded
+            return
         lora = getattr(getattr(request, "lora_request", None), "lora_name", None)
         salt = getattr(request, "cache_salt", None)
         extras = [tuple(x for x in (lora, salt if i == 0 else None) if x) or None for i in range(n)]
