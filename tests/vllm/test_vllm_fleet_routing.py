@@ -1,5 +1,6 @@
 """`kvbridge serve --router-policy kv_aware` (issue 45): what the fleet launches, checked on its
-dry run (no vLLM started; the real fleet is tests/vllm/test_vllm_kv_routing.py): every prefill
+dry run (no vLLM started: the vLLM environment's tools are only looked up; the real fleet is
+tests/vllm/test_vllm_kv_routing.py): every prefill
 instance publishes its KV events to a loopback port of the launcher's relay and serves /render,
 the router scores prefill instances by the relayed events, every port is reserved and distinct,
 and the pool connector announces its stores only where the relay reads them."""
@@ -9,18 +10,21 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from kvbridge.cli import app
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-pytestmark = pytest.mark.skipif(not (VLLM_PYTHON.parent / "vllm-router").is_file(),
-                                reason="kvbridge serve --dry-run needs .venv-vllm's vllm and vllm-router")
+pytestmark = pytest.mark.vllm  # dry runs, seconds: in CI's vLLM pass, where the environment exists
 runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def vllm_python(vllm_env) -> str:
+    if not (vllm_env.python.parent / "vllm-router").is_file():
+        pytest.skip("kvbridge serve --dry-run needs the vLLM environment's vllm-router (kvbridge[serve])")
+    return str(vllm_env.python)
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +43,10 @@ def _flag(argv: list[str], flag: str) -> list[str]:
     return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
 
 
-def test_prefill_instances_publish_to_the_relay_and_the_router_reads_it(model):
+def test_prefill_instances_publish_to_the_relay_and_the_router_reads_it(model, vllm_python):
     r = runner.invoke(app, ["serve", str(model), "--prefill", "tp=1,block=64", "--prefill", "tp=1,block=32",
                             "--decode", "tp=1,block=32", "--router-policy", "kv_aware", "--vllm-python",
-                            str(VLLM_PYTHON), "--dry-run"])
+                            vllm_python, "--dry-run"])
     assert r.exit_code == 0, r.output
     cmds = _commands(r.output)
     ports = set()
@@ -67,10 +71,10 @@ def test_prefill_instances_publish_to_the_relay_and_the_router_reads_it(model):
     assert not (ports | relayed) & http
 
 
-def test_the_pool_announces_stores_only_on_prefill_instances(model):
+def test_the_pool_announces_stores_only_on_prefill_instances(model, vllm_python):
     r = runner.invoke(app, ["serve", str(model), "--prefill", "tp=1,block=64", "--decode", "tp=1,block=32",
                             "--router-policy", "kv_aware", "--pool", "start", "--pool-host-mib", "64",
-                            "--vllm-python", str(VLLM_PYTHON), "--dry-run"])
+                            "--vllm-python", vllm_python, "--dry-run"])
     assert r.exit_code == 0, r.output
     cmds = _commands(r.output)
 
@@ -83,14 +87,14 @@ def test_the_pool_announces_stores_only_on_prefill_instances(model):
     assert pool_events("prefill-0") and not pool_events("decode-0")
 
 
-def test_other_policies_start_no_relay(model):
+def test_other_policies_start_no_relay(model, vllm_python):
     r = runner.invoke(app, ["serve", str(model), "--prefill", "tp=1", "--decode", "tp=1", "--vllm-python",
-                            str(VLLM_PYTHON), "--dry-run"])
+                            vllm_python, "--dry-run"])
     assert r.exit_code == 0, r.output
     assert "--kv-events-config" not in r.output and "--pd-kv-events" not in r.output
 
 
-def test_a_policy_the_router_lacks_is_one_line(model):
+def test_a_policy_the_router_lacks_is_one_line(model, vllm_python):
     r = runner.invoke(app, ["serve", str(model), "--prefill", "tp=1", "--decode", "tp=1", "--router-policy",
-                            "kv-aware-please", "--vllm-python", str(VLLM_PYTHON), "--dry-run"])
+                            "kv-aware-please", "--vllm-python", vllm_python, "--dry-run"])
     assert r.exit_code == 2 and "kv_aware" in r.output and "Traceback" not in r.output
