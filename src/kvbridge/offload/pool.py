@@ -29,7 +29,7 @@ import msgspec
 import torch
 
 from kvbridge.errors import IncompatibleEngines
-from kvbridge.core.layout import EngineLayout
+from kvbridge.core.layout import EngineLayout, KVPlacement
 from kvbridge.transport.cache import RankCache, TORCH_DTYPES
 from kvbridge.offload.errors import NotCanonicalizable
 from kvbridge.core.spec import ModelSpec
@@ -37,15 +37,17 @@ from kvbridge.core.spec import ModelSpec
 PoolFormat = Literal["mirror", "canonical"]
 
 
-def canonical_layout(block_tokens: int, num_blocks: int, kernel_tokens: int | None = None) -> EngineLayout:
+def canonical_layout(block_tokens: int, num_blocks: int, kernel_tokens: int | None = None,
+                     kv_placement: KVPlacement = "kv_first") -> EngineLayout:
     """The parallelism-free layout: TP=1, head-major (HND), K/V-first, per-layer regions.
 
     `kernel_tokens` (dividing `block_tokens`) cuts each slot into head-major chunks; choosing
     the storing engine's block size keeps every device page one contiguous run. Loaders do
-    not need to match it: the planner reads any kernel size.
+    not need to match it: the planner reads any kernel size. `kv_placement="per_head"` keeps each
+    head's K then V together instead (the shared pool's staging: an object is one run).
     """
     return EngineLayout(tp_size=1, block_size=block_tokens, num_blocks=num_blocks, kernel_block_size=kernel_tokens,
-                        kv_order="HND", kv_placement="kv_first", layer_placement="per_layer")
+                        kv_order="HND", kv_placement=kv_placement, layer_placement="per_layer")
 
 
 def mirror_layout(device: EngineLayout, factor: int, num_blocks: int) -> EngineLayout:
@@ -89,7 +91,7 @@ class CPUPool:
 
     @classmethod
     def canonical(cls, spec: ModelSpec, block_tokens: int, num_blocks: int, pin_memory: bool | None = None,
-                  kernel_tokens: int | None = None) -> CPUPool:
+                  kernel_tokens: int | None = None, kv_placement: KVPlacement = "kv_first") -> CPUPool:
         """kvbridge's TP-independent format: one copy of every head, `block_tokens` tokens per slot.
 
         `kernel_tokens` only speeds copies (`canonical_layout`), so a model with a layer keeping one
@@ -102,7 +104,8 @@ class CPUPool:
                                      f"{block_tokens}-token block")
         if any(layer.tokens_per_row > 1 for layer in spec.layers):
             kernel_tokens = None
-        return cls.allocate(spec, canonical_layout(block_tokens, num_blocks, kernel_tokens), "canonical", pin_memory)
+        return cls.allocate(spec, canonical_layout(block_tokens, num_blocks, kernel_tokens, kv_placement), "canonical",
+                            pin_memory)
 
     @property
     def block_tokens(self) -> int:

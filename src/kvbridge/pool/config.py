@@ -13,7 +13,7 @@ from kvbridge.core.layout import EngineLayout
 from kvbridge.core.spec import ModelSpec
 from kvbridge.offload.errors import NotCanonicalizable, SpecMismatch
 from kvbridge.offload.keys import OffloadKey
-from kvbridge.offload.pool import CPUPool, canonical_layout
+from kvbridge.offload.pool import CPUPool
 from kvbridge.offload.spec import GPULoadStoreSpec, split_groups
 from kvbridge.pool.host_tier import MAX_HOST_BYTES, MIN_HOST_BYTES
 from kvbridge.pool.objects import ObjectLayout, pool_namespace
@@ -93,8 +93,7 @@ def object_layout(spec: ModelSpec, config: PoolConfig, slots: int = 1,
     (vLLM CPU's K, one component per dimension: 34 runs per object) passes its own layout, in
     which a head's bytes are one run. The layout is part of the namespace: its objects differ."""
     if staging is None:  # a head's components back to back: an object is one run, sealed where it lies
-        pool = CPUPool.allocate(spec, msgspec.structs.replace(canonical_layout(config.block_tokens, slots),
-                                                              kv_placement="per_head"), "canonical", pin_memory=False)
+        pool = CPUPool.canonical(spec, config.block_tokens, slots, pin_memory=False, kv_placement="per_head")
     else:
         pool = CPUPool.allocate(spec, staging(config.block_tokens, slots), "canonical", pin_memory=False)
         if pool.layout.tp_size != 1 or pool.layout.world_size != 1:

@@ -181,6 +181,14 @@ class Fleet:
 
     def _instance(self, vllm: str, name: str, role: str, shape: InstanceShape, http_port: int,
                   side_port: int) -> Member:
+        """One instance of the fleet; a prefill instance of a kv_aware fleet publishes its KV events."""
+        member = self._serve_member(vllm, name, role, shape, http_port, side_port)
+        if self.routing is not None and role == "prefill":
+            self.routing.instance_args(member)
+        return member
+
+    def _serve_member(self, vllm: str, name: str, role: str, shape: InstanceShape, http_port: int,
+                      side_port: int) -> Member:
         c = self.config
         engine_id = f"{name}-{self.tag}" + (f"-{self._incarnation}" if self._incarnation else "")
         if c.connector == "nixl":  # vLLM's own, the benchmark's baseline (same fleet, same router)
@@ -189,8 +197,6 @@ class Fleet:
             member = vllm_serve_member(c, vllm, name, shape, http_port, self.log_dir, kv)
             member.env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=c.side_channel_host, VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port))
             member.engine_id, member.side_port, member.role = engine_id, side_port, role
-            if self.routing is not None and role == "prefill":
-                self.routing.instance_args(member)
             return member
         extra = {"transport": shape.transport, "mode": shape.mode, "side_channel_host": c.side_channel_host,
                  "side_channel_port": side_port, "secret_file": str(self.secret_file)}
@@ -210,8 +216,6 @@ class Fleet:
                   "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"connectors": children}}
         member = vllm_serve_member(c, vllm, name, shape, http_port, self.log_dir, kv)
         member.engine_id, member.side_port, member.role = engine_id, side_port, role
-        if self.routing is not None and role == "prefill":
-            self.routing.instance_args(member)
         return member
 
     @property

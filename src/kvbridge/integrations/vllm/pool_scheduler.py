@@ -50,13 +50,13 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.{__name__}")
 INLINE_WAIT_S = 0.02
+"""How long one scheduler step's lookups wait inline, all of them together, before answering "not
+yet": a healthy store answers in less (`BatchedLookups`)."""
 MAX_EVENTS = 4096
 """Store announcements kept between two engine steps (`PoolSettings.kv_events`); oldest dropped."""
 MAX_ANNOUNCED_TOKENS = 1 << 16
 """Longest prefix a store announces (the relay takes 2^20 tokens in one event; a longer prompt's
 stores go unannounced: a missed credit, never a false one)."""
-"""How long one scheduler step's lookups wait inline, all of them together, before answering "not
-yet": a healthy store answers in less (`BatchedLookups`)."""
 ANSWER_KEPT_S = 10.0
 """How long a lookup's answer stands for a request vLLM asks about again at each step while it
 cannot schedule it (no free blocks): one round trip and one count per request, not per step, and
